@@ -1,0 +1,39 @@
+"""Errors raised by autopar. Each names what went wrong and what to change."""
+
+
+class AutoparError(Exception):
+    """Base class of every error autopar raises on purpose."""
+
+
+class InfeasiblePlanError(AutoparError):
+    """No layout fits the memory budget.
+
+    ``min_feasible_budget`` is the smallest per-device budget (bytes) for which a plan exists, and
+    ``largest_consumers`` lists ``(name, bytes)`` of what uses the most memory in that plan.
+    """
+
+    def __init__(self, message, *, budget=None, min_feasible_budget=None, largest_consumers=()):
+        super().__init__(message)
+        self.budget = budget
+        self.min_feasible_budget = min_feasible_budget
+        self.largest_consumers = list(largest_consumers)
+
+
+class PlanFormatError(AutoparError):
+    """A plan file is malformed, of another version, or does not match the model."""
+
+
+class MeshError(AutoparError):
+    """A mesh shape or axis names do not fit the cluster."""
+
+
+class ShardingError(AutoparError):
+    """A layout cannot apply to a tensor: a dim that does not divide, or a dim out of range."""
+
+
+class CaptureError(AutoparError):
+    """The model could not be captured as a graph."""
+
+
+class ClusterMismatchError(AutoparError):
+    """The running process group does not match the ClusterSpec or the Plan."""

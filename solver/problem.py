@@ -1,0 +1,96 @@
+"""The abstract layout problem the planner hands to the solver. It knows nothing of torch.fx.
+
+Every decision is a ``Choice`` among ``len(costs)`` options. Identical repeated layers share one
+decision: the caller folds them together and sets ``count`` to the number of copies, so the problem's
+size does not grow with depth. An ``Edge`` charges ``cost[i][j]`` seconds when its source takes option
+``i`` and its destination option ``j`` (resharding), times ``count``. A ``MemoryConstraint`` is one
+moment of the training step: ``constant + sum(terms[d][choice_d]) <= limit`` bytes per device.
+A ``Tie`` forces two decisions to take options whose ids are listed as compatible.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class Choice:
+    name: str
+    costs: tuple[float, ...]          # seconds per option (compute + internal communication)
+    count: int = 1                    # how many identical copies this decision stands for
+    labels: tuple[str, ...] = ()      # human-readable option names, for progress and errors
+
+    def __post_init__(self):
+        if not self.costs:
+            raise ValueError(f"choice {self.name!r} has no options")
+        if self.labels and len(self.labels) != len(self.costs):
+            raise ValueError(f"choice {self.name!r}: {len(self.labels)} labels for {len(self.costs)} options")
+        if self.count < 1:
+            raise ValueError(f"choice {self.name!r}: count must be >= 1, got {self.count}")
+
+
+@dataclass(frozen=True)
+class Edge:
+    src: int
+    dst: int
+    cost: tuple[tuple[float, ...], ...]   # [src option][dst option], seconds
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class MemoryConstraint:
+    name: str
+    terms: tuple[tuple[int, tuple[float, ...]], ...]   # (choice index, bytes per option)
+    constant: float = 0.0
+
+
+@dataclass
+class Problem:
+    choices: list[Choice] = field(default_factory=list)
+    edges: list[Edge] = field(default_factory=list)
+    memory: list[MemoryConstraint] = field(default_factory=list)
+    memory_limit: float | None = None          # bytes per device; None: unconstrained
+
+    def add_choice(self, choice: Choice) -> int:
+        self.choices.append(choice)
+        return len(self.choices) - 1
+
+    def validate(self) -> None:
+        n = len(self.choices)
+        for e in self.edges:
+            if not (0 <= e.src < n and 0 <= e.dst < n):
+                raise ValueError(f"edge {e.src}->{e.dst} names a choice out of range 0..{n - 1}")
+            rows, cols = len(self.choices[e.src].costs), len(self.choices[e.dst].costs)
+            if len(e.cost) != rows or any(len(r) != cols for r in e.cost):
+                raise ValueError(f"edge {self.choices[e.src].name}->{self.choices[e.dst].name}: cost "
+                                 f"matrix must be {rows}x{cols}")
+        for m in self.memory:
+            for idx, per_option in m.terms:
+                if len(per_option) != len(self.choices[idx].costs):
+                    raise ValueError(f"memory constraint {m.name!r}: term for {self.choices[idx].name!r} "
+                                     f"has {len(per_option)} entries for {len(self.choices[idx].costs)} options")
+
+    def objective(self, assignment: Sequence[int]) -> float:
+        """Total seconds of an assignment: the function every solver minimizes."""
+        total = sum(c.count * c.costs[a] for c, a in zip(self.choices, assignment))
+        total += sum(e.count * e.cost[assignment[e.src]][assignment[e.dst]] for e in self.edges)
+        return total
+
+    def memory_usage(self, assignment: Sequence[int]) -> dict[str, float]:
+        return {m.name: m.constant + sum(per[assignment[i]] for i, per in m.terms) for m in self.memory}
+
+    def feasible(self, assignment: Sequence[int]) -> bool:
+        if self.memory_limit is None:
+            return True
+        return all(v <= self.memory_limit * (1 + 1e-9) for v in self.memory_usage(assignment).values())
+
+
+@dataclass(frozen=True)
+class Solution:
+    assignment: tuple[int, ...]
+    objective: float
+    status: str                  # "optimal", "feasible" (time limit hit with an incumbent), "infeasible"
+    seconds: float
+    num_variables: int
+    num_constraints: int
+    backend: str
