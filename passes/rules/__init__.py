@@ -1,0 +1,181 @@
+"""Sharding rules: per-op knowledge of which dims a mesh axis may shard.
+
+A rule describes ONE mesh axis at a time: it lists ``AxisOption``s, each giving the placement of every
+tensor input and every output along that axis. Strategies for a whole mesh are products of per-axis
+options (``passes.strategies``), so a rule never enumerates the product itself and any mesh of 1 to 4
+axes works. The all-replicated option is always added by the registry.
+
+Register a rule next to its op::
+
+    @register_rule(aten.mm.default, flops=mm_flops)
+    def mm_rule(ctx):
+        return einsum_options(ctx, "mk,kn->mn")
+
+An op with no rule is replicated, with one warning naming it; the compiler never crashes on it.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from autopar.layout import P, Placement, R, S
+
+log = logging.getLogger("autopar.rules")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class AxisOption:
+    """Placements along one mesh axis: one per tensor input, one per output."""
+
+    inputs: tuple[Placement, ...]
+    outputs: tuple[Placement, ...]
+
+    @property
+    def trivial(self) -> bool:
+        return all(p.is_replicate for p in self.inputs + self.outputs)
+
+
+@dataclass
+class OpContext:
+    """What a rule sees of a node: its args and the global shapes of its tensors."""
+
+    node: fx.Node
+    ins: list[TensorInfo]            # one per tensor input, in ``tensor_inputs`` order
+    outs: list[TensorInfo]           # one per output tensor (a single output is a list of one)
+    input_nodes: list[fx.Node] = field(default_factory=list)
+
+    @property
+    def args(self):
+        return self.node.args
+
+    @property
+    def kwargs(self):
+        return self.node.kwargs
+
+    def arg(self, index: int, name: str, default=None):
+        if len(self.node.args) > index:
+            return self.node.args[index]
+        return self.node.kwargs.get(name, default)
+
+    def option(self, inputs: Sequence[Placement], outputs: Sequence[Placement] | Placement) -> AxisOption:
+        if isinstance(outputs, Placement):
+            outputs = (outputs,) * len(self.outs)
+        return AxisOption(tuple(inputs), tuple(outputs))
+
+
+@dataclass(frozen=True)
+class OpRule:
+    options: Callable[[OpContext], list[AxisOption]]
+    flops: Callable[[OpContext], float] | None = None
+    # Rewrites args for local shapes: (ctx, local input shapes, local output shapes) -> (args, kwargs).
+    local_args: Callable | None = None
+    # Bytes saved for backward that a target GPU kernel keeps, when it differs from the planning machine.
+    saved_on_gpu: Callable[[OpContext], int] | None = None
+    replicate_only: bool = False
+
+
+_RULES: dict = {}
+_warned: set = set()
+
+
+def register_rule(*targets, flops=None, local_args=None, saved_on_gpu=None):
+    def deco(fn):
+        rule = OpRule(fn, flops, local_args, saved_on_gpu)
+        for t in targets:
+            _RULES[t] = rule
+        return fn
+    return deco
+
+
+def register_replicated(*targets, flops=None):
+    """Ops that must see whole tensors (factories, index arithmetic): replicated, without a warning."""
+    rule = OpRule(lambda ctx: [], flops, None, None, replicate_only=True)
+    for t in targets:
+        _RULES[t] = rule
+
+
+def get_rule(target) -> OpRule | None:
+    _load_builtin_rules()
+    return _RULES.get(target)
+
+
+def rule_for(node: fx.Node) -> OpRule:
+    rule = get_rule(node.target)
+    if rule is None:
+        name = getattr(node.target, "__name__", str(node.target))
+        if name not in _warned:
+            _warned.add(name)
+            log.warning("autopar has no sharding rule for %s (first seen at node %r); it runs replicated. "
+                        "Register one with autopar.passes.rules.register_rule.", name, node.name)
+        return _REPLICATED
+    return rule
+
+
+_REPLICATED = OpRule(lambda ctx: [], replicate_only=True)
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """The node's tensor-valued inputs in a fixed order, duplicates kept."""
+    leaves = pytree.tree_leaves((node.args, dict(node.kwargs)))
+    return [a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def output_infos(node: fx.Node) -> list[TensorInfo]:
+    val = node.meta.get("val")
+    leaves = pytree.tree_leaves(val)
+    return [TensorInfo(tuple(int(s) for s in v.shape), v.dtype) for v in leaves if isinstance(v, torch.Tensor)]
+
+
+def context_for(node: fx.Node) -> OpContext:
+    ins = tensor_inputs(node)
+    infos = [TensorInfo(tuple(int(s) for s in a.meta["val"].shape), a.meta["val"].dtype) for a in ins]
+    return OpContext(node, infos, output_infos(node), ins)
+
+
+def axis_options(ctx: OpContext) -> list[AxisOption]:
+    """All options of one mesh axis for ``ctx``'s node: replicated first, no duplicates."""
+    rule = rule_for(ctx.node)
+    rep = ctx.option([R] * len(ctx.ins), R)
+    out = [rep]
+    if not rule.replicate_only:
+        for opt in rule.options(ctx):
+            if opt not in out:
+                out.append(opt)
+    return out
+
+
+_loaded = False
+
+
+def _load_builtin_rules():
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        from autopar.passes.rules import matmul, nn, pointwise, shape  # noqa: F401  (register on import)
+
+
+__all__ = ["AxisOption", "OpContext", "OpRule", "TensorInfo", "register_rule", "register_replicated",
+           "get_rule", "rule_for", "axis_options", "context_for", "tensor_inputs", "output_infos",
+           "P", "R", "S"]

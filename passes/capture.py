@@ -1,0 +1,134 @@
+"""Capture a model as an ATen training-IR graph with torch.export.
+
+``torch.fx.symbolic_trace`` cannot trace current Hugging Face models; ``torch.export`` can, and keeps
+the parameter FQNs (``graph_signature``) and module provenance (``nn_module_stack``) that later passes
+use. The model may live on the meta device: export runs on fake tensors either way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.export.graph_signature import InputKind, OutputKind
+
+from autopar.errors import CaptureError
+from autopar.passes.meta import Role, meta_of
+
+
+@dataclass
+class CapturedProgram:
+    """A captured training step's forward, plus what is needed to call it like the model."""
+
+    gm: fx.GraphModule
+    in_spec: Any                  # pytree spec of (args, kwargs)
+    out_spec: Any                 # pytree spec of the user outputs
+    params: dict[str, str]        # placeholder name -> parameter FQN
+    buffers: dict[str, str]       # placeholder name -> buffer FQN
+    constants: dict[str, str]     # placeholder name -> lifted constant name
+    inputs: list[str]             # placeholder names of the user inputs, in flattened order
+    constant_values: dict[str, torch.Tensor]
+    model_class: str
+    input_shapes: tuple           # shapes of the flattened user inputs (None for non-tensors)
+
+    def placeholder(self, name: str) -> fx.Node:
+        for n in self.gm.graph.nodes:
+            if n.op == "placeholder" and n.name == name:
+                return n
+        raise KeyError(name)
+
+
+def _example_on_meta(x):
+    return x.to("meta") if isinstance(x, torch.Tensor) else x
+
+
+def capture(model: torch.nn.Module, example_inputs=(), example_kwargs=None) -> CapturedProgram:
+    """Export ``model(*example_inputs, **example_kwargs)`` to an fx graph with fake values."""
+    example_kwargs = dict(example_kwargs or {})
+    if not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+    _refuse_aliased_inputs(example_inputs, example_kwargs)
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta:
+        example_inputs = tuple(_example_on_meta(x) for x in example_inputs)
+        example_kwargs = {k: _example_on_meta(v) for k, v in example_kwargs.items()}
+    try:
+        ep = torch.export.export(model, tuple(example_inputs), example_kwargs, strict=False)
+    except Exception as e:
+        hint = ""
+        if "DynamicCache" in str(e) or "Cache" in type(e).__name__:
+            hint = " Hugging Face causal LMs must not return their KV cache: set config.use_cache=False."
+        raise CaptureError(f"torch.export could not capture {type(model).__name__}: {e}.{hint}") from e
+
+    sig = ep.graph_signature
+    params, buffers, constants, inputs = {}, {}, {}, []
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    for node, spec in zip(placeholders, sig.input_specs):
+        m = meta_of(node)
+        if spec.kind == InputKind.PARAMETER:
+            params[node.name] = spec.target
+            m.role = Role("param", spec.target)
+        elif spec.kind == InputKind.BUFFER:
+            buffers[node.name] = spec.target
+            m.role = Role("buffer", spec.target)
+        elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
+            constants[node.name] = spec.target
+            m.role = Role("constant", spec.target)
+        else:
+            inputs.append(node.name)
+            m.role = Role("input", node.name)
+    _merge_tied_parameters(model, ep.graph, params)
+    for spec in sig.output_specs:
+        if spec.kind != OutputKind.USER_OUTPUT:
+            raise CaptureError(f"{type(model).__name__} mutates state in forward ({spec.kind.name} "
+                               f"{spec.target}); autopar captures pure training steps only")
+    flat_inputs = torch.utils._pytree.tree_leaves((tuple(example_inputs), example_kwargs))
+    return CapturedProgram(
+        gm=ep.graph_module,
+        in_spec=ep.call_spec.in_spec,
+        out_spec=ep.call_spec.out_spec,
+        params=params,
+        buffers=buffers,
+        constants=constants,
+        inputs=inputs,
+        constant_values=dict(ep.constants),
+        model_class=type(model).__qualname__,
+        input_shapes=tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in flat_inputs),
+    )
+
+
+def _merge_tied_parameters(model, graph, params):
+    """Point every use of a tied parameter at one placeholder named by its canonical FQN.
+
+    export lifts ``lm_head.weight`` and ``transformer.wte.weight`` as two placeholders even when they
+    are one tensor; two placeholders would get two layouts and two separate gradients.
+    """
+    canonical = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        canonical.setdefault(id(p), fqn)
+    fqn_to_canonical = {fqn: canonical[id(p)] for fqn, p in model.named_parameters(remove_duplicate=False)}
+    keep = {}
+    for node in [n for n in graph.nodes if n.op == "placeholder" and n.name in params]:
+        target = fqn_to_canonical.get(params[node.name], params[node.name])
+        if target in keep:
+            node.replace_all_uses_with(keep[target])
+            graph.erase_node(node)
+            del params[node.name]
+        else:
+            keep[target] = node
+            params[node.name] = target
+            meta_of(node).role = Role("param", target)
+
+
+def _refuse_aliased_inputs(args, kwargs):
+    # export folds two arguments that are the same tensor into one placeholder, which would tie
+    # e.g. input_ids to labels in the plan; refuse it rather than plan something the user did not mean.
+    seen = {}
+    for path, x in torch.utils._pytree.tree_flatten_with_path((tuple(args), kwargs))[0]:
+        if isinstance(x, torch.Tensor):
+            key = id(x)
+            if key in seen:
+                raise CaptureError(f"example inputs {seen[key]} and {torch.utils._pytree.keystr(path)} are "
+                                   f"the same tensor object; pass a copy (e.g. labels=ids.clone())")
+            seen[key] = torch.utils._pytree.keystr(path)

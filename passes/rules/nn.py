@@ -1,0 +1,135 @@
+"""Reductions, normalization, softmax, attention, embedding and the loss."""
+import torch
+
+from autopar.layout import P, R, S
+from autopar.passes.rules import register_rule
+from autopar.passes.rules.helpers import dim_map_options, norm_dim
+
+aten = torch.ops.aten
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _input_flops(ctx):
+    return float(_numel(ctx.ins[0].shape))
+
+
+def _reduced_dims(ctx):
+    nd = ctx.ins[0].ndim
+    dims = ctx.arg(1, "dim", None)
+    if dims is None or dims == []:
+        return set(range(nd))
+    return {norm_dim(d, nd) for d in ([dims] if isinstance(dims, int) else dims)}
+
+
+def _reduction(ctx, *, sum_like):
+    nd = ctx.ins[0].ndim
+    dims = _reduced_dims(ctx)
+    keep = ctx.outs[0].ndim == nd
+
+    def out_dim(d):
+        return d if keep else d - sum(1 for r in dims if r < d)
+
+    opts = dim_map_options(ctx, lambda d: None if d in dims else out_dim(d), partial=sum_like)
+    if sum_like:
+        # Summing over a sharded dim leaves each rank a partial sum.
+        opts += [ctx.option([S(d)], P) for d in sorted(dims) if ctx.ins[0].shape[d] > 1]
+    return opts
+
+
+@register_rule(aten.sum.dim_IntList, aten.sum.default, flops=_input_flops)
+def sum_rule(ctx):
+    return _reduction(ctx, sum_like=True)
+
+
+@register_rule(aten.mean.dim, aten.mean.default, aten.amax.default, aten.amin.default,
+               aten.var.correction, aten.std.correction, aten.any.dim, aten.all.dim, flops=_input_flops)
+def reduction_rule(ctx):
+    return _reduction(ctx, sum_like=False)
+
+
+@register_rule(aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int,
+               flops=lambda ctx: 5.0 * _numel(ctx.ins[0].shape))
+def softmax_rule(ctx):
+    dim = norm_dim(ctx.args[1], ctx.ins[0].ndim)
+    return dim_map_options(ctx, lambda d: None if d == dim else d, partial=False)
+
+
+@register_rule(aten.layer_norm.default, aten.rms_norm.default,
+               flops=lambda ctx: 8.0 * _numel(ctx.ins[0].shape))
+def norm_rule(ctx):
+    # Only the leading dims are sharded: the normalized ones need every element of a row.
+    x = ctx.ins[0]
+    normalized = len(ctx.args[1])
+    return [ctx.option([S(d)] + [R] * (len(ctx.ins) - 1), S(d))
+            for d in range(x.ndim - normalized) if x.shape[d] > 1]
+
+
+@register_rule(aten.embedding.default)
+def embedding_rule(ctx):
+    weight, ids = ctx.ins
+    out_nd = ctx.outs[0].ndim
+    opts = [ctx.option([R, S(d)], S(d)) for d in range(ids.ndim) if ids.shape[d] > 1]
+    if weight.shape[1] > 1:
+        opts.append(ctx.option([S(1), R], S(out_nd - 1)))      # split the hidden dim of the table
+    return opts
+
+
+def _sdpa_flops(ctx):
+    q, k = ctx.ins[0], ctx.ins[1]
+    b_h_sq = _numel(q.shape[:-1])
+    return 4.0 * b_h_sq * k.shape[-2] * q.shape[-1]
+
+
+def _sdpa_saved_on_gpu(ctx):
+    """Flash attention keeps q, k, v, the output and an fp32 logsumexp; never the s x s scores."""
+    q, k, v = ctx.ins[:3]
+    lse = _numel(q.shape[:-1]) * 4
+    return q.nbytes + k.nbytes + v.nbytes + ctx.outs[0].nbytes + lse
+
+
+@register_rule(aten.scaled_dot_product_attention.default, flops=_sdpa_flops, saved_on_gpu=_sdpa_saved_on_gpu)
+def sdpa_rule(ctx):
+    q, k, v = ctx.ins[:3]
+    mask = ctx.ins[3] if len(ctx.ins) > 3 else None
+    is_causal = ctx.arg(5, "is_causal", False)
+
+    def with_mask(qkv, out, mask_dim, size):
+        ins = list(qkv)
+        if mask is not None:
+            md = mask_dim - (4 - mask.ndim)
+            ins.append(S(md) if md >= 0 and mask.shape[md] == size else R)
+        return ctx.option(ins, out)
+
+    opts = []
+    if q.shape[0] > 1:                                                  # batch
+        opts.append(with_mask([S(0)] * 3, S(0), 0, q.shape[0]))
+    if q.shape[1] > 1 and k.shape[1] > 1:                               # heads (GQA groups stay whole)
+        opts.append(with_mask([S(1)] * 3, S(1), 1, q.shape[1]))
+    if q.shape[2] > 1 and not is_causal:                                # query rows, keys whole
+        opts.append(with_mask([S(2), R, R], S(2), 2, q.shape[2]))
+    return opts
+
+
+@register_rule(aten.cross_entropy_loss.default, aten.nll_loss.default,
+               flops=lambda ctx: 5.0 * _numel(ctx.ins[0].shape))
+def cross_entropy_rule(ctx):
+    logits, target = ctx.ins[:2]
+    reduction = ctx.arg(3, "reduction", 1)
+    if len(ctx.ins) > 2:            # class weights make the mean's denominator global: keep it whole
+        return []
+    opts = []
+    for d in range(target.ndim):
+        ld = 0 if d == 0 else d + 1                                     # logits: [N, C, d1, ...]
+        if target.shape[d] <= 1:
+            continue
+        if reduction == 0:
+            opts.append(ctx.option([S(ld), S(d)], S(d)))
+        elif reduction == 2:
+            opts.append(ctx.option([S(ld), S(d)], P))
+    return opts

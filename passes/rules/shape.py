@@ -1,0 +1,124 @@
+"""Views, reshapes and other ops that move dims around without computing.
+
+A shard survives an op when a rank's piece stays one contiguous block; otherwise the dim is not
+offered and the solver reshards before the op. Uneven splits are never offered: ``passes.strategies``
+drops any strategy whose sharded dims do not divide (documented in docs/sharding.md).
+"""
+import torch
+
+from autopar.layout import P, R, S
+from autopar.passes.rules import register_rule
+from autopar.passes.rules.helpers import dim_map_options, norm_dim, view_mapping
+
+aten = torch.ops.aten
+
+
+def _local_size_arg(ctx, local_ins, local_outs):
+    """Views and expands take their output size as args[1]: use the local one."""
+    return (ctx.args[0], list(local_outs[0])) + tuple(ctx.args[2:]), dict(ctx.kwargs)
+
+
+@register_rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+               local_args=_local_size_arg)
+def view_rule(ctx):
+    mapping = view_mapping(ctx.ins[0].shape, ctx.outs[0].shape)
+    return dim_map_options(ctx, mapping.get)
+
+
+# flatten/unflatten take dims, not sizes, as args: they need no rewrite.
+register_rule(aten.flatten.using_ints, aten.unflatten.int)(view_rule)
+
+
+@register_rule(aten.expand.default, local_args=_local_size_arg)
+def expand_rule(ctx):
+    src, dst = ctx.ins[0].shape, ctx.outs[0].shape
+    off = len(dst) - len(src)
+    return dim_map_options(ctx, lambda d: d + off if src[d] == dst[d + off] else None)
+
+
+@register_rule(aten.transpose.int)
+def transpose_rule(ctx):
+    nd = ctx.ins[0].ndim
+    a, b = norm_dim(ctx.args[1], nd), norm_dim(ctx.args[2], nd)
+    return dim_map_options(ctx, lambda d: b if d == a else a if d == b else d)
+
+
+@register_rule(aten.t.default)
+def t_rule(ctx):
+    return dim_map_options(ctx, lambda d: ctx.ins[0].ndim - 1 - d)
+
+
+@register_rule(aten.permute.default)
+def permute_rule(ctx):
+    nd = ctx.ins[0].ndim
+    perm = [norm_dim(d, nd) for d in ctx.args[1]]
+    return dim_map_options(ctx, perm.index)
+
+
+@register_rule(aten.unsqueeze.default)
+def unsqueeze_rule(ctx):
+    at = norm_dim(ctx.args[1], ctx.outs[0].ndim)
+    return dim_map_options(ctx, lambda d: d if d < at else d + 1)
+
+
+@register_rule(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def squeeze_rule(ctx):
+    src, nd = ctx.ins[0].shape, ctx.ins[0].ndim
+    dims = ctx.args[1] if len(ctx.args) > 1 else [d for d in range(nd) if src[d] == 1]
+    dims = {norm_dim(d, nd) for d in ([dims] if isinstance(dims, int) else dims) if src[norm_dim(d, nd)] == 1}
+    return dim_map_options(ctx, lambda d: d - sum(1 for x in dims if x < d))
+
+
+def _other_dims(ctx, dim_index, name, *, drop=False):
+    nd = ctx.ins[0].ndim
+    dim = norm_dim(ctx.arg(dim_index, name, 0), nd)
+    return dim_map_options(ctx, lambda d: None if d == dim else (d - 1 if drop and d > dim else d))
+
+
+@register_rule(aten.slice.Tensor)
+def slice_rule(ctx):
+    return _other_dims(ctx, 1, "dim")
+
+
+@register_rule(aten.select.int)
+def select_rule(ctx):
+    return _other_dims(ctx, 1, "dim", drop=True)
+
+
+@register_rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+               aten.unbind.int)
+def split_rule(ctx):
+    if ctx.node.target is aten.unbind.int:
+        return _other_dims(ctx, 1, "dim", drop=True)
+    return _other_dims(ctx, 2, "dim")
+
+
+@register_rule(aten.cat.default)
+def cat_rule(ctx):
+    nd = ctx.outs[0].ndim
+    dim = norm_dim(ctx.arg(1, "dim", 0), nd)
+    if any(i.ndim != nd for i in ctx.ins):        # cat skips legacy empty 1-D tensors; keep it simple
+        return []
+    opts = [ctx.option([S(d)] * len(ctx.ins), S(d)) for d in range(nd) if d != dim and ctx.outs[0].shape[d] > 1]
+    return opts + [ctx.option([P] * len(ctx.ins), P)]
+
+
+@register_rule(aten.pad.default, aten.constant_pad_nd.default)
+def pad_rule(ctx):
+    padded = len(ctx.arg(1, "pad")) // 2
+    nd = ctx.ins[0].ndim
+    return dim_map_options(ctx, lambda d: d if d < nd - padded else None, partial=False)
+
+
+@register_rule(aten.cumsum.default)
+def cumsum_rule(ctx):
+    return _other_dims(ctx, 1, "dim")
+
+
+@register_rule(aten.gather.default)
+def gather_rule(ctx):
+    nd = ctx.ins[0].ndim
+    dim = norm_dim(ctx.args[1], nd)
+    x, idx = ctx.ins
+    return [ctx.option([S(d), S(d)], S(d)) for d in range(nd)
+            if d != dim and x.shape[d] == idx.shape[d] > 1]
