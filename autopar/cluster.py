@@ -1,0 +1,499 @@
+"""ClusterSpec: the devices and links a plan is made for.
+
+Every cost in autopar is seconds or bytes, and every figure behind those costs comes from here:
+peak FLOP/s per dtype, memory bandwidth and capacity per device, and an alpha-beta link (bandwidth,
+latency) inside a node and across nodes. A spec comes from a preset (``ClusterSpec.preset("64xH100")``,
+for planning offline), from the running job (``ClusterSpec.from_env()``), or from this machine's gloo
+processes (``ClusterSpec.local_cpu(n)``); ``spec.profile()`` replaces the figures with measured ones.
+
+Conventions:
+
+- Bandwidths are bytes/s per device, one direction. Latencies are seconds.
+- Devices are numbered node-major (ranks ``0..devices_per_node-1`` are node 0) and meshes are
+  row-major over the ranks, as ``init_device_mesh`` lays them out, so the innermost mesh axes are the
+  ones that stay inside a node.
+- Preset figures are public datasheet numbers (dense, no sparsity). Memory is the datasheet's decimal
+  gigabytes (80 GB -> 80e9 bytes): the driver reports a little more (an H100 80GB shows ~85.5e9 bytes),
+  so planning with the datasheet figure errs on the safe side. Latencies are rough small-message NCCL
+  figures. ``profile()`` measures all of these on a live process group.
+- ``memory_reserve`` is what the planner must leave free per device, for the CUDA context, NCCL
+  buffers and allocator fragmentation (GPUs), or the interpreter and the OS (CPU). It defaults to 10%
+  of capacity for CUDA and 20% for CPU; ``usable_memory`` is what remains.
+
+torch is imported only inside the functions that need it, so importing this module is cheap.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from autopar.errors import ClusterMismatchError, MeshError, PlanFormatError
+
+_DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float": "float32",
+}
+_RESERVE_FRACTION = {"cuda": 0.10, "cpu": 0.20}
+_DEFAULT_AXIS_NAMES = {
+    1: ("dp",),
+    2: ("dp", "tp"),
+    3: ("dp", "cp", "tp"),
+    4: ("pp", "dp", "cp", "tp"),
+}
+
+
+def _positive(what: str, value: Any, *, allow_zero: bool = False) -> float:
+    """``value`` as a float, or ValueError: a finite number > 0 (>= 0 with ``allow_zero``)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{what} must be a finite number {bound}, got {value!r}")
+    return float(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator (or one CPU process): peak compute, memory bandwidth and capacity.
+
+    ``flops`` maps dtype names (``"float32"``, ``"bfloat16"``, ``"float16"``) to dense peak FLOP/s,
+    with tensor cores where they apply; for GPUs ``"float32"`` is plain FP32 (TF32 off). It must
+    have a ``"float32"`` entry, the fallback for any dtype it does not list. The dict is copied on
+    construction; treat it as read-only (the spec is hashed by its contents).
+    """
+
+    name: str
+    flops: Mapping[str, float]
+    memory_bandwidth: float
+    memory: float
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"device name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.flops, Mapping) or "float32" not in self.flops:
+            raise ValueError(f"device {self.name}: flops must be a mapping with a 'float32' entry, "
+                             f"got {self.flops!r}")
+        flops = {}
+        for dtype, value in self.flops.items():
+            if not isinstance(dtype, str):
+                raise ValueError(f"device {self.name}: flops keys are dtype names, got {dtype!r}")
+            flops[dtype] = _positive(f"device {self.name}: flops[{dtype!r}]", value)
+        object.__setattr__(self, "flops", flops)
+        object.__setattr__(self, "memory_bandwidth",
+                           _positive(f"device {self.name}: memory_bandwidth", self.memory_bandwidth))
+        object.__setattr__(self, "memory", _positive(f"device {self.name}: memory", self.memory))
+
+    def __hash__(self):
+        return hash((self.name, tuple(sorted(self.flops.items())), self.memory_bandwidth, self.memory))
+
+    def peak_flops(self, dtype) -> float:
+        """Peak FLOP/s for a torch dtype or a name (``"bf16"``, ``"torch.bfloat16"``); unknown
+        dtypes get the float32 figure."""
+        name = str(dtype).removeprefix("torch.")
+        return self.flops.get(_DTYPE_ALIASES.get(name, name), self.flops["float32"])
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "flops": dict(self.flops),
+                "memory_bandwidth": self.memory_bandwidth, "memory": self.memory}
+
+
+# Datasheet figures, SXM parts. NVLink: H100/H200 900 GB/s and A100 600 GB/s bidirectional, i.e.
+# 450e9 and 300e9 per direction. Network: one NDR 400 Gb/s (H100/H200) or HDR 200 Gb/s (A100)
+# InfiniBand port per GPU, the usual DGX/HGX build.
+_H100_FLOPS = {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12}
+_A100_FLOPS = {"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12}
+_PRESETS: dict[str, tuple[DeviceSpec, float, float]] = {  # device, NVLink B/s, network B/s
+    "H100": (DeviceSpec("H100", _H100_FLOPS, 3.35e12, 80e9), 450e9, 50e9),
+    "H200": (DeviceSpec("H200", _H100_FLOPS, 4.8e12, 141e9), 450e9, 50e9),
+    "A100": (DeviceSpec("A100", _A100_FLOPS, 2.039e12, 80e9), 300e9, 25e9),
+    "A100-40GB": (DeviceSpec("A100-40GB", _A100_FLOPS, 1.555e12, 40e9), 300e9, 25e9),
+}
+_PRESET_ALIASES = {"A100-80GB": "A100"}
+_GPU_INTRA_LATENCY, _GPU_INTER_LATENCY = 5e-6, 1e-5
+_PRESET_RE = re.compile(r"^\s*(\d+)\s*x\s*([A-Za-z0-9-]+)\s*$", re.IGNORECASE)
+_GPUS_PER_NODE = 8
+
+# Rough figures for a GPU we have no preset for (PCIe 4.0 x16 inside a node, 100 Gb/s between
+# nodes) and for CPU processes; profile() replaces them with measured ones.
+_GENERIC_GPU = dict(flops={"float32": 20e12, "bfloat16": 100e12, "float16": 100e12},
+                    memory_bandwidth=1e12, intra=(25e9, 1e-5), inter=(12.5e9, 2e-5))
+_CPU_FLOPS, _CPU_MEMORY_BANDWIDTH = 5e10, 1e10
+_CPU_INTRA, _CPU_INTER = (2e9, 5e-5), (1.25e9, 1e-4)  # shared memory / loopback; 10 GbE
+
+
+def default_axis_names(shape) -> tuple[str, ...]:
+    """Conventional axis names for a mesh of 1 to 4 axes, outermost first."""
+    try:
+        return _DEFAULT_AXIS_NAMES[len(shape)]
+    except KeyError:
+        raise MeshError(f"no default axis names for a {len(shape)}-axis mesh {tuple(shape)}; "
+                        f"pass axis_names explicitly") from None
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A homogeneous cluster: ``num_devices`` devices, ``devices_per_node`` to a node.
+
+    ``mesh_shape``/``axis_names`` pin the device mesh; left as None, the planner chooses among
+    ``mesh_candidates()``. Construct through ``preset``, ``from_env`` or ``local_cpu`` unless you
+    have your own figures. Invalid sizes raise MeshError; invalid figures raise ValueError.
+    """
+
+    num_devices: int
+    devices_per_node: int
+    device: DeviceSpec
+    intra_node_bandwidth: float
+    intra_node_latency: float
+    inter_node_bandwidth: float
+    inter_node_latency: float
+    mesh_shape: tuple[int, ...] | None = None
+    axis_names: tuple[str, ...] | None = None
+    device_type: str = "cuda"
+    name: str = ""
+    # None means the per-device-type default fraction of device.memory (see the module docstring).
+    memory_reserve: float | None = None
+
+    def __post_init__(self):
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
+        for what in ("num_devices", "devices_per_node"):
+            value = getattr(self, what)
+            if not _is_int(value) or value < 1:
+                raise MeshError(f"{what} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.device, DeviceSpec):
+            raise ValueError(f"device must be a DeviceSpec, got {type(self.device).__name__}")
+        for what in ("intra_node_bandwidth", "inter_node_bandwidth"):
+            set_(what, _positive(what, getattr(self, what)))
+        for what in ("intra_node_latency", "inter_node_latency"):
+            set_(what, _positive(what, getattr(self, what), allow_zero=True))
+        if not isinstance(self.device_type, str) or self.device_type not in _RESERVE_FRACTION:
+            raise ValueError(f"device_type must be 'cuda' or 'cpu', got {self.device_type!r}")
+        if not isinstance(self.name, str):
+            raise ValueError(f"name must be a string, got {self.name!r}")
+        reserve = self.memory_reserve
+        if reserve is None:
+            reserve = _RESERVE_FRACTION[self.device_type] * self.device.memory
+        reserve = _positive("memory_reserve", reserve, allow_zero=True)
+        if reserve >= self.device.memory:
+            raise ValueError(f"memory_reserve {reserve:.3g} B leaves nothing of the device's "
+                             f"{self.device.memory:.3g} B; lower it")
+        set_("memory_reserve", reserve)
+        self._validate_mesh()
+
+    def _validate_mesh(self):
+        shape, names = self.mesh_shape, self.axis_names
+        if shape is None:
+            if names is not None:
+                raise MeshError(f"axis_names {names!r} given without a mesh_shape; pass "
+                                f"mesh_shape too, or drop axis_names")
+            return
+        if not isinstance(shape, (tuple, list)):
+            raise MeshError(f"mesh_shape must be a tuple of integers, got {shape!r}")
+        shape = tuple(shape)
+        if not shape or any(not _is_int(s) or s < 1 for s in shape):
+            raise MeshError(f"mesh shape {shape} must be a non-empty tuple of integers >= 1")
+        if math.prod(shape) != self.num_devices:
+            raise MeshError(f"mesh shape {shape} multiplies to {math.prod(shape)} but the cluster has "
+                            f"{self.num_devices} devices; pick sizes whose product is "
+                            f"{self.num_devices}, e.g. "
+                            f"{' or '.join(map(str, _node_aligned_shapes(self.num_devices, self.devices_per_node, 2)[-2:]))}")
+        object.__setattr__(self, "mesh_shape", shape)
+        if names is None:
+            return
+        if not isinstance(names, (tuple, list)):
+            raise MeshError(f"axis_names must be a tuple of strings, got {names!r}")
+        names = tuple(names)
+        if len(names) != len(shape):
+            raise MeshError(f"{len(names)} axis names {names} for the {len(shape)}-axis mesh "
+                            f"{shape}; give one name per axis")
+        if any(not isinstance(n, str) or not n for n in names) or len(set(names)) != len(names):
+            raise MeshError(f"axis names {names} must be unique non-empty strings")
+        object.__setattr__(self, "axis_names", names)
+
+    # ---- derived figures -------------------------------------------------------------------------
+
+    @property
+    def num_nodes(self) -> int:
+        return -(-self.num_devices // self.devices_per_node)
+
+    @property
+    def usable_memory(self) -> float:
+        """Bytes per device the planner may fill: capacity minus ``memory_reserve``."""
+        return self.device.memory - self.memory_reserve
+
+    default_axis_names = staticmethod(default_axis_names)
+
+    def axis_link(self, mesh_shape, axis: int) -> tuple[float, float]:
+        """(bandwidth B/s, latency s) of the links a collective over mesh axis ``axis`` uses.
+
+        With node-major ranks and a row-major mesh, the devices of one group along ``axis`` span
+        ``prod(mesh_shape[axis:])`` consecutive ranks; the group stays inside a node iff that span
+        fits in a node and tiles it. Otherwise the group crosses the network, its slowest link.
+        """
+        shape = tuple(mesh_shape)
+        if math.prod(shape) != self.num_devices:
+            raise MeshError(f"mesh shape {shape} multiplies to {math.prod(shape)} but the cluster has "
+                            f"{self.num_devices} devices")
+        if not -len(shape) <= axis < len(shape):
+            raise MeshError(f"axis {axis} out of range for the {len(shape)}-axis mesh {shape}")
+        span = math.prod(shape[axis:])
+        if span <= self.devices_per_node and self.devices_per_node % span == 0:
+            return self.intra_node_bandwidth, self.intra_node_latency
+        return self.inter_node_bandwidth, self.inter_node_latency
+
+    def mesh_candidates(self, max_axes: int = 2) -> list[tuple[int, ...]]:
+        """Mesh shapes for the planner to try, outermost axis first.
+
+        ``[mesh_shape]`` when it is pinned. Otherwise ``(N,)`` and every shape ``(N // p, *inner)``
+        with up to ``max_axes - 1`` inner axes of size > 1 whose product ``p`` divides both the node
+        size and N (and is < N): inner axes (tensor, context parallel) stay inside a node, the
+        outermost axis takes the rest. For ``max_axes=2`` that is ``(N // k, k)``, k ascending.
+        """
+        if self.mesh_shape is not None:
+            return [self.mesh_shape]
+        if not _is_int(max_axes) or max_axes < 1:
+            raise ValueError(f"max_axes must be an integer >= 1, got {max_axes!r}")
+        return _node_aligned_shapes(self.num_devices, self.devices_per_node, max_axes)
+
+    # ---- constructors ----------------------------------------------------------------------------
+
+    @classmethod
+    def preset(cls, name: str, *, mesh_shape=None, axis_names=None) -> "ClusterSpec":
+        """A cluster of ``"NxDEVICE"`` (case-insensitive), DEVICE one of H100, H200, A100
+        (= A100-80GB) or A100-40GB, in nodes of 8 (or N when N < 8)."""
+        valid = ", ".join(f"'Nx{d}'" for d in [*_PRESETS, *_PRESET_ALIASES])
+        m = _PRESET_RE.match(name) if isinstance(name, str) else None
+        key = m and m.group(2).upper()
+        key = _PRESET_ALIASES.get(key, key)
+        if not m or key not in _PRESETS or int(m.group(1)) < 1:
+            raise ValueError(f"unknown cluster preset {name!r}; use {valid} with N >= 1, "
+                             f"e.g. '8xH100' or '64xA100'")
+        n = int(m.group(1))
+        device, nvlink, network = _PRESETS[key]
+        return cls(n, min(_GPUS_PER_NODE, n), device, nvlink, _GPU_INTRA_LATENCY, network,
+                   _GPU_INTER_LATENCY, mesh_shape=mesh_shape, axis_names=axis_names,
+                   device_type="cuda", name=f"{n}x{key}")
+
+    @classmethod
+    def local_cpu(cls, world_size: int) -> "ClusterSpec":
+        """``world_size`` gloo processes on this machine, one node. The compute and link figures are
+        rough guesses for one process; call ``profile()`` under the process group to measure them."""
+        if not _is_int(world_size) or world_size < 1:
+            raise MeshError(f"world_size must be an integer >= 1, got {world_size!r}")
+        return cls._cpu(world_size, world_size)
+
+    @classmethod
+    def _cpu(cls, world_size: int, local_world_size: int) -> "ClusterSpec":
+        device = DeviceSpec("cpu", {"float32": _CPU_FLOPS}, _CPU_MEMORY_BANDWIDTH,
+                            _total_ram() / local_world_size)
+        return cls(world_size, local_world_size, device, *_CPU_INTRA, *_CPU_INTER,
+                   device_type="cpu", name=f"{world_size}xcpu")
+
+    @classmethod
+    def from_env(cls) -> "ClusterSpec":
+        """The cluster this process runs in, under torchrun or an initialized process group.
+
+        Initializes the default group from torchrun's environment variables when needed (nccl when
+        CUDA is available, else gloo). Known GPUs (H100, H200, A100 in the device name) get their
+        preset figures, other GPUs rough generic ones; the memory is the device's real capacity.
+        ``devices_per_node`` is ``LOCAL_WORLD_SIZE``.
+        """
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            if "WORLD_SIZE" not in os.environ:
+                raise ClusterMismatchError(
+                    "no process group and no torchrun environment (WORLD_SIZE unset); launch with "
+                    "torchrun, initialize torch.distributed first, or use ClusterSpec.preset/local_cpu")
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        world = dist.get_world_size()
+        cuda = torch.cuda.is_available() and dist.get_backend() != "gloo"
+        default_local = min(world, torch.cuda.device_count()) if cuda else world
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", default_local))
+        if not cuda:
+            return cls._cpu(world, local)
+        gpu = torch.cuda.get_device_name()
+        memory = float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+        key = next((k for k in ("H200", "H100", "A100") if k in gpu.upper()), None)
+        if key == "A100" and "40GB" in gpu.upper():
+            key = "A100-40GB"
+        if key is not None:
+            device, nvlink, network = _PRESETS[key]
+            intra, inter = (nvlink, _GPU_INTRA_LATENCY), (network, _GPU_INTER_LATENCY)
+        else:
+            g = _GENERIC_GPU
+            device = DeviceSpec(gpu, g["flops"], g["memory_bandwidth"], memory)
+            intra, inter = g["intra"], g["inter"]
+        return cls(world, local, dataclasses.replace(device, memory=memory), *intra, *inter,
+                   device_type="cuda", name=f"{world}x{key or gpu}")
+
+    # ---- measurement -----------------------------------------------------------------------------
+
+    def profile(self, group=None, *, sizes: tuple[int, int] | None = None) -> "ClusterSpec":
+        """This spec with figures measured on the live process group ``group`` (default: world).
+
+        Measures matmul FLOP/s (fp32, plus bf16 on CUDA, whose figure float16 shares), memory
+        bandwidth (a large copy) and all-reduce time at two message sizes ``sizes`` (bytes; default
+        4 KiB and 16 MiB on CPU, 256 MiB on CUDA). The small size gives the latency alpha, the large
+        one the bandwidth beta from the ring formula ``t = alpha + 2(n-1)/n * B / beta``. Every time
+        is the max over ranks, so all ranks return the same spec. The link measured is the group's
+        slowest: intra-node when the cluster is one node, inter-node otherwise. fp32 matmuls run
+        under the process's TF32 setting (off by default), as the model's matmuls will.
+        """
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise ClusterMismatchError("profile() needs an initialized process group; call "
+                                       "torch.distributed.init_process_group (or run under torchrun)")
+        world = dist.get_world_size(group)
+        if world != self.num_devices:
+            raise ClusterMismatchError(f"the process group has {world} ranks but the ClusterSpec "
+                                       f"{self.name or ''} has {self.num_devices} devices; profile "
+                                       f"a spec of {world} devices")
+        cuda = self.device_type == "cuda"
+        if cuda and not torch.cuda.is_available():
+            raise ClusterMismatchError("the ClusterSpec is for CUDA devices but CUDA is not "
+                                       "available in this process")
+        dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        small, large = sizes or (4096, (256 if cuda else 16) << 20)
+        mm_n, copy_bytes = (8192, 1 << 30) if cuda else (1024, 64 << 20)
+
+        def timed(fn, reps=3):
+            fn()  # warm-up: allocator, kernels, communicator setup
+            sync()
+            best = math.inf  # the best run is the one least disturbed by other processes
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                best = min(best, time.perf_counter() - t0)
+            return best
+
+        def matmul_time(dtype):
+            a = torch.randn(mm_n, mm_n, device=dev, dtype=dtype)
+            b = torch.randn(mm_n, mm_n, device=dev, dtype=dtype)
+            return timed(lambda: torch.mm(a, b))
+
+        # Collectives first: busy-waiting OpenMP workers left over from the matmuls would steal the
+        # cores that gloo's threads need and inflate the latency several-fold.
+        times = []
+        for nbytes, reps in ((small, 20), (large, 3)):
+            buf = torch.zeros(max(1, nbytes // 4), device=dev)
+            dist.barrier(group)
+            times.append(timed(lambda: dist.all_reduce(buf, group=group), reps))
+        # Compute phases start together: ranks sharing a machine contend as they will in training.
+        dist.barrier(group)
+        times += [matmul_time(torch.float32), matmul_time(torch.bfloat16) if cuda else 0.0]
+        src = torch.empty(copy_bytes // 4, device=dev)
+        dst = torch.empty_like(src)
+        times.append(timed(lambda: dst.copy_(src)))
+        t = torch.tensor(times, dtype=torch.float64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        t_small, t_large, t_fp32, t_bf16, t_copy = t.tolist()
+
+        mm_flops = 2.0 * mm_n**3
+        flops = {"float32": mm_flops / t_fp32}
+        if cuda:
+            flops["bfloat16"] = flops["float16"] = mm_flops / t_bf16
+        device = dataclasses.replace(self.device, flops=flops,
+                                     memory_bandwidth=2.0 * copy_bytes / t_copy)  # read + write
+        if world == 1:  # an all-reduce over one rank moves nothing: keep the link figures
+            return dataclasses.replace(self, device=device)
+        ring = 2.0 * (world - 1) / world
+        latency = t_small
+        # A large message under twice the small one's time means the difference is mostly noise:
+        # charge all of it to bandwidth, which errs low.
+        transfer = t_large - latency if t_large > 2 * latency else t_large
+        bandwidth = ring * large / transfer
+        link = ({"intra_node_bandwidth": bandwidth, "intra_node_latency": latency}
+                if self.num_nodes == 1 else
+                {"inter_node_bandwidth": bandwidth, "inter_node_latency": latency})
+        return dataclasses.replace(self, device=device, **link)
+
+    # ---- serialization ---------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        """A JSON-serializable dict; ``from_dict`` rebuilds an equal spec."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["device"] = self.device.to_dict()
+        for key in ("mesh_shape", "axis_names"):
+            d[key] = None if d[key] is None else list(d[key])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "ClusterSpec":
+        """Inverse of ``to_dict``. Missing, unknown or ill-typed entries raise PlanFormatError."""
+        _check_keys("cluster spec", d, {f.name for f in dataclasses.fields(cls)})
+        _check_keys("cluster spec 'device'", d["device"],
+                    {f.name for f in dataclasses.fields(DeviceSpec)})
+        try:
+            return cls(**{**d, "device": DeviceSpec(**d["device"])})
+        except (ValueError, MeshError) as e:
+            raise PlanFormatError(f"invalid cluster spec: {e}") from e
+
+    def __str__(self) -> str:
+        dev = self.device
+        mesh = ""
+        if self.mesh_shape is not None:
+            mesh = f"; mesh {self.mesh_shape}" + (f" {self.axis_names}" if self.axis_names else "")
+        return (f"{self.name or f'{self.num_devices}x{dev.name}'}: {self.num_devices} {self.device_type} "
+                f"devices in {self.num_nodes} node{'s' * (self.num_nodes > 1)} of {self.devices_per_node}; {dev.name} "
+                f"{dev.peak_flops('bfloat16') / 1e12:.3g} TFLOP/s bf16, "
+                f"{dev.peak_flops('float32') / 1e12:.3g} TFLOP/s fp32, "
+                f"{dev.memory_bandwidth / 1e12:.3g} TB/s, {dev.memory / 1e9:.3g} GB "
+                f"({self.memory_reserve / 1e9:.3g} GB reserved); "
+                f"intra-node {self.intra_node_bandwidth / 1e9:.3g} GB/s {self.intra_node_latency * 1e6:.3g} us, "
+                f"inter-node {self.inter_node_bandwidth / 1e9:.3g} GB/s {self.inter_node_latency * 1e6:.3g} us"
+                f"{mesh}")
+
+
+def _node_aligned_shapes(n: int, per_node: int, max_axes: int) -> list[tuple[int, ...]]:
+    """``(n,)``, then ``(n // p, *inner)`` for inner factors > 1 whose product p < n divides both n
+    and ``per_node``, by number of axes and then lexicographically."""
+
+    def inner_shapes(limit: int, depth: int):
+        # ordered factorizations of the divisors of `limit` into `depth` factors > 1
+        if depth == 0:
+            yield ()
+            return
+        for k in range(2, limit + 1):
+            if limit % k == 0:
+                yield from ((k, *rest) for rest in inner_shapes(limit // k, depth - 1))
+
+    shapes = [(n,)]
+    for depth in range(1, max_axes):
+        shapes += [(n // math.prod(t), *t) for t in inner_shapes(math.gcd(n, per_node), depth)
+                   if math.prod(t) < n]
+    return shapes
+
+
+def _check_keys(what: str, d: Any, expected: set[str]) -> None:
+    if not isinstance(d, Mapping):
+        raise PlanFormatError(f"{what} must be a JSON object, got {type(d).__name__}")
+    missing, unknown = expected - set(d), set(d) - expected
+    if missing or unknown:
+        raise PlanFormatError(f"{what}: missing keys {sorted(missing)}, unknown keys "
+                              f"{sorted(map(str, unknown))}; expected {sorted(expected)}")
+
+
+def _total_ram() -> float:
+    """Physical memory of this machine in bytes (POSIX; 16 GB where sysconf is unavailable)."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return 16e9
