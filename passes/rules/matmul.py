@@ -1,4 +1,8 @@
-"""Matrix products: one einsum spec each. A contracted dim gives Partial."""
+"""Matrix products: one einsum spec each. A contracted dim gives Partial.
+
+A Partial input (with the other replicated) would also give a Partial output, but deferring a
+reduction past a matmul never pays and doubles the strategies, so those options are not offered.
+"""
 import torch
 
 from autopar.passes.rules import register_rule
@@ -21,12 +25,12 @@ def _contract_flops(ctx):
 
 @register_rule(aten.mm.default, flops=_contract_flops)
 def mm_rule(ctx):
-    return einsum_options(ctx, "mk,kn->mn", linear=[0, 1])
+    return einsum_options(ctx, "mk,kn->mn")
 
 
 @register_rule(aten.bmm.default, flops=_contract_flops)
 def bmm_rule(ctx):
-    return einsum_options(ctx, "bmk,bkn->bmn", linear=[0, 1])
+    return einsum_options(ctx, "bmk,bkn->bmn")
 
 
 @register_rule(aten.linear.default, flops=_contract_flops)
@@ -35,7 +39,7 @@ def linear_rule(ctx):
     spec = f"{lead}k,nk"
     if len(ctx.ins) == 3:
         spec += ",n"                                        # a bias (normalize usually splits it off)
-    return einsum_options(ctx, f"{spec}->{lead}n", linear=[] if len(ctx.ins) == 3 else [0, 1])
+    return einsum_options(ctx, f"{spec}->{lead}n")
 
 
 @register_rule(aten.matmul.default, flops=_contract_flops)
@@ -51,4 +55,4 @@ def matmul_rule(ctx):
                       else "z" for i in range(a.ndim - 2))
     b_batch = "".join(batch[i + out_nd - b.ndim] if b.shape[i] == ctx.outs[0].shape[i + out_nd - b.ndim]
                       else "y" for i in range(b.ndim - 2))
-    return einsum_options(ctx, f"{a_batch}mk,{b_batch}kn->{batch}mn", linear=[0, 1])
+    return einsum_options(ctx, f"{a_batch}mk,{b_batch}kn->{batch}mn")

@@ -62,3 +62,7 @@ register_replicated(
     aten.ones_like.default, aten.full_like.default, aten.empty_like.default, aten.rand.default,
     aten.randn.default, aten.index.Tensor, aten.diff.default, aten.lift_fresh_copy.default,
 )
+
+# getitem only picks one output of a multi-output node; passes.strategies gives it its producer's
+# layout, so the rule is never consulted for strategies. Registering it keeps it out of the warnings.
+register_replicated(__import__("operator").getitem)

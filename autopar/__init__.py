@@ -1,0 +1,30 @@
+"""autopar: an auto-parallelizing graph compiler for PyTorch training.
+
+    pmodel = autopar.compile(model, autopar.ClusterSpec.from_env(), example_inputs=(ids,))
+    plan = autopar.plan(model, autopar.ClusterSpec.preset("64xH100"), example_inputs=(ids,))
+"""
+from autopar.cluster import ClusterSpec, DeviceSpec
+from autopar.errors import (AutoparError, CaptureError, ClusterMismatchError, InfeasiblePlanError, MeshError,
+                            PlanFormatError, ShardingError)
+from autopar.plan import Plan
+
+__version__ = "0.1.0"
+
+
+def plan(model, cluster, example_inputs=(), example_kwargs=None, *, memory_budget=None, **options) -> Plan:
+    """Plan ``model`` for ``cluster`` offline; see autopar.planner.plan."""
+    from autopar.planner import plan as _plan
+
+    return _plan(model, cluster, example_inputs, example_kwargs, memory_budget=memory_budget, **options)
+
+
+def compile(model, cluster, example_inputs=(), example_kwargs=None, *, memory_budget=None, plan=None, **options):
+    """Plan (or take ``plan``) and return a ParallelModule that trains on torch.distributed."""
+    from autopar.runtime.module import compile as _compile
+
+    return _compile(model, cluster, example_inputs, example_kwargs, memory_budget=memory_budget, plan=plan,
+                    **options)
+
+
+__all__ = ["ClusterSpec", "DeviceSpec", "Plan", "plan", "compile", "AutoparError", "CaptureError",
+           "ClusterMismatchError", "InfeasiblePlanError", "MeshError", "PlanFormatError", "ShardingError"]

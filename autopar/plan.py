@@ -1,0 +1,140 @@
+"""The Plan: a versioned, JSON-serializable record of how a model is laid out on a cluster.
+
+The schema is documented in docs/plan-format.md. Loading validates the file and never unpickles.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autopar.errors import PlanFormatError, ShardingError
+from autopar.layout import Placement
+
+PLAN_VERSION = 1
+PHASES = ("forward", "backward", "optimizer")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+MEMORY_KEYS = ("peak", "params", "grads", "optimizer", "activations")
+
+
+@dataclass
+class Plan:
+    model: dict                      # class, fingerprint, num_params
+    cluster: dict                    # ClusterSpec.to_dict()
+    mesh: dict                       # {"shape": [...], "axes": [...]}
+    params: dict                     # FQN -> layout strings, one per mesh axis
+    inputs: dict                     # user input name -> layout strings
+    nodes: list                      # per-node entries (see docs/plan-format.md)
+    collectives: list                # per-collective entries
+    memory: dict                     # bytes per device: peak, params, grads, optimizer, activations, ...
+    step_time: float                 # predicted seconds per training step
+    breakdown: dict                  # seconds: compute, communication per axis, optimizer
+    solver: dict                     # status, seconds, variables, constraints, backend, candidates
+    version: int = PLAN_VERSION
+    extra: dict = field(default_factory=dict)
+
+    # --- serialization -------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    def save(self, path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Plan":
+        _validate(d)
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+    @classmethod
+    def load(cls, path) -> "Plan":
+        try:
+            d = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise PlanFormatError(f"{path}: not a JSON plan file ({e})") from e
+        try:
+            return cls.from_dict(d)
+        except PlanFormatError as e:
+            raise PlanFormatError(f"{path}: {e}") from e
+
+    # --- views ---------------------------------------------------------------------------------
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(self.mesh["shape"])
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(self.mesh["axes"])
+
+    def node(self, name: str) -> dict:
+        for n in self.nodes:
+            if n["name"] == name:
+                return n
+        raise KeyError(f"plan has no node {name!r}")
+
+    def collective_counts(self) -> dict:
+        """{(kind, axis, phase): count}."""
+        out: dict = {}
+        for c in self.collectives:
+            k = (c["kind"], c["axis"], c["phase"])
+            out[k] = out.get(k, 0) + 1
+        return out
+
+    def summary(self) -> str:
+        from autopar.report import summary
+
+        return summary(self)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def _validate(d: Any) -> None:
+    if not isinstance(d, dict):
+        raise PlanFormatError(f"a plan is a JSON object, got {type(d).__name__}")
+    version = d.get("version")
+    if version != PLAN_VERSION:
+        raise PlanFormatError(f"plan format version {version!r} is not supported (this autopar reads "
+                              f"version {PLAN_VERSION}); plan the model again with this version")
+    required = [k for k, f in Plan.__dataclass_fields__.items() if k not in ("version", "extra")]
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise PlanFormatError(f"plan is missing fields {missing}")
+    mesh = d["mesh"]
+    if not (isinstance(mesh, dict) and isinstance(mesh.get("shape"), list) and isinstance(mesh.get("axes"), list)
+            and len(mesh["shape"]) == len(mesh["axes"]) and all(isinstance(s, int) and s > 0 for s in mesh["shape"])):
+        raise PlanFormatError(f"plan mesh must be {{'shape': [ints > 0], 'axes': [names]}} of equal length, got {mesh!r}")
+    nax = len(mesh["shape"])
+
+    def check_layout(where, lay):
+        if not isinstance(lay, list) or len(lay) != nax:
+            raise PlanFormatError(f"{where}: layout {lay!r} must list one placement per mesh axis ({nax})")
+        for p in lay:
+            try:
+                Placement.parse(p)
+            except (ShardingError, AttributeError) as e:
+                raise PlanFormatError(f"{where}: {e}") from e
+
+    if not isinstance(d["params"], dict):
+        raise PlanFormatError("plan 'params' must map parameter names to layouts")
+    for fqn, lay in d["params"].items():
+        check_layout(f"param {fqn}", lay)
+    if not isinstance(d["nodes"], list):
+        raise PlanFormatError("plan 'nodes' must be a list")
+    for n in d["nodes"]:
+        if not isinstance(n, dict) or not {"name", "op", "inputs", "outputs"} <= n.keys():
+            raise PlanFormatError(f"plan node entry {n!r} needs name, op, inputs and outputs")
+        for lay in n["inputs"] + n["outputs"]:
+            check_layout(f"node {n['name']}", lay)
+    for c in d["collectives"]:
+        if not isinstance(c, dict) or c.get("kind") not in KINDS or c.get("phase") not in PHASES \
+                or c.get("axis") not in mesh["axes"]:
+            raise PlanFormatError(f"plan collective {c!r}: kind must be one of {KINDS}, phase one of {PHASES}, "
+                                  f"axis one of {mesh['axes']}")
+    if not isinstance(d["memory"], dict) or any(k not in d["memory"] for k in MEMORY_KEYS):
+        raise PlanFormatError(f"plan memory must give {MEMORY_KEYS}")
+    if not isinstance(d["step_time"], (int, float)) or d["step_time"] < 0:
+        raise PlanFormatError(f"plan step_time must be a non-negative number, got {d['step_time']!r}")

@@ -1,0 +1,274 @@
+"""Planning: capture, annotate, solve for every candidate mesh, keep the fastest feasible plan."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autopar.cluster import ClusterSpec, default_axis_names
+from autopar.errors import InfeasiblePlanError
+from autopar.layout import format_layout
+from autopar.passes.capture import CapturedProgram, capture
+from autopar.passes.costs import CostModel, OptimizerSpec, VIEW_OPS, count_saving_consumers
+from autopar.passes.layers import layer_counts, layers_pass
+from autopar.passes.lowering import collectives, lower
+from autopar.passes.memory import saved_activations_pass
+from autopar.passes.meta import meta_of
+from autopar.passes.normalize import normalize_pass
+from autopar.passes.problem import ProblemIndex, build_problem
+from autopar.passes.runner import PassRunner
+from autopar.passes.strategies import root_of, strategies_pass
+from autopar.plan import Plan
+from autopar.solver import minimum_feasible_budget, solve
+
+log = logging.getLogger("autopar")
+
+
+@dataclass
+class Prepared:
+    captured: CapturedProgram
+    gm: fx.GraphModule
+    runner: PassRunner
+    fingerprint: str
+
+
+def prepare(model, example_inputs, example_kwargs, cluster: ClusterSpec, *, skip_passes=()) -> Prepared:
+    """Capture the model and run the passes that do not depend on the mesh."""
+    captured = capture(model, example_inputs, example_kwargs)
+    runner = PassRunner([normalize_pass, layers_pass, _saved_pass(cluster.device_type)],
+                        skip=frozenset(skip_passes))
+    gm = runner(captured.gm)
+    count_saving_consumers(gm)
+    return Prepared(captured, gm, runner, model_fingerprint(model))
+
+
+def _saved_pass(device_type):
+    def saved_activations_pass_for_target(gm):
+        return saved_activations_pass(gm, target_device=device_type)
+    saved_activations_pass_for_target.__name__ = "saved_activations_pass"
+    return saved_activations_pass_for_target
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    h = hashlib.sha256(type(model).__qualname__.encode())
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+    return h.hexdigest()[:16]
+
+
+def default_optimizer(model) -> OptimizerSpec:
+    dtype = next((p.dtype for p in model.parameters()), torch.float32)
+    # Adam keeps two fp32 states; low-precision parameters also keep an fp32 master copy (ZeRO's K=12).
+    return OptimizerSpec(8.0 if dtype == torch.float32 else 12.0)
+
+
+def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), example_kwargs=None, *,
+         memory_budget: float | None = None, mesh_shape=None, axis_names=None, time_limit: float = 60.0,
+         optimizer: OptimizerSpec | None = None, progress: bool | None = None, skip_passes=()) -> Plan:
+    """Find the fastest layout of ``model`` on ``cluster`` that fits ``memory_budget`` bytes per device."""
+    t0 = time.perf_counter()
+    if mesh_shape is not None:
+        cluster = _with_mesh(cluster, mesh_shape, axis_names)
+    budget = float(memory_budget) if memory_budget is not None else cluster.usable_memory
+    optimizer = optimizer or default_optimizer(model)
+    with _progress(progress) as report:
+        report("capturing")
+        prep = prepare(model, example_inputs, example_kwargs, cluster, skip_passes=skip_passes)
+        candidates = cluster.mesh_candidates() if cluster.mesh_shape is None else [cluster.mesh_shape]
+        best, tried, infeasible = None, [], []
+        for shape in candidates:
+            names = tuple(cluster.axis_names) if cluster.mesh_shape is not None and cluster.axis_names \
+                else default_axis_names(shape)
+            report(f"mesh {shape}: strategies")
+            strategies_pass(prep.gm, shape)
+            cm = CostModel(cluster, shape, optimizer)
+            report(f"mesh {shape}: costs")
+            prob, idx = build_problem(prep.gm, cm, budget)
+            report(f"mesh {shape}: solving {len(prob.choices)} decisions, {len(prob.edges)} edges")
+            sol = solve(prob, time_limit=time_limit)
+            entry = {"mesh": list(shape), "status": sol.status, "objective": sol.objective,
+                     "seconds": sol.seconds, "variables": sol.num_variables, "constraints": sol.num_constraints}
+            tried.append(entry)
+            if sol.status == "infeasible":
+                infeasible.append((shape, names, prob, idx, cm))
+                continue
+            report(f"mesh {shape}: evaluating")
+            p = evaluate(prep, idx, sol.assignment, cm, shape, names, cluster, budget)
+            p.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
+                            constraints=sol.num_constraints, backend=sol.backend)
+            if best is None or p.step_time < best.step_time:
+                best = p
+        if best is None:
+            _raise_infeasible(prep, infeasible, cluster, budget)
+        best.solver["candidates"] = tried
+        best.solver["planning_seconds"] = time.perf_counter() - t0
+        best.solver["passes"] = [{"name": r.name, "seconds": r.seconds, "skipped": r.skipped}
+                                 for r in prep.runner.records]
+        report("done")
+    return best
+
+
+def _with_mesh(cluster, mesh_shape, axis_names):
+    import dataclasses
+
+    shape = tuple(mesh_shape)
+    names = tuple(axis_names) if axis_names else default_axis_names(shape)
+    return dataclasses.replace(cluster, mesh_shape=shape, axis_names=names)
+
+
+@contextlib.contextmanager
+def _progress(enabled):
+    """Stage names on a rich status line once planning has taken more than a second."""
+    t0 = time.perf_counter()
+    status = None
+
+    def report(stage):
+        nonlocal status
+        log.info("planning: %s", stage)
+        if enabled is False:
+            return
+        if status is None and time.perf_counter() - t0 > 1.0:
+            import sys
+
+            if enabled or sys.stderr.isatty():
+                from rich.console import Console
+
+                status = Console(stderr=True).status("planning")
+                status.start()
+        if status is not None:
+            status.update(f"planning: {stage}  [{time.perf_counter() - t0:.1f}s]")
+
+    try:
+        yield report
+    finally:
+        if status is not None:
+            status.stop()
+
+
+def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_shape, axis_names,
+             cluster: ClusterSpec, budget: float) -> Plan:
+    gm, cap = prep.gm, prep.captured
+    chosen = {}
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "call_function") and meta_of(n).strategies is not None:
+            chosen[n] = meta_of(n).strategies.strategies[idx.option_of(n, assignment)]
+    low = lower(gm, chosen, cm)
+    colls = collectives(low, cm, axis_names)
+    comm_by_node: dict = {}
+    for c in colls:
+        comm_by_node[c["node"]] = comm_by_node.get(c["node"], 0.0) + c["seconds"]
+
+    params, inputs, nodes, param_bytes = {}, {}, [], {}
+    mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    compute = optim = 0.0
+    acts = []
+    for n, s in chosen.items():
+        role = meta_of(n).role
+        if n.op == "placeholder":
+            if role and role.kind == "param":
+                lay = s.outputs[0]
+                params[role.target] = format_layout(lay)
+                p, g, o = cm.param_bytes(n, lay)
+                mem["params"] += p
+                mem["grads"] += g
+                mem["optimizer"] += o
+                param_bytes[role.target] = p + g + o
+                optim += cm.optimizer_seconds(n, lay)
+            elif role and role.kind == "input" and s.outputs:
+                inputs[role.target] = format_layout(s.outputs[0])
+            continue
+        c = cm.compute_seconds(n, s)
+        a = cm.activation_bytes(n, s)
+        compute += c
+        acts.append((n, a))
+        tag = meta_of(n).layer
+        root = root_of(n)
+        nodes.append({
+            "name": n.name, "op": _op_name(n),
+            "inputs": [format_layout(l) for l in s.inputs], "outputs": [format_layout(l) for l in s.outputs],
+            "split_axes": [axis_names[a] for a, f in enumerate(s.splits_work) if f],
+            "compute_seconds": c, "comm_seconds": comm_by_node.get(n.name, 0.0), "activation_bytes": a,
+            "layer": tag.layer if tag else None, "layer_class": tag.cls if tag else None,
+            "follows": None if root is n else root.name,
+            "shape": list(n.meta["val"].shape) if isinstance(n.meta.get("val"), torch.Tensor) else None,
+        })
+    comm_axis = {name: 0.0 for name in axis_names}
+    for c in colls:
+        comm_axis[c["axis"]] += c["seconds"]
+    mem["activations"] = sum(a for _, a in acts)
+    timeline, peak = _timeline(gm, chosen, acts, mem, cm)
+    mem.update(peak=peak, budget=budget, timeline=timeline, by_param=param_bytes)
+    step = compute + sum(comm_axis.values()) + optim
+    return Plan(
+        model={"class": cap.model_class, "fingerprint": prep.fingerprint,
+               "num_params": sum(int(n.meta["val"].numel()) for n in gm.graph.nodes
+                                 if n.op == "placeholder" and meta_of(n).role and meta_of(n).role.kind == "param"),
+               "input_shapes": [list(s) if s is not None else None for s in cap.input_shapes],
+               "layers": layer_counts(gm)},
+        cluster=cluster.to_dict(),
+        mesh={"shape": list(mesh_shape), "axes": list(axis_names)},
+        params=params, inputs=inputs, nodes=nodes, collectives=colls, memory=mem, step_time=step,
+        breakdown={"compute": compute, "communication": comm_axis, "optimizer": optim},
+        solver={},
+    )
+
+
+def _op_name(n: fx.Node) -> str:
+    t = n.target
+    return getattr(t, "__name__", None) if not hasattr(t, "_schema") else str(t).replace("aten.", "")
+
+
+def _timeline(gm, chosen, acts, mem, cm):
+    """Live bytes over one step: saved activations grow through forward and are freed in backward,
+    while gradients appear; the transient is the node's own output (its gradient in backward)."""
+    from autopar.layout import local_fraction
+    from autopar.passes.rules import output_infos
+
+    static = mem["params"] + mem["optimizer"]
+    points, running = [], 0.0
+    fwd = []
+    for n, a in acts:
+        s = chosen[n]
+        out = 0.0 if n.target in VIEW_OPS else sum(
+            o.nbytes * local_fraction(l, cm.mesh_shape) for o, l in zip(output_infos(n), s.outputs))
+        running += a
+        fwd.append((n, running, out))
+        points.append(("forward", n.name, static, 0.0, running, out))
+    grads = 0.0
+    total_grads = mem["grads"]
+    nf = max(len(fwd), 1)
+    for i, (n, running, out) in enumerate(reversed(fwd)):
+        grads = total_grads * (i + 1) / nf
+        points.append(("backward", n.name, static, grads, running, out))
+    peak = max((p[2] + p[3] + p[4] + p[5] for p in points), default=static)
+    peak = max(peak, static + total_grads)
+    stride = max(1, len(points) // 200)
+    keep = points[::stride]
+    timeline = [{"phase": ph, "node": nm, "params": mem["params"], "optimizer": mem["optimizer"], "grads": g,
+                 "activations": a, "transient": t} for ph, nm, _s, g, a, t in keep]
+    return timeline, peak
+
+
+def _raise_infeasible(prep, infeasible, cluster, budget):
+    best = None
+    for shape, names, prob, idx, cm in infeasible:
+        need, assignment = minimum_feasible_budget(prob)
+        if best is None or need < best[0]:
+            best = (need, shape, names, idx, assignment, cm)
+    need, shape, names, idx, assignment, cm = best
+    p = evaluate(prep, idx, assignment, cm, shape, names, cluster, budget)
+    consumers = [(f"param {k} (+grad, optimizer)", v) for k, v in p.memory["by_param"].items()]
+    consumers += [(f"activations of {n['name']}", n["activation_bytes"]) for n in p.nodes]
+    consumers = sorted(consumers, key=lambda x: -x[1])[:5]
+    top = ", ".join(f"{name} ({b / 2**20:.1f} MiB)" for name, b in consumers)
+    raise InfeasiblePlanError(
+        f"no plan fits {budget / 2**30:.3f} GiB per device on {cluster.name or cluster.num_devices} "
+        f"(meshes tried: {[list(s) for s, *_ in infeasible]}). The smallest feasible budget is "
+        f"{need / 2**30:.3f} GiB ({need:.0f} bytes), on mesh {list(shape)}. Largest consumers there: {top}. "
+        f"Raise memory_budget, use more devices, or reduce the batch or sequence length.",
+        budget=budget, min_feasible_budget=need, largest_consumers=consumers)

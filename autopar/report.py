@@ -1,0 +1,73 @@
+"""Readable text views of a Plan: the per-layer summary table."""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+def _b(n: float) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _s(t: float) -> str:
+    if t >= 1:
+        return f"{t:.3f} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.3f} ms"
+    return f"{t * 1e6:.1f} us"
+
+
+def summary(plan) -> str:
+    mesh = " x ".join(f"{a}={n}" for a, n in zip(plan.mesh["axes"], plan.mesh["shape"]))
+    lines = [f"autopar plan: {plan.model['class']} ({plan.model['num_params']:,} parameters) on "
+             f"{plan.cluster.get('name') or plan.cluster['num_devices']} devices, mesh {mesh}"]
+    # One block per layer class (shown once, with its instance count) and one for the rest.
+    groups: "OrderedDict[str, list]" = OrderedDict()
+    for n in plan.nodes:
+        groups.setdefault(n["layer_class"] or "(outside layers)", []).append(n)
+    counts = plan.model.get("layers", {})
+    first_instance = {}
+    for n in plan.nodes:
+        if n["layer_class"] and n["layer_class"] not in first_instance:
+            first_instance[n["layer_class"]] = n["layer"]
+    colls_by_node: dict = {}
+    for c in plan.collectives:
+        colls_by_node.setdefault(c["node"], []).append(c)
+    for group, nodes in groups.items():
+        inst = first_instance.get(group)
+        if inst is not None:
+            nodes = [n for n in nodes if n["layer"] == inst]
+            lines.append(f"\n[{group}] x{counts.get(group, 1)} (showing {inst})")
+        else:
+            lines.append(f"\n[{group}]")
+        lines.append(f"  {'node':<34} {'op':<28} {'output layout':<16} {'compute':>10}  collectives")
+        for n in nodes:
+            if n["follows"] and not colls_by_node.get(n["name"]) and n["compute_seconds"] == 0:
+                continue
+            out = ",".join("[" + ",".join(l) + "]" for l in n["outputs"])
+            cs = ", ".join(f"{c['kind']}({c['axis']},{c['phase'][:3]}) {_b(c['bytes'])} {_s(c['seconds'])}"
+                           for c in colls_by_node.get(n["name"], []))
+            lines.append(f"  {n['name'][:34]:<34} {n['op'][:28]:<28} {out[:16]:<16} {_s(n['compute_seconds']):>10}  {cs}")
+    sharded = {k: v for k, v in plan.params.items() if any(p != "R" for p in v)}
+    lines.append(f"\nparameters: {len(plan.params)}, sharded: {len(sharded)}")
+    for k, v in list(sharded.items())[:12]:
+        lines.append(f"  {k:<60} {v}")
+    if len(sharded) > 12:
+        lines.append(f"  ... {len(sharded) - 12} more")
+    m = plan.memory
+    lines.append(f"\nmemory per device: peak {_b(m['peak'])} of budget {_b(m.get('budget', 0))} "
+                 f"(params {_b(m['params'])}, grads {_b(m['grads'])}, optimizer {_b(m['optimizer'])}, "
+                 f"activations {_b(m['activations'])})")
+    comm = plan.breakdown["communication"]
+    lines.append(f"step time: {_s(plan.step_time)} predicted = compute {_s(plan.breakdown['compute'])} + "
+                 + " + ".join(f"comm[{a}] {_s(t)}" for a, t in comm.items())
+                 + f" + optimizer {_s(plan.breakdown['optimizer'])}")
+    sv = plan.solver
+    if sv:
+        lines.append(f"solver: {sv.get('status')} in {sv.get('seconds', 0):.2f}s ({sv.get('backend')}, "
+                     f"{sv.get('variables')} variables, {sv.get('constraints')} constraints); planning took "
+                     f"{sv.get('planning_seconds', 0):.2f}s over meshes "
+                     f"{[c['mesh'] for c in sv.get('candidates', [])]}")
+    return "\n".join(lines)

@@ -1,0 +1,158 @@
+"""Seconds and bytes for every strategy and every resharding, from the ClusterSpec.
+
+- Compute: a roofline, max(FLOPs / peak, bytes / memory bandwidth), on the local shapes; backward
+  costs twice the forward (two matmuls per forward matmul; memory-bound ops read and write about twice).
+- Communication: alpha-beta per mesh axis (``passes.resharding.collective_seconds``), with the axis's
+  link from ``ClusterSpec.axis_link`` (intra-node or inter-node).
+- Memory per device: parameters, gradients and optimizer states under each parameter's layout, and the
+  activations each node keeps for backward under its layouts.
+- Communication does not overlap compute in this model: the step time is their sum.
+"""
+from __future__ import annotations
+
+import functools
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autopar.cluster import ClusterSpec
+from autopar.layout import local_fraction, local_shape
+from autopar.passes.meta import meta_of
+from autopar.passes.resharding import Step, collective_seconds, transition
+from autopar.passes.rules import context_for, rule_for
+from autopar.passes.strategies import Strategy, Value, requires_grad, value_info
+
+aten = torch.ops.aten
+
+# Ops that only relabel memory: no kernel runs.
+VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.transpose.int, aten.t.default,
+            aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+            aten.squeeze.default, aten.expand.default, aten.slice.Tensor, aten.select.int,
+            aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int,
+            aten.reshape.default, operator.getitem, aten.alias.default}
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """Optimizer state bytes per parameter element (Adam: two states)."""
+
+    bytes_per_param: float = 8.0
+    name: str = "adam"
+
+
+class CostModel:
+    def __init__(self, cluster: ClusterSpec, mesh_shape, optimizer: OptimizerSpec = OptimizerSpec()):
+        self.cluster = cluster
+        self.mesh_shape = tuple(mesh_shape)
+        self.optimizer = optimizer
+        self.links = [cluster.axis_link(self.mesh_shape, a) for a in range(len(self.mesh_shape))]
+
+    # --- compute -------------------------------------------------------------------------------
+    def compute_seconds(self, node: fx.Node, s: Strategy) -> float:
+        """Forward plus backward seconds of ``node`` under ``s``."""
+        if node.op != "call_function" or node.target in VIEW_OPS:
+            return 0.0
+        ctx = context_for(node)
+        rule = rule_for(node)
+        split = 1
+        for a, n in enumerate(self.mesh_shape):
+            if s.splits_work[a]:
+                split *= n
+        flops = (rule.flops(ctx) if rule.flops else 0.0) / split
+        nbytes = sum(i.nbytes * local_fraction(lay, self.mesh_shape) for i, lay in zip(ctx.ins, s.inputs))
+        nbytes += sum(o.nbytes * local_fraction(lay, self.mesh_shape) for o, lay in zip(ctx.outs, s.outputs))
+        dtype = ctx.outs[0].dtype if ctx.outs else torch.float32
+        dev = self.cluster.device
+        fwd = max(flops / dev.peak_flops(dtype), nbytes / dev.memory_bandwidth)
+        return fwd * (3.0 if requires_grad(node) else 1.0)
+
+    # --- communication -------------------------------------------------------------------------
+    def steps_seconds(self, steps: list[Step], itemsize: int, needs_grad: bool) -> float:
+        total = 0.0
+        for st in steps:
+            bw, lat = self.links[st.axis]
+            for kind, _phase, nbytes in st.collectives(itemsize, needs_grad):
+                total += collective_seconds(kind, nbytes, self.mesh_shape[st.axis], bw, lat)
+        return total
+
+    def resharding(self, value: Value, src_layout, consumer: fx.Node | None, dst_strategy: Strategy | None,
+                   position: int, dst_layout=None):
+        """Steps to bring ``value`` from ``src_layout`` to what the consumer's strategy reads."""
+        info = value_info(value)
+        dst = dst_layout if dst_layout is not None else dst_strategy.inputs[position]
+        grad = requires_grad(value.node)
+        partial_axes = frozenset()
+        if grad and dst_strategy is not None:
+            partial_axes = frozenset(a for a, p in enumerate(dst) if p.is_replicate and dst_strategy.splits_work[a])
+        return _transition_cached(tuple(src_layout), tuple(dst), info.shape, self.mesh_shape, partial_axes)
+
+    def resharding_seconds(self, value: Value, src_layout, consumer, dst_strategy, position, dst_layout=None) -> float:
+        steps = self.resharding(value, src_layout, consumer, dst_strategy, position, dst_layout)
+        if steps is None:
+            return INFEASIBLE
+        info = value_info(value)
+        return self.steps_seconds(steps, info.dtype.itemsize, requires_grad(value.node))
+
+    # --- parameters and memory -----------------------------------------------------------------
+    def param_bytes(self, node: fx.Node, layout) -> tuple[float, float, float]:
+        """(parameter, gradient, optimizer state) bytes per device for a parameter under ``layout``."""
+        val = node.meta["val"]
+        numel = val.numel() * local_fraction(layout, self.mesh_shape)
+        p = numel * val.dtype.itemsize
+        return p, p, numel * self.optimizer.bytes_per_param
+
+    def optimizer_seconds(self, node: fx.Node, layout) -> float:
+        p, g, o = self.param_bytes(node, layout)
+        # Adam reads the parameter, gradient and states and writes the parameter and states.
+        return (2 * p + g + 2 * o) / self.cluster.device.memory_bandwidth
+
+    def activation_bytes(self, node: fx.Node, s: Strategy) -> float:
+        """Bytes ``node`` keeps for backward under ``s``, per device.
+
+        A saved input is counted at the layout the node reads it in (a resharded copy is what backward
+        keeps), split evenly among the consumers that save the same value, which then share it.
+        """
+        saved = meta_of(node).saved
+        if saved is None or node.op != "call_function" or not requires_grad(node):
+            return 0.0
+        ctx = context_for(node)
+        total = 0.0
+        if ctx.outs:
+            frac = local_fraction(s.outputs[0], self.mesh_shape)
+            total += (saved.outputs + saved.internal) * frac
+        for k, keep in enumerate(saved.inputs):
+            if keep and k < len(ctx.ins):
+                sharers = meta_of(ctx.input_nodes[k]).extra.get("saved_by", 1)
+                total += ctx.ins[k].nbytes * local_fraction(s.inputs[k], self.mesh_shape) / sharers
+        return total
+
+
+INFEASIBLE = 1e6  # seconds: a resharding that cannot happen (a Partial made from a non-Partial)
+
+
+@functools.lru_cache(maxsize=200_000)
+def _transition_cached(src, dst, shape, mesh_shape, partial_axes):
+    try:
+        local = local_shape(shape, src, mesh_shape)
+    except Exception:
+        return None
+    return transition(src, dst, local, mesh_shape, grad_partial=partial_axes)
+
+
+def count_saving_consumers(gm: fx.GraphModule) -> None:
+    """How many nodes save each value for backward (``extra["saved_by"]``)."""
+    from collections import Counter
+
+    counts = Counter()
+    for node in gm.graph.nodes:
+        saved = meta_of(node).saved
+        if node.op != "call_function" or saved is None:
+            continue
+        ins = context_for(node).input_nodes
+        for k, keep in enumerate(saved.inputs):
+            if keep and k < len(ins):
+                counts[ins[k]] += 1
+    for n, c in counts.items():
+        meta_of(n).extra["saved_by"] = c

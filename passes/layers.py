@@ -1,0 +1,89 @@
+"""Find repeated layers, so that each unique layer is solved once.
+
+A layer instance is the outermost module whose path ends in a list index (``model.layers.3``,
+``transformer.h.0``), as recorded in ``nn_module_stack``. Instances whose nodes have the same
+structure (op, shapes, how they connect, the shapes of what comes from outside) form one class; the
+node at position ``i`` of every instance in a class is tagged with the same ``(cls, i)``.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+import torch
+import torch.fx as fx
+
+from autopar.passes.meta import LayerTag, meta_of
+
+_INDEXED = re.compile(r"^(.*?\.\d+)(\.|$)")
+_TRAILING_INDEX = re.compile(r"\.\d+$")
+
+
+def _instance_of(node: fx.Node) -> str | None:
+    role = meta_of(node).role
+    if node.op == "placeholder":
+        path = role.target if role and role.kind == "param" else None
+    else:
+        stack = node.meta.get("nn_module_stack") or {}
+        path = next((fqn for fqn, _ in stack.values() if _INDEXED.match(fqn or "")), None)
+    if not path:
+        return None
+    m = _INDEXED.match(path)
+    return m.group(1) if m else None
+
+
+def _val_sig(v):
+    if isinstance(v, torch.Tensor):
+        return (tuple(v.shape), str(v.dtype))
+    if isinstance(v, (list, tuple)):
+        return tuple(_val_sig(x) for x in v)
+    return type(v).__name__
+
+
+def _signature(nodes: list[fx.Node], prefix: str) -> tuple:
+    index = {n: i for i, n in enumerate(nodes)}
+
+    def arg_sig(a):
+        if isinstance(a, fx.Node):
+            return ("in", index[a]) if a in index else ("ext", _val_sig(a.meta.get("val")))
+        if isinstance(a, (list, tuple)):
+            return tuple(arg_sig(x) for x in a)
+        if isinstance(a, dict):
+            return tuple((k, arg_sig(v)) for k, v in a.items())
+        return repr(a)
+
+    sig = []
+    for n in nodes:
+        if n.op == "placeholder":
+            sig.append(("param", meta_of(n).role.target[len(prefix):], _val_sig(n.meta.get("val"))))
+        else:
+            sig.append((n.op, str(n.target), arg_sig(n.args), arg_sig(dict(n.kwargs)),
+                        _val_sig(n.meta.get("val"))))
+    return tuple(sig)
+
+
+def layers_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    instances: dict[str, list[fx.Node]] = defaultdict(list)
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "call_function"):
+            inst = _instance_of(node)
+            if inst is not None:
+                instances[inst].append(node)
+    classes: dict[tuple, str] = {}
+    for inst, nodes in instances.items():
+        sig = _signature(nodes, inst + ".")
+        pattern = _TRAILING_INDEX.sub(".*", inst)
+        cls = classes.setdefault(sig, f"{pattern}#{len(classes)}")
+        for i, n in enumerate(nodes):
+            meta_of(n).layer = LayerTag(inst, cls, i)
+    return gm
+
+
+def layer_counts(gm: fx.GraphModule) -> dict[str, int]:
+    """Number of instances of each layer class."""
+    seen = defaultdict(set)
+    for n in gm.graph.nodes:
+        tag = meta_of(n).layer if n.op != "output" else None
+        if tag is not None:
+            seen[tag.cls].add(tag.layer)
+    return {cls: len(v) for cls, v in seen.items()}

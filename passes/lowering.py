@@ -1,0 +1,86 @@
+"""Which reshardings a chosen assignment implies, deduplicated the way codegen emits them.
+
+A value read in the same layout, with the same gradient reductions, by several consumers is
+resharded once and shared. Planning reports the collectives from this, and codegen emits exactly
+these steps, so ``plan.collectives`` and the generated program agree by construction.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from autopar.layout import R
+from autopar.passes.costs import CostModel
+from autopar.passes.resharding import Step
+from autopar.passes.strategies import Strategy, Value, input_values, requires_grad
+
+
+@dataclass(frozen=True)
+class ReshardKey:
+    value: Value
+    dst: tuple
+    grad_partial: frozenset
+
+
+@dataclass
+class Lowered:
+    strategy: dict                                   # node -> Strategy
+    reshards: dict = field(default_factory=dict)     # ReshardKey -> list[Step]
+    first_consumer: dict = field(default_factory=dict)  # ReshardKey -> consumer node name
+    uses: dict = field(default_factory=dict)         # (consumer node, input position) -> ReshardKey
+    output_uses: list = field(default_factory=list)  # ReshardKey or None per user output
+
+
+def lower(gm: fx.GraphModule, strategy: dict, cm: CostModel) -> Lowered:
+    low = Lowered(strategy)
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            s = strategy[node]
+            for k, v in enumerate(input_values(node)):
+                key = _reshard(low, cm, v, s.inputs[k], s, node)
+                if key is not None:
+                    low.uses[(node, k)] = key
+        elif node.op == "output":
+            leaves = torch.utils._pytree.tree_leaves(node.args)
+            for a in leaves:
+                if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
+                    rep = tuple(R for _ in cm.mesh_shape)
+                    low.output_uses.append(_reshard(low, cm, Value(a), rep, None, node))
+                else:
+                    low.output_uses.append(None)
+    return low
+
+
+def _reshard(low: Lowered, cm: CostModel, v: Value, dst, s: Strategy | None, consumer: fx.Node):
+    src = low.strategy[v.node].outputs[v.index]
+    partial = frozenset()
+    if s is not None and requires_grad(v.node):
+        partial = frozenset(a for a, p in enumerate(dst) if p.is_replicate and s.splits_work[a])
+    key = ReshardKey(v, tuple(dst), partial)
+    if key not in low.reshards:
+        steps = cm.resharding(v, src, consumer, s, 0, dst_layout=dst)
+        if steps is None:
+            raise AssertionError(f"plan reads {v.node.name} as {list(map(str, dst))} but it is produced as "
+                                 f"{list(map(str, src))}: no resharding makes a Partial")
+        low.reshards[key] = steps
+        low.first_consumer[key] = consumer.name
+    return key if low.reshards[key] else None
+
+
+def collectives(low: Lowered, cm: CostModel, axis_names) -> list[dict]:
+    from autopar.passes.resharding import collective_seconds
+    from autopar.passes.strategies import value_info
+
+    out = []
+    for key, steps in low.reshards.items():
+        info = value_info(key.value)
+        grad = requires_grad(key.value.node)
+        for st in steps:
+            bw, lat = cm.links[st.axis]
+            for kind, phase, nbytes in st.collectives(info.dtype.itemsize, grad):
+                out.append({"kind": kind, "axis": axis_names[st.axis], "bytes": int(nbytes), "phase": phase,
+                            "seconds": collective_seconds(kind, nbytes, cm.mesh_shape[st.axis], bw, lat),
+                            "node": low.first_consumer[key], "value": key.value.node.name, "step": st.op})
+    return out

@@ -1,0 +1,138 @@
+"""Turn an annotated graph into the solver's abstract problem, folding repeated layers.
+
+Decisions are made per *root* node (one that does not follow a producer). The root at position ``i``
+of every instance of a layer class shares one decision, whose costs count once per instance; an
+edge between two decisions sums the resharding costs of every graph edge it stands for.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from autopar.layout import R
+from autopar.passes.costs import CostModel
+from autopar.passes.meta import meta_of
+from autopar.passes.strategies import Value, input_values, root_of, strategy_under_root
+from autopar.solver import Choice, Edge, MemoryConstraint, Problem
+
+
+def key_of(node: fx.Node):
+    tag = meta_of(node).layer
+    return ("L", tag.cls, tag.index) if tag is not None else ("N", node.name)
+
+
+def strategy_of(node: fx.Node, option: int):
+    sset = meta_of(node).strategies
+    return sset.strategies[strategy_under_root(node, option)]
+
+
+def output_layout(v: Value, option_of_root: int):
+    return strategy_of(v.node, option_of_root).outputs[v.index]
+
+
+@dataclass
+class ProblemIndex:
+    """How the abstract problem's choices map back to the graph."""
+
+    choice_of_key: dict = field(default_factory=dict)
+    keys: list = field(default_factory=list)
+    roots_of_key: dict = field(default_factory=lambda: defaultdict(list))
+
+    def option_of(self, node: fx.Node, assignment) -> int:
+        """The strategy index ``node`` takes under an assignment of the problem's choices."""
+        root = root_of(node)
+        return strategy_under_root(node, assignment[self.choice_of_key[key_of(root)]])
+
+
+def _decided_nodes(gm):
+    return [n for n in gm.graph.nodes if n.op in ("placeholder", "call_function")
+            and meta_of(n).strategies is not None]
+
+
+def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None) -> tuple[Problem, ProblemIndex]:
+    nodes = _decided_nodes(gm)
+    idx = ProblemIndex()
+    members = defaultdict(list)
+    for n in nodes:
+        root = root_of(n)
+        members[root].append(n)
+        if root is n:
+            idx.roots_of_key[key_of(n)].append(n)
+
+    prob = Problem(memory_limit=memory_limit)
+    fwd_terms, bwd_terms = [], []
+    unary_extra = defaultdict(lambda: None)
+    for key, roots in idx.roots_of_key.items():
+        rep = roots[0]
+        opts = meta_of(rep).strategies.strategies
+        costs, act, state, state_bwd = [], [], [], []
+        for o in range(len(opts)):
+            c, a, st, stb = 0.0, 0.0, 0.0, 0.0
+            for m in members[rep]:
+                s = strategy_of(m, o)
+                c += cm.compute_seconds(m, s)
+                a += cm.activation_bytes(m, s)
+                if m.op == "placeholder" and meta_of(m).role.kind == "param":
+                    p, g, opt = cm.param_bytes(m, s.outputs[0])
+                    c += cm.optimizer_seconds(m, s.outputs[0])
+                    st += p + opt
+                    stb += p + g + opt
+            costs.append(c)
+            act.append(a * len(roots))
+            state.append(st * len(roots))
+            state_bwd.append(stb * len(roots))
+        ci = prob.add_choice(Choice(str(key), tuple(costs), count=len(roots),
+                                    labels=tuple(s.label() for s in opts)))
+        idx.choice_of_key[key] = ci
+        idx.keys.append(key)
+        fwd_terms.append((ci, tuple(x + y for x, y in zip(act, state))))
+        bwd_terms.append((ci, tuple(state_bwd)))
+
+    # Edges, one matrix per distinct (producer key, output, consumer key, input position).
+    groups = defaultdict(list)
+    for c in list(nodes) + [n for n in gm.graph.nodes if n.op == "output"]:
+        values = input_values(c) if c.op == "call_function" else _output_values(c)
+        for k, v in enumerate(values):
+            rp = root_of(v.node)
+            rc = root_of(c) if c.op != "output" else None
+            if rp is rc:
+                continue
+            groups[(key_of(v.node), v.index, key_of(c) if rc is not None else "output", k)].append((v, c, rp, rc))
+    matrices = {}
+    for gkey, occurrences in groups.items():
+        v, c, rp, rc = occurrences[0]
+        n_src = len(meta_of(rp).strategies.strategies)
+        src_layouts = [output_layout(v, i) for i in range(n_src)]
+        ci_src = idx.choice_of_key[key_of(rp)]
+        k = gkey[3]
+        if rc is None:
+            sink = tuple(R for _ in cm.mesh_shape)
+            row = [cm.resharding_seconds(v, lay, None, None, k, dst_layout=sink) * len(occurrences)
+                   for lay in src_layouts]
+            choice = prob.choices[ci_src]
+            prob.choices[ci_src] = Choice(choice.name, tuple(a + b / choice.count for a, b in zip(choice.costs, row)),
+                                          choice.count, choice.labels)
+            continue
+        n_dst = len(meta_of(rc).strategies.strategies)
+        mat = [[cm.resharding_seconds(v, src_layouts[i], c, strategy_of(c, j), k) for j in range(n_dst)]
+               for i in range(n_src)]
+        ci_dst = idx.choice_of_key[key_of(rc)]
+        acc = matrices.get((ci_src, ci_dst))
+        scaled = [[x * len(occurrences) for x in row] for row in mat]
+        matrices[(ci_src, ci_dst)] = scaled if acc is None else [[a + b for a, b in zip(r1, r2)]
+                                                                 for r1, r2 in zip(acc, scaled)]
+    for (s, d), mat in matrices.items():
+        prob.edges.append(Edge(s, d, tuple(tuple(r) for r in mat)))
+    prob.memory = [MemoryConstraint("end of forward", tuple(fwd_terms)),
+                   MemoryConstraint("end of backward", tuple(bwd_terms))]
+    prob.validate()
+    return prob, idx
+
+
+def _output_values(out_node: fx.Node) -> list[Value]:
+    import torch
+
+    leaves = torch.utils._pytree.tree_leaves(out_node.args)
+    return [Value(a) for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]

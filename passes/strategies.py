@@ -1,0 +1,207 @@
+"""Candidate layouts for every node: products of per-axis rule options over the mesh.
+
+A strategy fixes the layout of each tensor input and each output of a node. Nodes with one tensor
+input that can take every layout their producer may give without resharding (views, getitem,
+unary pointwise ops) become *followers*: they get no decision of their own, and their strategy is a
+function of the producer's. This keeps the solver's problem to the nodes where a choice matters.
+
+Refused strategies (documented in docs/sharding.md): a dim that does not divide by the mesh axes that
+shard it, and one tensor dim sharded by two mesh axes.
+"""
+from __future__ import annotations
+
+import itertools
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autopar.layout import R, Placement, S, divides
+from autopar.passes.meta import meta_of
+from autopar.passes.rules import (AxisOption, TensorInfo, axis_options, context_for, output_infos,
+                                  rule_for)
+
+Layout = tuple  # tuple[Placement, ...]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    inputs: tuple[Layout, ...]       # one layout per tensor input
+    outputs: tuple[Layout, ...]      # one layout per output tensor
+    splits_work: tuple[bool, ...]    # per mesh axis: the op's work is divided along it
+
+    def label(self) -> str:
+        outs = ",".join("[" + ",".join(map(str, lay)) + "]" for lay in self.outputs)
+        return outs or "-"
+
+
+@dataclass(frozen=True)
+class StrategySet:
+    strategies: tuple[Strategy, ...]
+    follows: fx.Node | None = None           # the node whose choice fixes this one's
+    follow_map: tuple[int, ...] = ()         # producer strategy index -> own strategy index
+
+
+@dataclass(frozen=True)
+class Value:
+    """A tensor in the graph: output ``index`` of ``node``."""
+
+    node: fx.Node
+    index: int = 0
+
+
+def input_values(node: fx.Node) -> list[Value]:
+    """The node's tensor inputs as values; ``getitem`` reads one output of a multi-output node."""
+    if node.target is operator.getitem:
+        return [Value(node.args[0], node.args[1])]
+    from autopar.passes.rules import tensor_inputs
+
+    return [Value(a, 0) for a in tensor_inputs(node)]
+
+
+def value_info(v: Value) -> TensorInfo:
+    return output_infos(v.node)[v.index]
+
+
+def requires_grad(node: fx.Node) -> bool:
+    return bool(meta_of(node).extra.get("requires_grad", False))
+
+
+def _mark_requires_grad(gm: fx.GraphModule):
+    for node in gm.graph.nodes:
+        m = meta_of(node)
+        vals = [v for v in torch.utils._pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+        floating = any(v.dtype.is_floating_point for v in vals)
+        if node.op == "placeholder":
+            m.extra["requires_grad"] = m.role is not None and m.role.kind == "param"
+        elif node.op == "call_function":
+            no_grad = "set_grad_enabled" in str(node.target) and node.args and node.args[0] is False
+            ins = node.all_input_nodes
+            m.extra["requires_grad"] = floating and not no_grad and any(requires_grad(a) for a in ins)
+        else:
+            m.extra["requires_grad"] = False
+
+
+def _placeholder_strategies(node: fx.Node, mesh_shape) -> list[Strategy]:
+    role = meta_of(node).role
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return [Strategy((), (), (False,) * len(mesh_shape))]
+    shape = tuple(val.shape)
+    if role is None or role.kind in ("buffer", "constant"):
+        per_axis = [[R]]
+    else:
+        per_axis = [[R] + [S(d) for d in range(len(shape)) if shape[d] > 1]]
+    out = []
+    for combo in itertools.product(*[per_axis[0] if n > 1 else [R] for n in mesh_shape]):
+        if _distinct_dims(combo) and divides(shape, combo, mesh_shape):
+            out.append(Strategy((), (tuple(combo),), (False,) * len(mesh_shape)))
+    return out
+
+
+def _distinct_dims(layout) -> bool:
+    dims = [p.dim for p in layout if p.is_shard]
+    return len(dims) == len(set(dims))
+
+
+def _combine(options: list[AxisOption], ins: list[TensorInfo], outs: list[TensorInfo], mesh_shape):
+    """One strategy per mesh axis option tuple, when every tensor stays valid under it."""
+    in_layouts = tuple(tuple(o.inputs[i] for o in options) for i in range(len(ins)))
+    out_layouts = tuple(tuple(o.outputs[i] for o in options) for i in range(len(outs)))
+    for lay, info in zip(in_layouts + out_layouts, ins + outs):
+        if not _distinct_dims(lay) or not divides(info.shape, lay, mesh_shape):
+            return None
+    return Strategy(in_layouts, out_layouts, tuple(not o.trivial for o in options))
+
+
+def node_strategies(node: fx.Node, mesh_shape) -> list[Strategy]:
+    if node.op == "placeholder":
+        return _placeholder_strategies(node, mesh_shape)
+    ctx = context_for(node)
+    opts = axis_options(ctx)
+    rep_only = [opts[0]]
+    per_axis = [opts if n > 1 else rep_only for n in mesh_shape]
+    out = []
+    for combo in itertools.product(*per_axis):
+        s = _combine(list(combo), ctx.ins, ctx.outs, mesh_shape)
+        if s is not None and s not in out:
+            out.append(s)
+    return out
+
+
+def _getitem_strategies(node: fx.Node, producer: StrategySet) -> StrategySet:
+    idx = node.args[1]
+    strategies, follow = [], []
+    for s in producer.strategies:
+        lay = s.outputs[idx]
+        st = Strategy((lay,), (lay,), (False,) * len(lay))
+        if st not in strategies:
+            strategies.append(st)
+        follow.append(strategies.index(st))
+    return StrategySet(tuple(strategies), node.args[0], tuple(follow))
+
+
+def _try_follow(node: fx.Node, own: list[Strategy], producer_set: StrategySet, v: Value):
+    follow = []
+    for s in producer_set.strategies:
+        lay = s.outputs[v.index] if s.outputs else None
+        match = next((j for j, t in enumerate(own) if t.inputs[0] == lay), None)
+        if match is None:
+            return None
+        follow.append(match)
+    return StrategySet(tuple(own), v.node, tuple(follow))
+
+
+def strategies_pass(gm: fx.GraphModule, mesh_shape) -> fx.GraphModule:
+    """Write a ``StrategySet`` on every placeholder and call_function node."""
+    mesh_shape = tuple(mesh_shape)
+    _mark_requires_grad(gm)
+    for node in gm.graph.nodes:
+        if node.op not in ("placeholder", "call_function"):
+            continue
+        if node.target is operator.getitem:
+            meta_of(node).strategies = _getitem_strategies(node, meta_of(node.args[0]).strategies)
+            continue
+        ins = input_values(node) if node.op == "call_function" else []
+        own = _reachable(node_strategies(node, mesh_shape), ins)
+        sset = None
+        if len(ins) == 1 and ins[0].node.op != "placeholder" and _same_layer(node, ins[0].node):
+            sset = _try_follow(node, own, meta_of(ins[0].node).strategies, ins[0])
+        meta_of(node).strategies = sset or StrategySet(tuple(own))
+    return gm
+
+
+def _same_layer(a: fx.Node, b: fx.Node) -> bool:
+    """Followers stay inside their layer instance, so every copy of a layer has the same decisions."""
+    ta, tb = meta_of(a).layer, meta_of(b).layer
+    return (ta.layer if ta else None) == (tb.layer if tb else None)
+
+
+def _reachable(strategies: list[Strategy], ins: list[Value]) -> list[Strategy]:
+    """Drop strategies that need a Partial input its producer can never give: no resharding makes a
+    Partial out of anything else."""
+    partial_ok = []
+    for v in ins:
+        sset = meta_of(v.node).strategies
+        partial_ok.append({a for s in sset.strategies for a, p in enumerate(s.outputs[v.index]) if p.is_partial})
+    return [s for s in strategies
+            if all(not p.is_partial or a in partial_ok[k] for k, lay in enumerate(s.inputs) for a, p in enumerate(lay))]
+
+
+def root_of(node: fx.Node) -> fx.Node:
+    while meta_of(node).strategies.follows is not None:
+        node = meta_of(node).strategies.follows
+    return node
+
+
+def strategy_under_root(node: fx.Node, root_option: int) -> int:
+    """The strategy index ``node`` takes when its root decision takes ``root_option``."""
+    chain = []
+    while meta_of(node).strategies.follows is not None:
+        chain.append(node)
+        node = meta_of(node).strategies.follows
+    idx = root_option
+    for n in reversed(chain):
+        idx = meta_of(n).strategies.follow_map[idx]
+    return idx
