@@ -1,0 +1,9 @@
+"""The solver stage: picks one option per decision of an abstract layout problem (no torch, no fx)."""
+from .brute_force import brute_force
+from .greedy import greedy
+from .ilp import solve
+from .memory import minimum_feasible_budget
+from .problem import Choice, Edge, MemoryConstraint, Problem, Solution
+
+__all__ = ["Problem", "Choice", "Edge", "MemoryConstraint", "Solution", "solve", "greedy", "brute_force",
+           "minimum_feasible_budget"]

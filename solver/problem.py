@@ -64,8 +64,13 @@ class Problem:
             if len(e.cost) != rows or any(len(r) != cols for r in e.cost):
                 raise ValueError(f"edge {self.choices[e.src].name}->{self.choices[e.dst].name}: cost "
                                  f"matrix must be {rows}x{cols}")
+        names = [m.name for m in self.memory]
+        if len(set(names)) != len(names):   # memory_usage() is keyed by name: a duplicate would hide one
+            raise ValueError(f"memory constraint names must be unique, got {sorted(names)}")
         for m in self.memory:
             for idx, per_option in m.terms:
+                if not 0 <= idx < n:   # a negative index would silently wrap around
+                    raise ValueError(f"memory constraint {m.name!r} names choice {idx}, out of range 0..{n - 1}")
                 if len(per_option) != len(self.choices[idx].costs):
                     raise ValueError(f"memory constraint {m.name!r}: term for {self.choices[idx].name!r} "
                                      f"has {len(per_option)} entries for {len(self.choices[idx].costs)} options")

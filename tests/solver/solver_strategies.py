@@ -1,0 +1,55 @@
+"""Random layout problems for the solver tests.
+
+Values are small integers times a unit, so distinct assignments differ by at least one unit and an
+exact solver must match brute force to rounding. The seconds unit varies over nine orders of magnitude
+to exercise the ILP's scaling; bytes come in MB.
+"""
+from hypothesis import strategies as st
+
+from autopar.solver import Choice, Edge, MemoryConstraint, Problem
+
+MB = 1e6
+
+
+@st.composite
+def matrices(draw, rows, cols, unit):
+    kind = draw(st.sampled_from(["random", "constant", "separable"]))
+    ints = st.integers(0, 20)
+    if kind == "constant":
+        v = draw(ints)
+        return tuple(tuple(unit * v for _ in range(cols)) for _ in range(rows))
+    if kind == "separable":   # a[i] + b[j]: linear in the choices, needs no pair variables
+        a, b = draw(st.lists(ints, min_size=rows, max_size=rows)), draw(st.lists(ints, min_size=cols, max_size=cols))
+        return tuple(tuple(unit * (ai + bj) for bj in b) for ai in a)
+    return tuple(tuple(unit * draw(ints) for _ in range(cols)) for _ in range(rows))
+
+
+@st.composite
+def problems(draw, max_choices=8, memory=None):
+    """memory: True/False forces memory constraints on/off; None draws it."""
+    n = draw(st.integers(1, max_choices))
+    unit = draw(st.sampled_from([1e-6, 1e-3, 1.0, 1e3]))
+    sizes = [draw(st.sampled_from([1, 2, 2, 3, 3, 4, 4])) for _ in range(n)]   # single options now and then
+    choices = [Choice(f"c{c}", tuple(unit * draw(st.integers(0, 20)) for _ in range(k)),
+                      count=draw(st.integers(1, 4))) for c, k in enumerate(sizes)]
+    edges = []
+    for _ in range(draw(st.integers(0, 2 * n))):
+        s, d = draw(st.integers(0, n - 1)), draw(st.integers(0, n - 1))   # self-edges and repeats too
+        edges.append(Edge(s, d, draw(matrices(sizes[s], sizes[d], unit)), count=draw(st.integers(1, 4))))
+    p = Problem(choices=choices, edges=edges)
+    if memory if memory is not None else draw(st.booleans()):
+        for k in range(draw(st.integers(1, 3))):
+            idx = draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=n))   # repeats allowed
+            terms = tuple((c, tuple(MB * draw(st.integers(0, 50)) for _ in range(sizes[c]))) for c in idx)
+            p.memory.append(MemoryConstraint(f"m{k}", terms, constant=MB * draw(st.integers(0, 20))))
+        # A limit between the least and the most any constraint could need: some fit, some do not.
+        lo = min(m.constant + sum(min(per) for _, per in m.terms) for m in p.memory)
+        hi = max(m.constant + sum(max(per) for _, per in m.terms) for m in p.memory)
+        p.memory_limit = MB * draw(st.integers(int(lo / MB), int(hi / MB)))
+    return p
+
+
+def unit_of(p: Problem) -> float:
+    """The smallest nonzero cost: any two objective values differ by a multiple of it."""
+    vals = [v for c in p.choices for v in c.costs] + [v for e in p.edges for row in e.cost for v in row]
+    return min((v for v in vals if v), default=1.0)
