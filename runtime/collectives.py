@@ -1,0 +1,269 @@
+"""Autograd-aware collectives: every resharding in a generated per-rank program is one call here.
+
+Each function is a plain module-level ``call_function`` target that takes its process group by
+c10d group *name* (``pg.group_name``), so generated code can print the call as a literal. The
+forward runs the non-autograd ``_c10d_functional`` ops; each ``torch.autograd.Function`` below
+defines the backward from the gradient convention:
+
+- the gradient of a Replicate value is replicated (every rank holds the full, identical gradient);
+- the gradient of a Shard(d) value is this rank's shard of the gradient;
+- the gradient of a Partial value is replicated (each partial term gets the full gradient).
+
+Shards are equal, contiguous blocks in rank order, so a sharded dim must divide by the group size.
+The group is resolved on every call rather than cached: the lookup costs about a microsecond, and
+c10d reuses group names after ``destroy_process_group``, so a cache keyed by name could go stale.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from autopar.errors import ShardingError
+
+__all__ = [
+    "COLLECTIVE_KIND",
+    "IndivisibleDimError",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "grad_all_reduce",
+    "local_chunk",
+    "reduce_scatter",
+    "same_on_all_ranks",
+]
+
+_ops = torch.ops._c10d_functional
+
+
+class IndivisibleDimError(ShardingError, ValueError):
+    """A tensor dim to shard or scatter does not divide by the group size."""
+
+
+def _group(name: str) -> tuple[int, int]:
+    """(rank in the group, group size) of the group called ``name``."""
+    group = _resolve_process_group(name)
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _dim(x: torch.Tensor, dim: int) -> int:
+    if not -x.dim() <= dim < x.dim():
+        raise IndexError(f"dim {dim} is out of range for a tensor of shape {tuple(x.shape)}")
+    return dim % x.dim()
+
+
+def _check_divisible(op: str, x: torch.Tensor, dim: int, size: int, name: str) -> None:
+    if x.size(dim) % size:
+        raise IndivisibleDimError(
+            f"{op}: dim {dim} of a tensor of shape {tuple(x.shape)} has size {x.size(dim)}, "
+            f"which does not divide by the group size {size} (group {name!r}); "
+            f"pad that dim or choose a layout that does not shard it"
+        )
+
+
+def _blocks(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``x`` split along ``dim`` into ``size`` blocks stacked on a new, contiguous dim 0:
+    the layout in which the c10d ops send block r to rank r."""
+    return x.unflatten(dim, (size, -1)).movedim(dim, 0).contiguous()
+
+
+def _unblocks(y: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of ``_blocks``: concatenate the blocks on dim 0 of ``y`` along ``dim``."""
+    return y.movedim(0, dim).flatten(dim, dim + 1)
+
+
+def _gather(x: torch.Tensor, dim: int, size: int, name: str) -> torch.Tensor:
+    y = _ops.wait_tensor(_ops.all_gather_into_tensor(x.contiguous(), size, name))
+    return y if dim == 0 else _unblocks(y.view(size, *x.shape), dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, size: int, name: str) -> torch.Tensor:
+    y = _ops.wait_tensor(_ops.reduce_scatter_tensor(_blocks(x, dim, size), "sum", size, name))
+    return y.squeeze(0)
+
+
+def _all_reduce(x: torch.Tensor, name: str) -> torch.Tensor:
+    return _ops.wait_tensor(_ops.all_reduce(x.contiguous(), "sum", name))
+
+
+def _chunk(x: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    n = x.size(dim) // size
+    return x.narrow(dim, rank * n, n)
+
+
+def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, size: int, name: str) -> torch.Tensor:
+    # Block r of the result is rank r's src_dim shard of this rank's dst_dim block.
+    splits = [1] * size
+    y = _ops.wait_tensor(_ops.all_to_all_single(_blocks(x, dst_dim, size), splits, splits, name))
+    return _unblocks(y, src_dim)
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, name, grad):
+        rank, size = _group(name)
+        ctx.args = dim, name, grad, rank, size
+        return _gather(x, dim, size, name)
+
+    @staticmethod
+    def backward(ctx, g):
+        dim, name, grad, rank, size = ctx.args
+        if grad == "slice":
+            return _chunk(g, dim, rank, size), None, None, None
+        return _reduce_scatter(g, dim, size, name), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, name):
+        _, size = _group(name)
+        _check_divisible("reduce_scatter", x, dim, size, name)
+        ctx.args = dim, name, size
+        return _reduce_scatter(x, dim, size, name)
+
+    @staticmethod
+    def backward(ctx, g):
+        dim, name, size = ctx.args
+        return _gather(g, dim, size, name), None, None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, name):
+        return _all_reduce(x, name)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _GradAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, name):
+        ctx.name = name
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g, ctx.name), None
+
+
+class _LocalChunk(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, name):
+        rank, size = _group(name)
+        _check_divisible("local_chunk", x, dim, size, name)
+        ctx.args = dim, name, size
+        return _chunk(x, dim, rank, size)
+
+    @staticmethod
+    def backward(ctx, g):
+        dim, name, size = ctx.args
+        return _gather(g, dim, size, name), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, src_dim, dst_dim, name):
+        _, size = _group(name)
+        _check_divisible("all_to_all", x, dst_dim, size, name)
+        ctx.args = src_dim, dst_dim, name, size
+        return _all_to_all(x, src_dim, dst_dim, size, name)
+
+    @staticmethod
+    def backward(ctx, g):
+        src_dim, dst_dim, name, size = ctx.args
+        return _all_to_all(g, dst_dim, src_dim, size, name), None, None, None
+
+
+def all_gather(x: torch.Tensor, dim: int, group_name: str, grad: str = "reduce_scatter") -> torch.Tensor:
+    """S(dim) -> R: concatenate every rank's ``x`` along ``dim`` in rank order.
+
+    ``grad`` says what the incoming gradient is. ``"reduce_scatter"``: partial over the group (its
+    sum over ranks is the true gradient), so the backward reduce-scatters it (the Megatron
+    sequence-parallel and FSDP pairing). ``"slice"``: already replicated, so the backward takes
+    this rank's chunk, with no communication.
+    """
+    if grad not in ("reduce_scatter", "slice"):
+        raise ValueError(f"all_gather: grad={grad!r}; use 'reduce_scatter' or 'slice'")
+    return _AllGather.apply(x, _dim(x, dim), group_name, grad)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """P -> S(dim): sum over the group, keep this rank's chunk along ``dim``. Backward: all-gather."""
+    return _ReduceScatter.apply(x, _dim(x, dim), group_name)
+
+
+def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """P -> R: sum over the group. Backward: identity (the replicated gradient is every term's)."""
+    return _AllReduce.apply(x, group_name)
+
+
+def grad_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Identity forward; the backward sums the gradient over the group.
+
+    Megatron's "f" operator before a column-parallel layer, and DDP's gradient sync.
+    """
+    return _GradAllReduce.apply(x, group_name)
+
+
+def local_chunk(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """R -> S(dim) with no communication: a view of this rank's chunk along ``dim``.
+
+    Backward: all-gather, since the incoming gradient is one shard of a replicated gradient.
+    """
+    return _LocalChunk.apply(x, _dim(x, dim), group_name)
+
+
+def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group_name: str) -> torch.Tensor:
+    """S(src_dim) -> S(dst_dim): gather ``src_dim``, split ``dst_dim``. Backward: the inverse.
+
+    Uses c10d's native all-to-all on every backend; gloo has one (checked on torch 2.13).
+    """
+    src_dim, dst_dim = _dim(x, src_dim), _dim(x, dst_dim)
+    if src_dim == dst_dim:
+        raise ValueError(f"all_to_all: src_dim and dst_dim are both {src_dim}; S(d) -> S(d) needs no collective")
+    return _AllToAll.apply(x, src_dim, dst_dim, group_name)
+
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _checksum(t: torch.Tensor) -> torch.Tensor:
+    """Sum and position-weighted sum of the bit patterns, in wrapping int64 arithmetic.
+
+    Integer sums do not depend on summation order, so equal tensors give equal checksums on any
+    rank, and any single changed element (even by one ulp) changes the plain sum.
+    """
+    flat = t.detach().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    bits = flat.view(_INT_OF_WIDTH[flat.element_size()]).to(torch.int64)
+    pos = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
+    return torch.stack([bits.sum(), (bits * pos).sum(), torch.tensor(bits.numel(), device=bits.device)])
+
+
+def same_on_all_ranks(tensors, group_name: str) -> bool:
+    """True when every tensor in ``tensors`` is bitwise equal on every rank of the group.
+
+    A cheap check for replicated weights: one all-reduce of three int64s per tensor. Every rank
+    must pass the same number of tensors, on the device its backend communicates on.
+    """
+    tensors = list(tensors)
+    if not tensors:
+        return True
+    sums = torch.cat([_checksum(t) for t in tensors])
+    # max(~v) == ~min(v): one MAX all-reduce yields both the maximum and the minimum of each entry.
+    both = _ops.wait_tensor(_ops.all_reduce(torch.cat([sums, ~sums]), "max", group_name))
+    n = sums.numel()
+    return torch.equal(both[:n], ~both[n:])
+
+
+COLLECTIVE_KIND = {
+    all_gather: "all_gather",
+    reduce_scatter: "reduce_scatter",
+    all_reduce: "all_reduce",
+    grad_all_reduce: "all_reduce",  # in the backward
+    local_chunk: None,  # no communication in the forward
+    all_to_all: "all_to_all",
+}

@@ -1,0 +1,90 @@
+"""Run a test body on real gloo processes; any failing or hanging rank fails the calling test."""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
+
+_HOST = "127.0.0.1"
+_ERROR_KEY = "run_distributed/error/"
+
+
+def _worker(rank, fn, world_size, port, timeout, args):
+    # The ranks share a few CPU cores; more threads per rank only oversubscribe them.
+    torch.set_num_threads(1)
+    store = dist.TCPStore(_HOST, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+    # A stuck collective times out in the child, with a traceback naming it, before the parent
+    # gives up on the whole run.
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=0.75 * timeout)
+    )
+    try:
+        fn(rank, world_size, *args)
+    except BaseException:
+        # The peers of a failed rank fail too ("Connection closed by peer"), and any of them may
+        # exit first; the time stamp lets the parent report the rank that failed first.
+        store.set(f"{_ERROR_KEY}{rank}", f"{time.time()!r}\n{traceback.format_exc()}")
+        raise
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: with torch loaded it takes about a second per rank, and a test
+    # needs nothing from it.
+    os._exit(0)
+
+
+def _first_failure(store, fn, world_size, cause) -> RuntimeError:
+    """An error that shows the traceback of the rank that failed first and lists the others."""
+    errors = []
+    for rank in range(world_size):
+        if store.check([f"{_ERROR_KEY}{rank}"]):
+            stamp, tb = store.get(f"{_ERROR_KEY}{rank}").decode().split("\n", 1)
+            errors.append((float(stamp), rank, tb))
+    if not errors:  # a rank died without a Python exception (a signal, os._exit)
+        return RuntimeError(f"run_distributed({fn.__name__}, world_size={world_size}): {cause}")
+    errors.sort()
+    _, rank, tb = errors[0]
+    later = "".join(f"\nrank {r} failed later: {t.strip().splitlines()[-1]}" for _, r, t in errors[1:])
+    return RuntimeError(
+        f"run_distributed({fn.__name__}, world_size={world_size}): rank {rank} failed first:\n{tb}{later}"
+    )
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes in one gloo group.
+
+    ``fn`` must be a module-level function, and ``args`` picklable. Raises ``RuntimeError`` with
+    the traceback of the first rank that failed, or ``TimeoutError`` naming the ranks still running
+    after ``timeout`` seconds; either way the other ranks are stopped.
+    """
+    # The parent holds the rendezvous store on a port the OS picks, so no other process can take
+    # the port between choosing it and binding it.
+    store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False)
+    ctx = mp.start_processes(
+        _worker,
+        args=(fn, world_size, store.port, timeout, args),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=max(deadline - time.monotonic(), 0.0)):
+            if time.monotonic() >= deadline:
+                running = [rank for rank, p in enumerate(ctx.processes) if p.is_alive()]
+                for p in ctx.processes:
+                    p.kill()
+                    p.join()
+                raise TimeoutError(
+                    f"run_distributed({fn.__name__}, world_size={world_size}): ranks {running} still "
+                    f"running after {timeout:g} s; a collective is probably mismatched across ranks"
+                )
+    except ProcessException as e:
+        raise _first_failure(store, fn, world_size, e) from e

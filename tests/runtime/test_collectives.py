@@ -1,0 +1,193 @@
+"""The runtime collectives on real gloo groups, against single-process references.
+
+Every rank builds the full (logical) tensors from fixed seeds, so it can compute what its own
+output and input gradient must be under the gradient convention of ``autopar.runtime.collectives``.
+"""
+import itertools
+import time
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing import assert_close
+
+from autopar.errors import ShardingError
+from autopar.runtime.collectives import (
+    COLLECTIVE_KIND,
+    all_gather,
+    all_reduce,
+    all_to_all,
+    grad_all_reduce,
+    local_chunk,
+    reduce_scatter,
+    same_on_all_ranks,
+)
+from tests.distributed_utils import run_distributed
+
+SHAPE = (4, 8, 12)  # every dim divides by 2 and by 4
+
+
+def _rand(shape, *seed):
+    # crc32, not hash(): string hashes differ between processes.
+    g = torch.Generator().manual_seed(zlib.crc32(repr(seed).encode()))
+    return torch.randn(shape, generator=g)
+
+
+def _check(fn, x, weight, out, grad):
+    """``fn(x)`` equals ``out`` and the gradient of sum(fn(x) * weight) equals ``grad``."""
+    assert_close(fn(x), out)  # without autograd
+    x = x.clone().requires_grad_()
+    y = fn(x)
+    (y * weight).sum().backward()
+    assert_close(y, out)
+    assert_close(x.grad, grad)
+
+
+def _check_all(name, salt):
+    """Check every collective on group ``name``; ``salt`` tells apart groups of one mesh axis."""
+    group = dist.distributed_c10d._resolve_process_group(name)
+    r, n = dist.get_rank(group), dist.get_world_size(group)
+
+    def chunk(t, d):
+        return t.chunk(n, d)[r]
+
+    full = _rand(SHAPE, salt, "full")  # a replicated value, or the full value of a sharded one
+    partial = [_rand(SHAPE, salt, "partial", q) for q in range(n)]  # rank q's term of a Partial
+    weight = _rand(SHAPE, salt, "weight")  # loss weight with a replicated gradient
+    weights = [_rand(SHAPE, salt, "weight", q) for q in range(n)]  # rank q's term of a partial one
+
+    for d in range(3):
+        # S(d) -> R, the output's gradient replicated: each rank slices it.
+        _check(lambda x: all_gather(x, d, name, grad="slice"), chunk(full, d), weight, full, chunk(weight, d))
+        # S(d) -> R, the output's gradient partial: its sum over ranks is the true gradient.
+        _check(lambda x: all_gather(x, d, name), chunk(full, d), weights[r], full, chunk(sum(weights), d))
+        # P -> S(d): the input gradient is replicated.
+        _check(lambda x: reduce_scatter(x, d, name), partial[r], chunk(weight, d), chunk(sum(partial), d), weight)
+        # R -> S(d) without communication; the backward assembles the replicated gradient.
+        _check(lambda x: local_chunk(x, d, name), full, chunk(weight, d), chunk(full, d), weight)
+    _check(lambda x: all_reduce(x, name), partial[r], weight, sum(partial), weight)
+    _check(lambda x: grad_all_reduce(x, name), full, weights[r], full, sum(weights))
+    # gloo has a native all-to-all (torch 2.13), so this runs the same path as nccl.
+    for s, d in itertools.permutations(range(3), 2):
+        _check(lambda x: all_to_all(x, s, d, name), chunk(full, s), chunk(weight, d), chunk(full, d), chunk(weight, s))
+    # Negative dims name the same dims.
+    assert_close(all_to_all(chunk(full, 0), -3, -1, name), chunk(full, 2))
+
+
+def _check_tensor_parallel_mlp(rank, world_size):
+    """A tensor-parallel MLP, plain and sequence-parallel, matches the single-process MLP."""
+    name = dist.group.WORLD.group_name
+    x, w1, w2, target = (_rand(s, k) for k, s in enumerate([(2, 8, 6), (16, 6), (6, 16), (2, 8, 6)]))
+    ref = [t.clone().requires_grad_() for t in (x, w1, w2)]
+    (((ref[0] @ ref[1].T).relu() @ ref[2].T) * target).sum().backward()
+    gx, gw1, gw2 = (t.grad for t in ref)
+
+    def chunk(t, d):
+        return t.chunk(world_size, d)[rank]
+
+    for sequence_parallel in (False, True):
+        # Column-parallel w1 (rows sharded), row-parallel w2 (columns sharded).
+        lx = (chunk(x, 1) if sequence_parallel else x).clone().requires_grad_()
+        lw1 = chunk(w1, 0).clone().requires_grad_()
+        lw2 = chunk(w2, 1).clone().requires_grad_()
+        h = all_gather(lx, 1, name) if sequence_parallel else grad_all_reduce(lx, name)
+        y = (h @ lw1.T).relu() @ lw2.T  # Partial over the group
+        if sequence_parallel:
+            (reduce_scatter(y, 1, name) * chunk(target, 1)).sum().backward()
+        else:
+            (all_reduce(y, name) * target).sum().backward()
+        assert_close(lx.grad, chunk(gx, 1) if sequence_parallel else gx)
+        assert_close(lw1.grad, chunk(gw1, 0))
+        assert_close(lw2.grad, chunk(gw2, 1))
+
+
+def _reference_body(rank, world_size):
+    _check_all(dist.group.WORLD.group_name, salt=0)
+    if world_size == 4:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        _check_all(mesh.get_group("tp").group_name, salt=mesh.get_local_rank("dp"))
+        _check_all(mesh.get_group("dp").group_name, salt=10 + mesh.get_local_rank("tp"))
+    _check_tensor_parallel_mlp(rank, world_size)
+
+
+# One process group per world size: spawning ranks costs more than all the checks they run.
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_collectives_match_single_process_reference(world_size):
+    """Every collective over the world group and, on 4 ranks, over each axis of a 2x2 mesh."""
+    run_distributed(_reference_body, world_size)
+
+
+def _misc_body(rank, world_size):
+    name = dist.group.WORLD.group_name
+
+    # Divisibility: every rank raises before communicating, so nothing hangs.
+    odd = torch.zeros(3, 4)
+    for call in (lambda: reduce_scatter(odd, 0, name), lambda: local_chunk(odd, 0, name),
+                 lambda: all_to_all(odd, 1, 0, name)):
+        with pytest.raises(ValueError, match=r"dim 0 .* size 3, .* group size 2") as err:
+            call()
+        assert isinstance(err.value, ShardingError)
+    with pytest.raises(ValueError, match="grad="):
+        all_gather(odd, 0, name, grad="sum")
+    with pytest.raises(ValueError, match="src_dim and dst_dim"):
+        all_to_all(odd, 1, 1, name)
+    with pytest.raises(IndexError, match="out of range"):
+        all_gather(odd, 2, name)
+
+    same = [_rand((5, 3), "w"), torch.arange(7), torch.ones(4, dtype=torch.bfloat16), torch.tensor([True, False]),
+            _rand((3, 4), "t").T]
+    assert same_on_all_ranks(same, name)
+    assert same_on_all_ranks([], name)
+    differs = [t.clone() for t in same]
+    if rank == 1:  # one element, one ulp apart
+        differs[0][2, 1] = torch.nextafter(differs[0][2, 1], torch.tensor(float("inf")))
+    assert not same_on_all_ranks(differs, name)
+    swapped = [t.clone() for t in same]
+    if rank == 1:  # same values, two positions swapped
+        swapped[1][[0, 1]] = swapped[1][[1, 0]]
+    assert not same_on_all_ranks(swapped, name)
+
+    # Generated code calls the collectives as fx call_function targets with the group name inline.
+    graph = torch.fx.Graph()
+    graph.output(graph.call_function(all_gather, (graph.placeholder("x"), 0, name)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert f"all_gather(x, 0, {name!r})" in gm.code
+    x = torch.full((2, 3), float(rank), requires_grad=True)
+    out = gm(x)
+    assert_close(out, torch.arange(world_size).repeat_interleave(2)[:, None].expand(-1, 3).float())
+    out.sum().backward()  # each rank's gradient is all ones: the sum over ranks is world_size
+    assert_close(x.grad, torch.full((2, 3), float(world_size)))
+
+
+def test_errors_checksums_and_fx_codegen():
+    run_distributed(_misc_body, 2)
+
+
+def test_collective_kinds():
+    assert COLLECTIVE_KIND == {
+        all_gather: "all_gather", reduce_scatter: "reduce_scatter", all_reduce: "all_reduce",
+        grad_all_reduce: "all_reduce", local_chunk: None, all_to_all: "all_to_all",
+    }
+
+
+def _fail_on_rank_1(rank, world_size):
+    if rank == 1:
+        raise RuntimeError("rank 1 failed on purpose")
+    dist.barrier()  # fails on rank 0 too, once rank 1 is gone
+
+
+def _hang(rank, world_size):
+    time.sleep(60)
+
+
+def test_run_distributed_reports_a_failing_rank():
+    with pytest.raises(RuntimeError, match="(?s)rank 1 failed first:.*rank 1 failed on purpose"):
+        run_distributed(_fail_on_rank_1, 2)
+
+
+def test_run_distributed_times_out_on_a_hanging_rank():
+    with pytest.raises(TimeoutError, match=r"ranks \[0\] still running after 3 s"):
+        run_distributed(_hang, 1, timeout=3)
