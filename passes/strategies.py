@@ -68,7 +68,8 @@ def requires_grad(node: fx.Node) -> bool:
     return bool(meta_of(node).extra.get("requires_grad", False))
 
 
-def _mark_requires_grad(gm: fx.GraphModule):
+def mark_requires_grad(gm: fx.GraphModule) -> None:
+    """Which values carry a gradient: floating values computed from parameters, outside no-grad regions."""
     for node in gm.graph.nodes:
         m = meta_of(node)
         vals = [v for v in torch.utils._pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
@@ -156,7 +157,7 @@ def _try_follow(node: fx.Node, own: list[Strategy], producer_set: StrategySet, v
 def strategies_pass(gm: fx.GraphModule, mesh_shape) -> fx.GraphModule:
     """Write a ``StrategySet`` on every placeholder and call_function node."""
     mesh_shape = tuple(mesh_shape)
-    _mark_requires_grad(gm)
+    mark_requires_grad(gm)
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", "call_function"):
             continue

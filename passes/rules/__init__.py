@@ -89,7 +89,8 @@ class OpContext:
 class OpRule:
     options: Callable[[OpContext], list[AxisOption]]
     flops: Callable[[OpContext], float] | None = None
-    # Rewrites args for local shapes: (ctx, local input shapes, local output shapes) -> (args, kwargs).
+    # Rewrites a node's (already local) args for local shapes:
+    # (ctx, args, kwargs, local input shapes, local output shapes) -> (args, kwargs).
     local_args: Callable | None = None
     # Bytes saved for backward that a target GPU kernel keeps, when it differs from the planning machine.
     saved_on_gpu: Callable[[OpContext], int] | None = None

@@ -13,9 +13,9 @@ from autopar.passes.rules.helpers import dim_map_options, norm_dim, view_mapping
 aten = torch.ops.aten
 
 
-def _local_size_arg(ctx, local_ins, local_outs):
+def _local_size_arg(ctx, args, kwargs, local_ins, local_outs):
     """Views and expands take their output size as args[1]: use the local one."""
-    return (ctx.args[0], list(local_outs[0])) + tuple(ctx.args[2:]), dict(ctx.kwargs)
+    return (args[0], list(local_outs[0])) + tuple(args[2:]), kwargs
 
 
 @register_rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default,

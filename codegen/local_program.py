@@ -1,0 +1,166 @@
+"""Plan + captured graph -> the per-rank local program.
+
+Every node runs its own ATen op on local shards; view, reshape and expand sizes are rewritten to local
+sizes; every resharding the plan implies becomes an explicit call into ``autopar.runtime.collectives``
+(the same steps ``passes.lowering`` reports in ``plan.collectives``). The result is an fx.GraphModule
+whose ``code`` is readable Python.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from autopar.cluster import ClusterSpec
+from autopar.errors import PlanFormatError
+from autopar.layout import local_shape, parse_layout
+from autopar.passes.costs import CostModel
+from autopar.passes.lowering import Lowered, lower
+from autopar.passes.meta import meta_of
+from autopar.passes.rules import context_for, rule_for
+from autopar.passes.strategies import Strategy, input_values, mark_requires_grad
+from autopar.plan import Plan
+from autopar.runtime import collectives as C
+
+aten = torch.ops.aten
+
+_STEP_FN = {"all_gather": C.all_gather, "reduce_scatter": C.reduce_scatter, "all_reduce": C.all_reduce,
+            "all_to_all": C.all_to_all, "local_chunk": C.local_chunk, "grad_all_reduce": C.grad_all_reduce}
+
+
+@dataclass
+class LocalProgram:
+    gm: fx.GraphModule
+    lowered: Lowered
+    placeholders: list        # (kind, target) per local placeholder, in call order
+
+
+def strategies_from_plan(gm: fx.GraphModule, plan: Plan) -> dict:
+    """Rebuild each node's Strategy from the plan, checking that the plan describes this graph."""
+    axes = plan.axis_names
+    nax = len(axes)
+    by_name = {n["name"]: n for n in plan.nodes}
+    rep = tuple(parse_layout(["R"] * nax))
+    out = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            role = meta_of(node).role
+            lay = rep
+            if role.kind == "param":
+                if role.target not in plan.params:
+                    raise PlanFormatError(f"the plan has no layout for parameter {role.target!r}: it was made for "
+                                          f"another model ({plan.model.get('class')}); plan this model again")
+                lay = parse_layout(plan.params[role.target])
+            elif role.kind == "input" and role.target in plan.inputs:
+                lay = parse_layout(plan.inputs[role.target])
+            outs = (lay,) if isinstance(node.meta.get("val"), torch.Tensor) else ()
+            out[node] = Strategy((), outs, (False,) * nax)
+        elif node.op == "call_function":
+            entry = by_name.get(node.name)
+            if entry is None or entry["op"] != _op_name(node):
+                raise PlanFormatError(f"the plan does not match this model at node {node.name!r} "
+                                      f"({_op_name(node)}): it was made for another model or another "
+                                      f"version of it ({plan.model.get('class')}); plan this model again")
+            out[node] = Strategy(tuple(parse_layout(l) for l in entry["inputs"]),
+                                 tuple(parse_layout(l) for l in entry["outputs"]),
+                                 tuple(a in entry["split_axes"] for a in axes))
+    return out
+
+
+def _op_name(n: fx.Node) -> str:
+    from autopar.planner import _op_name as name
+
+    return name(n)
+
+
+def generate(gm: fx.GraphModule, plan: Plan, group_names: list[str]) -> LocalProgram:
+    """The local program of one rank. ``group_names[a]`` is the c10d group of mesh axis ``a``."""
+    mesh_shape = plan.mesh_shape
+    mark_requires_grad(gm)
+    strategy = strategies_from_plan(gm, plan)
+    cm = CostModel(ClusterSpec.from_dict(plan.cluster), mesh_shape)
+    low = lower(gm, strategy, cm)
+
+    g = fx.Graph()
+    env: dict = {}
+    resharded: dict = {}
+    placeholders = []
+
+    def reshard(key):
+        if key in resharded:
+            return resharded[key]
+        x = env[key.value.node]
+        if isinstance(x, tuple):             # a multi-output node: read one output
+            x = x[key.value.index]
+        for st in low.reshards[key]:
+            fn = _STEP_FN[st.op]
+            group = group_names[st.axis]
+            if st.op == "all_gather":
+                x = g.call_function(fn, (x, st.dim, group), {"grad": st.grad})
+            elif st.op in ("reduce_scatter", "local_chunk"):
+                x = g.call_function(fn, (x, st.dim, group))
+            elif st.op == "all_to_all":
+                x = g.call_function(fn, (x, st.dim, st.dst_dim, group))
+            else:
+                x = g.call_function(fn, (x, group))
+            x.meta["autopar_step"] = st
+        resharded[key] = x
+        return x
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = g.placeholder(node.name)
+            role = meta_of(node).role
+            placeholders.append((role.kind, role.target))
+        elif node.op == "get_attr":
+            env[node] = g.get_attr(node.target)
+        elif node.op == "call_function":
+            env[node] = _emit(g, node, strategy[node], low, env, reshard, mesh_shape)
+        elif node.op == "output":
+            leaves, spec = pytree.tree_flatten(node.args[0])
+            outs, k = [], 0
+            for a in leaves:
+                if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
+                    key = low.output_uses[k]
+                    outs.append(reshard(key) if key is not None else env[a])
+                    k += 1
+                else:
+                    outs.append(env[a] if isinstance(a, fx.Node) else a)
+            g.output(pytree.tree_unflatten(outs, spec))
+    local = fx.GraphModule(gm, g, class_name="LocalProgram")
+    return LocalProgram(local, low, placeholders)
+
+
+def _emit(g, node, s: Strategy, low, env, reshard, mesh_shape):
+    if node.target is operator.getitem:
+        return g.call_function(operator.getitem, (env[node.args[0]], node.args[1]))
+    values = input_values(node)
+    position = iter(range(len(values)))
+
+    def local_arg(a):
+        if isinstance(a, fx.Node):
+            if not isinstance(a.meta.get("val"), torch.Tensor):
+                return env[a]
+            k = next(position)
+            key = low.uses.get((node, k))
+            return reshard(key) if key is not None else env[a]
+        return a
+
+    args = pytree.tree_map_only(fx.Node, local_arg, node.args)
+    kwargs = pytree.tree_map_only(fx.Node, local_arg, dict(node.kwargs))
+    rule = rule_for(node)
+    if rule.local_args is not None:
+        ctx = context_for(node)
+        lin = [local_shape(i.shape, l, mesh_shape, what=node.name) for i, l in zip(ctx.ins, s.inputs)]
+        lout = [local_shape(o.shape, l, mesh_shape, what=node.name) for o, l in zip(ctx.outs, s.outputs)]
+        args, kwargs = rule.local_args(ctx, args, kwargs, lin, lout)
+    target = node.target
+    if target is aten.view.default:
+        # A resharded input may not be contiguous in the way the view needs; reshape copies only then.
+        target = aten.reshape.default
+    new = g.call_function(target, args, kwargs)
+    new.meta["autopar_source"] = node.name
+    return new

@@ -1,0 +1,248 @@
+"""The module users hold: local parameter shards, the generated local program, and the original
+call signature.
+
+``compile`` runs on every rank inside an initialized process group. Rank 0 plans (unless a Plan is
+given) and broadcasts the plan as JSON; every rank captures the model, generates its own local program
+and cuts its shards out of the full weights.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from autopar.cluster import ClusterSpec
+from autopar.errors import AutoparError, ClusterMismatchError, PlanFormatError
+from autopar.layout import Placement, parse_layout
+from autopar.plan import Plan
+
+log = logging.getLogger("autopar")
+
+
+class ShapeMismatchError(AutoparError):
+    """A call's inputs have other shapes than the ones the plan was made for."""
+
+
+def shard_of(full: torch.Tensor, layout, mesh_shape, coords) -> torch.Tensor:
+    """This rank's block of ``full`` under ``layout`` (a view where possible)."""
+    x = full
+    for p, n, c in zip(layout, mesh_shape, coords):
+        if p.is_shard:
+            size = x.shape[p.dim] // n
+            x = x.narrow(p.dim, c * size, size)
+    return x
+
+
+class ParallelModule(nn.Module):
+    def __init__(self, program, plan: Plan, captured, mesh, full_params: dict, buffers: dict, constants: dict):
+        super().__init__()
+        self.plan = plan
+        self.mesh = mesh
+        self._program = program
+        self._captured = captured
+        self._coords = tuple(mesh.get_coordinate())
+        self._layouts = {fqn: parse_layout(lay) for fqn, lay in plan.params.items()}
+        self._fqn_to_key = {fqn: fqn.replace(".", "__") for fqn in plan.params}
+        self.shards = nn.ParameterDict()
+        for fqn, full in full_params.items():
+            local = shard_of(full, self._layouts[fqn], plan.mesh_shape, self._coords)
+            self.shards[self._fqn_to_key[fqn]] = nn.Parameter(local.detach().clone(),
+                                                              requires_grad=full.requires_grad)
+        self._buffers_by_name = buffers
+        self._constants = constants
+        self.local_program = program.gm       # registered as a submodule: its attributes move with .to()
+
+    # --- the user's view ---------------------------------------------------------------------
+    @property
+    def code(self) -> str:
+        """The generated per-rank program, as Python."""
+        return self.local_program.code
+
+    def local_parameter(self, fqn: str) -> nn.Parameter:
+        return self.shards[self._fqn_to_key[fqn]]
+
+    def forward(self, *args, **kwargs):
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        self._check_inputs(flat, spec)
+        inputs = iter(flat)
+        call = []
+        for kind, target in self._program.placeholders:
+            if kind == "param":
+                call.append(self.local_parameter(target))
+            elif kind == "buffer":
+                call.append(self._buffers_by_name[target])
+            elif kind == "constant":
+                call.append(self._constants[target])
+            else:
+                x = next(inputs)
+                lay = self.plan.inputs.get(target)
+                if lay is not None and isinstance(x, torch.Tensor):
+                    x = shard_of(x, parse_layout(lay), self.plan.mesh_shape, self._coords)
+                call.append(x)
+        outs = self.local_program(*call)
+        return pytree.tree_unflatten(pytree.tree_leaves(outs), self._captured.out_spec)
+
+    def _check_inputs(self, flat, spec):
+        planned = self._captured.input_shapes
+        got = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in flat)
+        if spec != self._captured.in_spec or got != tuple(planned):
+            raise ShapeMismatchError(
+                f"inputs have shapes {list(got)} but the plan was made for {list(planned)} "
+                f"(argument structure {'matches' if spec == self._captured.in_spec else 'differs'}). "
+                f"A plan fixes every shape: call autopar.compile again with example inputs of the new shape, "
+                f"or pad batches to the planned shape.")
+
+    def train_step(self, *args, **kwargs):
+        """Forward and backward; returns the loss (detached)."""
+        out = self(*args, **kwargs)
+        loss = _loss_of(out)
+        loss.backward()
+        return loss.detach()
+
+    # --- state ---------------------------------------------------------------------------------
+    def state_dict(self, *args, **kwargs):
+        """Parameter FQN -> DTensor with the plan's placements (for torch.distributed.checkpoint)."""
+        from torch.distributed.tensor import DTensor
+
+        out = {}
+        for fqn, lay in self._layouts.items():
+            local = self.local_parameter(fqn)
+            out[fqn] = DTensor.from_local(local.detach(), self.mesh, [p.to_dtensor() for p in lay],
+                                          run_check=False, shape=self._full_shape(fqn),
+                                          stride=_contiguous_stride(self._full_shape(fqn)))
+        return out
+
+    def _full_shape(self, fqn):
+        local = self.local_parameter(fqn)
+        shape = list(local.shape)
+        for p, n in zip(self._layouts[fqn], self.plan.mesh_shape):
+            if p.is_shard:
+                shape[p.dim] *= n
+        return torch.Size(shape)
+
+    def full_state_dict(self) -> dict:
+        """Parameter FQN -> full plain tensor, equal on every rank; loads into the original model."""
+        return {fqn: t.full_tensor() for fqn, t in self.state_dict().items()}
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        from torch.distributed.tensor import DTensor
+
+        missing = [f for f in self._layouts if f not in state_dict]
+        unexpected = [k for k in state_dict if k not in self._layouts]
+        if strict and (missing or unexpected):
+            raise KeyError(f"load_state_dict: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        with torch.no_grad():
+            for fqn, value in state_dict.items():
+                if fqn not in self._layouts:
+                    continue
+                if isinstance(value, DTensor):
+                    value = value.full_tensor()
+                local = shard_of(value, self._layouts[fqn], self.plan.mesh_shape, self._coords)
+                param = self.local_parameter(fqn)
+                if param.is_meta:
+                    new = nn.Parameter(local.detach().clone(), requires_grad=param.requires_grad)
+                    self.shards[self._fqn_to_key[fqn]] = new
+                else:
+                    param.copy_(local)
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def _contiguous_stride(shape):
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
+
+
+def _loss_of(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, (tuple, list)) and out:
+        loss = out[0]
+    if loss is None and isinstance(out, dict):
+        loss = out.get("loss")
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise AutoparError("train_step needs the model to return a scalar loss (a tensor, a ModelOutput with "
+                           ".loss, or a tuple whose first item is the loss); pass labels, or call the "
+                           "module and backward yourself")
+    return loss
+
+
+def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_kwargs=None, *,
+            memory_budget=None, plan: Plan | None = None, check_weights: bool = True, **plan_options):
+    if not dist.is_available() or not dist.is_initialized():
+        raise ClusterMismatchError("autopar.compile runs inside an initialized process group: start the "
+                                   "program with torchrun (ClusterSpec.from_env() initializes it) or call "
+                                   "torch.distributed.init_process_group first")
+    world = dist.get_world_size()
+    if world != cluster.num_devices:
+        raise ClusterMismatchError(f"the process group has {world} ranks but the ClusterSpec describes "
+                                   f"{cluster.num_devices} devices; use ClusterSpec.from_env() or a spec of "
+                                   f"{world} devices")
+    from autopar.planner import model_fingerprint
+
+    if plan is None:
+        plan = _plan_on_rank0(model, cluster, example_inputs, example_kwargs, memory_budget, plan_options)
+    else:
+        if plan.model.get("fingerprint") != model_fingerprint(model):
+            raise PlanFormatError(f"this plan was made for another model ({plan.model.get('class')}, fingerprint "
+                                  f"{plan.model.get('fingerprint')}) than {type(model).__qualname__} "
+                                  f"(fingerprint {model_fingerprint(model)}); plan this model again")
+        n = 1
+        for s in plan.mesh_shape:
+            n *= s
+        if n != world:
+            raise ClusterMismatchError(f"the plan's mesh {plan.mesh_shape} has {n} devices but the process "
+                                       f"group has {world} ranks")
+    return build(model, plan, example_inputs, example_kwargs, check_weights=check_weights)
+
+
+def _plan_on_rank0(model, cluster, example_inputs, example_kwargs, memory_budget, options):
+    from autopar.planner import plan as make_plan
+
+    payload = [None]
+    if dist.get_rank() == 0:
+        try:
+            p = make_plan(model, cluster, example_inputs, example_kwargs, memory_budget=memory_budget, **options)
+            payload = [p.to_json()]
+        except Exception as e:     # every rank must learn of the failure, not hang in the broadcast
+            payload = [e]
+    dist.broadcast_object_list(payload, src=0)
+    if isinstance(payload[0], Exception):
+        raise payload[0]
+    return Plan.from_dict(json.loads(payload[0]))
+
+
+def build(model, plan: Plan, example_inputs=(), example_kwargs=None, *, check_weights=True) -> ParallelModule:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.codegen.local_program import generate
+    from autopar.passes.capture import capture
+    from autopar.passes.normalize import normalize_pass
+    from autopar.runtime.collectives import same_on_all_ranks
+
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=plan.axis_names)
+    captured = capture(model, example_inputs, example_kwargs)
+    gm = normalize_pass(captured.gm)
+    groups = [mesh.get_group(a).group_name for a in plan.axis_names]
+    program = generate(gm, plan, groups)
+    params = dict(model.named_parameters())
+    on_meta = any(p.is_meta for p in params.values())
+    if check_weights and not on_meta:
+        world = dist.group.WORLD.group_name
+        if not same_on_all_ranks([p.detach() for p in params.values()], world):
+            raise AutoparError("the model's weights differ between ranks; seed every rank the same "
+                               "(torch.manual_seed) before building the model, or load one checkpoint on all")
+    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else None
+    full = {fqn: (p if device is None or p.is_meta else p.to(device)) for fqn, p in params.items()
+            if fqn in plan.params}
+    buffers = {name: b for name, b in model.named_buffers()}
+    constants = {k: v for k, v in captured.constant_values.items()}
+    return ParallelModule(program, plan, captured, mesh, full, buffers, constants)
