@@ -39,6 +39,7 @@ def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda") -
             current["saved"].append(t)
         return t
 
+    grad_mode = torch.is_grad_enabled()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         for node in gm.graph.nodes:
             if node.op == "placeholder":
@@ -59,7 +60,17 @@ def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda") -
             if "device" in kwargs:                   # factories: keep everything on meta
                 kwargs = {**kwargs, "device": torch.device("meta")}
             current["node"], current["saved"] = node, []
-            out = node.target(*args, **kwargs)
+            try:
+                with torch.enable_grad():
+                    out = node.target(*args, **kwargs)
+            except (NotImplementedError, RuntimeError):
+                # Ops that insist on real data (a higher-order op whose body moves tensors to a device):
+                # take the shapes export recorded; such ops run replicated and save nothing we can see.
+                out = pytree.tree_map(_to_meta, node.meta.get("val"))
+                current["saved"] = []
+            finally:
+                # A higher-order op that fails inside its no-grad body leaves grad mode off.
+                torch.set_grad_enabled(grad_mode)
             current["node"] = None
             env[node] = out
             outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
