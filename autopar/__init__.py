@@ -26,5 +26,12 @@ def compile(model, cluster, example_inputs=(), example_kwargs=None, *, memory_bu
                     **options)
 
 
-__all__ = ["ClusterSpec", "DeviceSpec", "Plan", "plan", "compile", "AutoparError", "CaptureError",
+def diff(a: Plan, b: Plan):
+    """What differs between two plans: layouts, collectives, step time and memory."""
+    from autopar.inspect import diff as _diff
+
+    return _diff(a, b)
+
+
+__all__ = ["ClusterSpec", "DeviceSpec", "Plan", "plan", "compile", "diff", "AutoparError", "CaptureError",
            "ClusterMismatchError", "InfeasiblePlanError", "MeshError", "PlanFormatError", "ShardingError"]

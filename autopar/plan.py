@@ -31,6 +31,9 @@ class Plan:
     step_time: float                 # predicted seconds per training step
     breakdown: dict                  # seconds: compute, communication per axis, optimizer
     solver: dict                     # status, seconds, variables, constraints, backend, candidates
+    # node name or parameter FQN -> the chosen layout and the best alternatives, with their costs and
+    # the collectives each would cause with its neighbours (see docs/plan-format.md)
+    alternatives: dict = field(default_factory=dict)
     version: int = PLAN_VERSION
     extra: dict = field(default_factory=dict)
 
@@ -83,6 +86,18 @@ class Plan:
             out[k] = out.get(k, 0) + 1
         return out
 
+    def explain(self, name: str) -> str:
+        """Why ``name`` (a node or a parameter FQN) has its layout: the alternatives and their costs."""
+        from autopar.inspect import explain
+
+        return explain(self, name)
+
+    def to_html(self, path) -> None:
+        """Write a self-contained HTML report of this plan."""
+        from autopar.inspect import to_html
+
+        to_html(self, path)
+
     def summary(self) -> str:
         from autopar.report import summary
 
@@ -99,7 +114,7 @@ def _validate(d: Any) -> None:
     if version != PLAN_VERSION:
         raise PlanFormatError(f"plan format version {version!r} is not supported (this autopar reads "
                               f"version {PLAN_VERSION}); plan the model again with this version")
-    required = [k for k, f in Plan.__dataclass_fields__.items() if k not in ("version", "extra")]
+    required = [k for k, f in Plan.__dataclass_fields__.items() if k not in ("version", "extra", "alternatives")]
     missing = [k for k in required if k not in d]
     if missing:
         raise PlanFormatError(f"plan is missing fields {missing}")

@@ -99,6 +99,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
                 continue
             report(f"mesh {shape}: evaluating")
             p = evaluate(prep, idx, sol.assignment, cm, shape, names, cluster, budget)
+            p.alternatives = alternatives(prep.gm, prob, idx, sol.assignment, cm, names)
             p.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
                             constraints=sol.num_constraints, backend=sol.backend)
             if best is None or p.step_time < best.step_time:
@@ -216,6 +217,76 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
         breakdown={"compute": compute, "communication": comm_axis, "optimizer": optim},
         solver={},
     )
+
+
+def alternatives(gm, prob, idx: ProblemIndex, assignment, cm: CostModel, axis_names, top: int = 3) -> dict:
+    """For every decision: the chosen option and the ``top`` cheapest others, each with its own cost,
+    the resharding it would cause with its neighbours (held at their chosen layouts) and its memory."""
+    from autopar.passes.problem import key_of, strategy_of
+    from autopar.passes.resharding import collective_seconds
+    from autopar.passes.strategies import input_values, requires_grad, value_info
+
+    chosen = {n: meta_of(n).strategies.strategies[idx.option_of(n, assignment)]
+              for n in gm.graph.nodes if n.op in ("placeholder", "call_function") and meta_of(n).strategies}
+    members: dict = {}
+    for n in chosen:
+        members.setdefault(root_of(n), []).append(n)
+    fwd_mem = {ci: per for ci, per in prob.memory[0].terms} if prob.memory else {}
+    out = {}
+    for key, roots in idx.roots_of_key.items():
+        rep = roots[0]
+        ci = idx.choice_of_key[key]
+        choice = prob.choices[ci]
+        if len(choice.costs) < 2:
+            continue
+        scored = []
+        for o in range(len(choice.costs)):
+            edge = sum(e.cost[o][assignment[e.dst]] for e in prob.edges if e.src == ci and e.dst != ci)
+            edge += sum(e.cost[assignment[e.src]][o] for e in prob.edges if e.dst == ci and e.src != ci)
+            scored.append((choice.costs[o] + edge / choice.count, o, edge / choice.count))
+        scored.sort()
+        keep = [o for _, o, _ in scored if o == assignment[ci]] + [o for _, o, _ in scored if o != assignment[ci]][:top]
+        entries = []
+        for o in keep:
+            total, _, edge = next(x for x in scored if x[1] == o)
+            colls = []
+            for m in members.get(rep, []):
+                s = strategy_of(m, o)
+                if m.op == "call_function":
+                    for k, v in enumerate(input_values(m)):
+                        if root_of(v.node) is not rep and v.node in chosen:
+                            colls += _edge_collectives(cm, v, chosen[v.node].outputs[v.index], s, k, v.node.name, axis_names)
+                for c in m.users:
+                    if c.op != "call_function" or root_of(c) is rep or c not in chosen:
+                        continue
+                    for k, v in enumerate(input_values(c)):
+                        if v.node is m:
+                            colls += _edge_collectives(cm, v, s.outputs[v.index], chosen[c], k, c.name, axis_names)
+            mem = fwd_mem.get(ci, [0.0] * len(choice.costs))[o] / choice.count
+            entries.append({"layout": choice.labels[o] if choice.labels else str(o), "chosen": o == assignment[ci],
+                            "own_seconds": choice.costs[o], "resharding_seconds": edge, "total_seconds": total,
+                            "memory_bytes": mem, "collectives": colls})
+        name = meta_of(rep).role.target if rep.op == "placeholder" else rep.name
+        out[name] = entries
+    return out
+
+
+def _edge_collectives(cm, v, src, dst_strategy, k, neighbor, axis_names):
+    from autopar.passes.resharding import collective_seconds
+    from autopar.passes.strategies import requires_grad, value_info
+
+    steps = cm.resharding(v, src, None, dst_strategy, k)
+    if steps is None:
+        return [{"kind": "impossible", "neighbor": neighbor, "value": v.node.name}]
+    info = value_info(v)
+    out = []
+    for st in steps:
+        bw, lat = cm.links[st.axis]
+        for kind, phase, nbytes in st.collectives(info.dtype.itemsize, requires_grad(v.node)):
+            out.append({"kind": kind, "axis": axis_names[st.axis], "phase": phase, "bytes": int(nbytes),
+                        "seconds": collective_seconds(kind, nbytes, cm.mesh_shape[st.axis], bw, lat),
+                        "neighbor": neighbor, "value": v.node.name})
+    return out
 
 
 def _op_name(n: fx.Node) -> str:
