@@ -22,7 +22,7 @@ from autopar.layout import local_fraction, local_shape
 from autopar.passes.meta import meta_of
 from autopar.passes.resharding import Step, collective_seconds, transition
 from autopar.passes.rules import context_for, rule_for
-from autopar.passes.strategies import Strategy, Value, requires_grad, value_info
+from autopar.passes.strategies import Strategy, Value, requires_grad, signature, value_info
 
 aten = torch.ops.aten
 
@@ -48,12 +48,20 @@ class CostModel:
         self.mesh_shape = tuple(mesh_shape)
         self.optimizer = optimizer
         self.links = [cluster.axis_link(self.mesh_shape, a) for a in range(len(self.mesh_shape))]
+        self._compute_cache: dict = {}
+        self._activation_cache: dict = {}
 
     # --- compute -------------------------------------------------------------------------------
     def compute_seconds(self, node: fx.Node, s: Strategy) -> float:
         """Forward plus backward seconds of ``node`` under ``s``."""
         if node.op != "call_function" or node.target in VIEW_OPS:
             return 0.0
+        key = (signature(node), s, requires_grad(node))
+        if key not in self._compute_cache:
+            self._compute_cache[key] = self._compute_seconds(node, s)
+        return self._compute_cache[key]
+
+    def _compute_seconds(self, node: fx.Node, s: Strategy) -> float:
         ctx = context_for(node)
         rule = rule_for(node)
         split = 1
@@ -117,6 +125,13 @@ class CostModel:
         saved = meta_of(node).saved
         if saved is None or node.op != "call_function" or not requires_grad(node):
             return 0.0
+        sharers = tuple(meta_of(a).extra.get("saved_by", 1) for a in node.all_input_nodes)
+        key = (signature(node), s, saved, sharers)
+        if key not in self._activation_cache:
+            self._activation_cache[key] = self._activation_bytes(node, s, saved)
+        return self._activation_cache[key]
+
+    def _activation_bytes(self, node: fx.Node, s: Strategy, saved) -> float:
         ctx = context_for(node)
         total = 0.0
         if ctx.outs:

@@ -116,7 +116,44 @@ def _combine(options: list[AxisOption], ins: list[TensorInfo], outs: list[Tensor
     return Strategy(in_layouts, out_layouts, tuple(not o.trivial for o in options))
 
 
-def node_strategies(node: fx.Node, mesh_shape) -> list[Strategy]:
+def signature(node: fx.Node) -> tuple:
+    """What a node's strategies and costs depend on: its op, its non-tensor args and its tensors'
+    shapes. Copies of a layer share signatures, so their work is done once."""
+    sig = meta_of(node).extra.get("signature")
+    if sig is None:
+        def arg(a):
+            if isinstance(a, fx.Node):
+                v = a.meta.get("val")
+                return ("T", tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else ("N", a.name)
+            if isinstance(a, (list, tuple)):
+                return tuple(arg(x) for x in a)
+            return repr(a)
+
+        role = meta_of(node).role
+        sig = (node.op, str(node.target), arg(node.args), tuple((k, arg(v)) for k, v in node.kwargs.items()),
+               role.kind if role else None, _val_sig(node.meta.get("val")))
+        meta_of(node).extra["signature"] = sig
+    return sig
+
+
+def _val_sig(v):
+    if isinstance(v, torch.Tensor):
+        return (tuple(v.shape), str(v.dtype))
+    if isinstance(v, (list, tuple)):
+        return tuple(_val_sig(x) for x in v)
+    return None
+
+
+def node_strategies(node: fx.Node, mesh_shape, cache: dict | None = None) -> list[Strategy]:
+    if cache is not None:
+        key = signature(node)
+        if key not in cache:
+            cache[key] = _node_strategies(node, mesh_shape)
+        return cache[key]
+    return _node_strategies(node, mesh_shape)
+
+
+def _node_strategies(node: fx.Node, mesh_shape) -> list[Strategy]:
     if node.op == "placeholder":
         return _placeholder_strategies(node, mesh_shape)
     ctx = context_for(node)
@@ -158,6 +195,7 @@ def strategies_pass(gm: fx.GraphModule, mesh_shape) -> fx.GraphModule:
     """Write a ``StrategySet`` on every placeholder and call_function node."""
     mesh_shape = tuple(mesh_shape)
     mark_requires_grad(gm)
+    cache: dict = {}
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", "call_function"):
             continue
@@ -165,7 +203,7 @@ def strategies_pass(gm: fx.GraphModule, mesh_shape) -> fx.GraphModule:
             meta_of(node).strategies = _getitem_strategies(node, meta_of(node.args[0]).strategies)
             continue
         ins = input_values(node) if node.op == "call_function" else []
-        own = _reachable(node_strategies(node, mesh_shape), ins)
+        own = _reachable(node_strategies(node, mesh_shape, cache), ins)
         sset = None
         if len(ins) == 1 and ins[0].node.op != "placeholder" and _same_layer(node, ins[0].node):
             sset = _try_follow(node, own, meta_of(ins[0].node).strategies, ins[0])
