@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import time
@@ -14,7 +15,7 @@ from autopar.cluster import ClusterSpec, default_axis_names
 from autopar.errors import InfeasiblePlanError
 from autopar.layout import format_layout
 from autopar.passes.capture import CapturedProgram, capture
-from autopar.passes.costs import CostModel, OptimizerSpec, VIEW_OPS, count_saving_consumers
+from autopar.passes.costs import INFEASIBLE, CostModel, OptimizerSpec, VIEW_OPS, count_saving_consumers
 from autopar.passes.layers import layer_counts, layers_pass
 from autopar.passes.lowering import collectives, lower
 from autopar.passes.memory import saved_activations_pass
@@ -69,8 +70,13 @@ def default_optimizer(model) -> OptimizerSpec:
 
 def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), example_kwargs=None, *,
          memory_budget: float | None = None, mesh_shape=None, axis_names=None, time_limit: float = 60.0,
-         optimizer: OptimizerSpec | None = None, progress: bool | None = None, skip_passes=()) -> Plan:
-    """Find the fastest layout of ``model`` on ``cluster`` that fits ``memory_budget`` bytes per device."""
+         optimizer: OptimizerSpec | None = None, progress: bool | None = None, skip_passes=(),
+         pins: dict | None = None) -> Plan:
+    """Find the fastest layout of ``model`` on ``cluster`` that fits ``memory_budget`` bytes per device.
+
+    ``pins`` forces layouts by hand: ``{"*.mlp.c_fc.weight": ["R", "S(1)"], "input_ids": ["S(0)", "R"]}``
+    (globs over parameter FQNs, input names and node names); the solver fills in the rest.
+    """
     t0 = time.perf_counter()
     if mesh_shape is not None:
         cluster = _with_mesh(cluster, mesh_shape, axis_names)
@@ -88,12 +94,14 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
             strategies_pass(prep.gm, shape)
             cm = CostModel(cluster, shape, optimizer)
             report(f"mesh {shape}: costs")
-            prob, idx = build_problem(prep.gm, cm, budget)
+            prob, idx = build_problem(prep.gm, cm, budget, pins)
             report(f"mesh {shape}: solving {len(prob.choices)} decisions, {len(prob.edges)} edges")
             sol = solve(prob, time_limit=time_limit)
             entry = {"mesh": list(shape), "status": sol.status, "objective": sol.objective,
                      "seconds": sol.seconds, "variables": sol.num_variables, "constraints": sol.num_constraints}
             tried.append(entry)
+            if sol.status != "infeasible" and prob.objective(sol.assignment) >= INFEASIBLE:
+                sol = dataclasses.replace(sol, status="infeasible")      # only a broken pin satisfies it
             if sol.status == "infeasible":
                 infeasible.append((shape, names, prob, idx, cm))
                 continue
@@ -115,8 +123,6 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
 
 
 def _with_mesh(cluster, mesh_shape, axis_names):
-    import dataclasses
-
     shape = tuple(mesh_shape)
     names = tuple(axis_names) if axis_names else default_axis_names(shape)
     return dataclasses.replace(cluster, mesh_shape=shape, axis_names=names)
@@ -289,6 +295,21 @@ def _edge_collectives(cm, v, src, dst_strategy, k, neighbor, axis_names):
     return out
 
 
+def _smallest_valid_budget(prob):
+    """The smallest budget with a valid plan, and that plan.
+
+    The memory-only minimum ignores seconds, so it may pick a resharding that cannot happen (priced
+    INFEASIBLE); starting from it, look for the least budget at which the time-aware solve avoids them.
+    """
+    lower_bound, _ = minimum_feasible_budget(prob)
+    for factor in (1.0 + 1e-6, 1.01, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0, 100.0):
+        trial = dataclasses.replace(prob, memory_limit=lower_bound * factor)
+        sol = solve(trial, time_limit=30.0)
+        if sol.status != "infeasible" and prob.objective(sol.assignment) < INFEASIBLE:
+            return max(prob.memory_usage(sol.assignment).values()), sol.assignment
+    return None
+
+
 def _op_name(n: fx.Node) -> str:
     t = n.target
     return getattr(t, "__name__", None) if not hasattr(t, "_schema") else str(t).replace("aten.", "")
@@ -328,10 +349,13 @@ def _timeline(gm, chosen, acts, mem, cm):
 def _raise_infeasible(prep, infeasible, cluster, budget):
     best = None
     for shape, names, prob, idx, cm in infeasible:
-        need, assignment = minimum_feasible_budget(prob)
-        if best is None or need < best[0]:
-            best = (need, shape, names, idx, assignment, cm)
-    need, shape, names, idx, assignment, cm = best
+        found = _smallest_valid_budget(prob)
+        if found is not None and (best is None or found[0] < best[0]):
+            best = (*found, shape, names, idx, cm)
+    if best is None:
+        raise InfeasiblePlanError(f"no valid plan exists on {cluster.name or cluster.num_devices} devices at any "
+                                  f"budget: the pinned layouts cannot be reached; relax the pins", budget=budget)
+    need, assignment, shape, names, idx, cm = best
     p = evaluate(prep, idx, assignment, cm, shape, names, cluster, budget)
     consumers = [(f"param {k} (+grad, optimizer)", v) for k, v in p.memory["by_param"].items()]
     consumers += [(f"activations of {n['name']}", n["activation_bytes"]) for n in p.nodes]

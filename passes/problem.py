@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from autopar.layout import R
-from autopar.passes.costs import CostModel
+from autopar.passes.costs import INFEASIBLE, CostModel
 from autopar.passes.meta import meta_of
 from autopar.passes.strategies import Value, input_values, root_of, strategy_under_root
 from autopar.solver import Choice, Edge, MemoryConstraint, Problem
@@ -51,7 +51,40 @@ def _decided_nodes(gm):
             and meta_of(n).strategies is not None]
 
 
-def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None) -> tuple[Problem, ProblemIndex]:
+def decision_name(node: fx.Node) -> str:
+    """How users name a decision: a parameter's FQN, an input's name, or the node name."""
+    role = meta_of(node).role
+    return role.target if node.op == "placeholder" and role is not None else node.name
+
+
+def _pinned_options(rep: fx.Node, pins: dict, mesh_axes: int):
+    """Options of ``rep`` allowed by the first matching pin, or None when no pin names it."""
+    import fnmatch
+
+    from autopar.errors import ShardingError
+    from autopar.layout import format_layout
+
+    name = decision_name(rep)
+    for pattern, layout in pins.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            want = [str(p) for p in layout]
+            if len(want) != mesh_axes:
+                raise ShardingError(f"pin {pattern!r} -> {want} gives {len(want)} placements for a "
+                                    f"{mesh_axes}-axis mesh")
+            opts = meta_of(rep).strategies.strategies
+            allowed = {o for o, s in enumerate(opts) if s.outputs and format_layout(s.outputs[0]) == want}
+            if not allowed:
+                offered = sorted({str(format_layout(s.outputs[0])) for s in opts if s.outputs})
+                raise ShardingError(f"pin {pattern!r} asks {name} for layout {want}, which its op cannot "
+                                    f"produce here; it can take {offered}")
+            return allowed
+    return None
+
+
+def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
+                  pins: dict | None = None) -> tuple[Problem, ProblemIndex]:
+    """``pins`` maps a glob over decision names (parameter FQNs, input names, node names) to a layout
+    that decision must take. A pin on one copy of a repeated layer applies to every copy."""
     nodes = _decided_nodes(gm)
     idx = ProblemIndex()
     members = defaultdict(list)
@@ -83,6 +116,13 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None)
             act.append(a * len(roots))
             state.append(st * len(roots))
             state_bwd.append(stb * len(roots))
+        allowed = None
+        for r in roots:
+            allowed = _pinned_options(r, pins or {}, len(cm.mesh_shape))
+            if allowed is not None:
+                break
+        if allowed is not None:
+            costs = [c if o in allowed else INFEASIBLE for o, c in enumerate(costs)]
         ci = prob.add_choice(Choice(str(key), tuple(costs), count=len(roots),
                                     labels=tuple(s.label() for s in opts)))
         idx.choice_of_key[key] = ci

@@ -66,3 +66,7 @@ register_replicated(
 # getitem only picks one output of a multi-output node; passes.strategies gives it its producer's
 # layout, so the rule is never consulted for strategies. Registering it keeps it out of the warnings.
 register_replicated(__import__("operator").getitem)
+
+# Hugging Face computes rotary tables under no_grad inside this higher-order op: whole tensors, tiny.
+register_replicated(__import__("torch._higher_order_ops.wrap", fromlist=["wrap_with_set_grad_enabled"])
+                    .wrap_with_set_grad_enabled)

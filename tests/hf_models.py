@@ -1,0 +1,49 @@
+"""Small configs of real Hugging Face architectures, with random weights and no dropout, for parity."""
+import torch
+
+VOCAB, BATCH, SEQ = 128, 8, 16
+
+
+def build(name: str) -> torch.nn.Module:
+    import transformers as tf
+
+    if name == "gpt2":
+        cfg = tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32, use_cache=False,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        return tf.GPT2LMHeadModel(cfg)
+    if name == "llama":
+        cfg = tf.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=32, use_cache=False)
+        return tf.LlamaForCausalLM(cfg)
+    if name == "bert":
+        cfg = tf.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                            vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0)
+        return tf.BertForMaskedLM(cfg)
+    if name == "gpt":
+        from autopar.models import GPT, GPTConfig
+
+        return GPT(GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=4, d_model=64, d_ff=128, max_seq=32))
+    raise KeyError(name)
+
+
+def batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return ids, ids.clone()
+
+
+# Megatron column -> row tensor parallelism, per architecture, on one mesh axis. nn.Linear keeps weights
+# as [out, in] (column = S(0), row = S(1)); GPT-2's Conv1D as [in, out]. GPT-2 fuses q, k and v in one
+# matrix that is split after the matmul, so only its MLP can be split by columns.
+MEGATRON = {
+    "gpt2": {"*.mlp.c_fc.weight": "S(1)", "*.mlp.c_fc.bias": "S(0)", "*.mlp.c_proj.weight": "S(0)"},
+    "llama": {"*.q_proj.weight": "S(0)", "*.k_proj.weight": "S(0)", "*.v_proj.weight": "S(0)",
+              "*.o_proj.weight": "S(1)", "*.gate_proj.weight": "S(0)", "*.up_proj.weight": "S(0)",
+              "*.down_proj.weight": "S(1)"},
+    "bert": {"*.attention.self.query.weight": "S(0)", "*.attention.self.key.weight": "S(0)",
+             "*.attention.self.value.weight": "S(0)", "*.attention.output.dense.weight": "S(1)",
+             "*.intermediate.dense.weight": "S(0)", "*.output.dense.weight": "S(1)"},
+    "gpt": {"*.q.weight": "S(0)", "*.k.weight": "S(0)", "*.v.weight": "S(0)", "*.o.weight": "S(1)",
+            "*.fc1.weight": "S(0)", "*.fc2.weight": "S(1)"},
+}
