@@ -36,10 +36,12 @@ def bmm_rule(ctx):
 @register_rule(aten.linear.default, flops=_contract_flops)
 def linear_rule(ctx):
     lead = letters(ctx.ins[0].ndim - 1, start=3)           # batch-like dims of x: d, e, f, ...
-    spec = f"{lead}k,nk"
     if len(ctx.ins) == 3:
-        spec += ",n"                                        # a bias (normalize usually splits it off)
-    return einsum_options(ctx, f"{spec}->{lead}n")
+        # With a bias, a split contracted dim would add the bias once per rank; normalize_pass splits
+        # the bias off so that the row split stays available.
+        opts = einsum_options(ctx, f"{lead}k,nk,n->{lead}n")
+        return [o for o in opts if not o.outputs[0].is_partial]
+    return einsum_options(ctx, f"{lead}k,nk->{lead}n")
 
 
 @register_rule(aten.matmul.default, flops=_contract_flops)

@@ -1,0 +1,92 @@
+"""A naive reference executor: runs one op under a strategy by looping over every mesh coordinate,
+with no process group, and reassembles the global result from the per-rank pieces.
+
+Partial inputs are split into random terms that sum to the value, so an op wrongly declared linear
+fails. Replicated outputs must be equal on every coordinate.
+"""
+import itertools
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from autopar.layout import local_shape
+from autopar.passes.rules import context_for, rule_for
+
+
+def single_op_node(op, args, kwargs=None):
+    """An fx node of ``op`` whose tensor args are placeholders holding the given real tensors."""
+    g = fx.Graph()
+    count = iter(range(1000))
+
+    def to_node(a):
+        if isinstance(a, torch.Tensor):
+            n = g.placeholder(f"x{next(count)}")
+            n.meta["val"] = a
+            return n
+        return a
+
+    nargs = pytree.tree_map(to_node, args)
+    nkwargs = pytree.tree_map(to_node, kwargs or {})
+    node = g.call_function(op, tuple(nargs), dict(nkwargs))
+    node.meta["val"] = op(*args, **(kwargs or {}))
+    return node
+
+
+def _local_input(full, layout, mesh_shape, coord, noise_seed):
+    x = full
+    for a, (p, n) in enumerate(zip(layout, mesh_shape)):
+        if p.is_shard:
+            size = x.shape[p.dim] // n
+            x = x.narrow(p.dim, coord[a] * size, size)
+        elif p.is_partial:
+            # Random terms that sum to x over this axis; the same terms whatever the other coordinates.
+            gen = torch.Generator().manual_seed(noise_seed * 31 + a)
+            terms = [torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.dtype) for _ in range(n - 1)]
+            terms.append(x - sum(terms) if terms else x)
+            x = terms[coord[a]]
+    return x
+
+
+def run_strategy(node: fx.Node, strategy, mesh_shape):
+    """Global outputs reassembled from every coordinate's local run of ``node`` under ``strategy``."""
+    ctx = context_for(node)
+    rule = rule_for(node)
+    full_ins = [a.meta["val"] for a in ctx.input_nodes]
+    out_infos = ctx.outs
+    coords = list(itertools.product(*[range(n) for n in mesh_shape]))
+    results = {}
+    for coord in coords:
+        locals_ = [_local_input(x, lay, mesh_shape, coord, k) for k, (x, lay) in
+                   enumerate(zip(full_ins, strategy.inputs))]
+        it = iter(locals_)
+        args = pytree.tree_map_only(fx.Node, lambda n: next(it), node.args)
+        kwargs = pytree.tree_map_only(fx.Node, lambda n: next(it), dict(node.kwargs))
+        if rule.local_args is not None:
+            lin = [local_shape(i.shape, l, mesh_shape) for i, l in zip(ctx.ins, strategy.inputs)]
+            lout = [local_shape(o.shape, l, mesh_shape) for o, l in zip(out_infos, strategy.outputs)]
+            args, kwargs = rule.local_args(ctx, args, kwargs, lin, lout)
+        out = node.target(*args, **kwargs)
+        results[coord] = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+    assembled = []
+    for k, (info, lay) in enumerate(zip(out_infos, strategy.outputs)):
+        full = torch.zeros(info.shape, dtype=torch.float64)
+        for coord in coords:
+            local = results[coord][k]
+            rep_axes = [a for a, p in enumerate(lay) if p.is_replicate]
+            if any(coord[a] for a in rep_axes):
+                base = tuple(0 if a in rep_axes else c for a, c in enumerate(coord))
+                torch.testing.assert_close(local, results[base][k], msg=f"replicated output {k} differs at {coord}")
+                continue
+            index = [slice(None)] * len(info.shape)
+            starts, sizes = [0] * len(info.shape), list(info.shape)
+            for a, p in enumerate(lay):
+                if p.is_shard:
+                    sizes[p.dim] //= mesh_shape[a]
+                    starts[p.dim] += coord[a] * sizes[p.dim]
+            for d in range(len(info.shape)):
+                index[d] = slice(starts[d], starts[d] + sizes[d])
+            assert tuple(local.shape) == tuple(sizes), f"output {k}: local shape {tuple(local.shape)} != {sizes}"
+            full[tuple(index)] += local.to(torch.float64)
+        assembled.append(full)
+    return assembled
