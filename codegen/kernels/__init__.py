@@ -67,7 +67,8 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5):
 
 def cross_entropy(logits, target, ignore_index: int = -100, reduction: str = "mean"):
     """Softmax cross-entropy over the last dim of 2-D logits [N, V], as
-    torch.nn.functional.cross_entropy (a mean over no valid target is nan, as there)."""
+    torch.nn.functional.cross_entropy (a mean over no valid target is nan, as there). Targets
+    must lie in [0, V) or equal ignore_index; unlike torch this is not checked, to avoid a sync."""
     return _impl("_cross_entropy").cross_entropy(logits, target, ignore_index, reduction)
 
 

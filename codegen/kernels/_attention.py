@@ -43,6 +43,25 @@ def _scores(
 
 
 @triton.jit
+def _rows(ptr, offs, offs_d, stride_row, stride_d, n, D):
+    """Pointers to a [rows, BLOCK_D] tile of an [n, D] matrix, and where it lies inside."""
+    ok = (offs[:, None] < n) & (offs_d[None, :] < D)
+    return ptr + offs[:, None] * stride_row + offs_d[None, :] * stride_d, ok
+
+
+@triton.jit
+def _load_rows(ptr, offs, offs_d, stride_row, stride_d, n, D):
+    ptrs, ok = _rows(ptr, offs, offs_d, stride_row, stride_d, n, D)
+    return tl.load(ptrs, mask=ok, other=0.0)
+
+
+@triton.jit
+def _store_rows(ptr, value, offs, offs_d, stride_row, stride_d, n, D):
+    ptrs, ok = _rows(ptr, offs, offs_d, stride_row, stride_d, n, D)
+    tl.store(ptrs, value.to(ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _attn_fwd(
     Q, K, V, Mask, Out, Lse,
     sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
@@ -52,16 +71,14 @@ def _attn_fwd(
     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    K += b * sk_b + h * sk_h
+    V += b * sv_b + h * sv_h
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    q = tl.load(
-        Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d,
-        mask=(offs_m[:, None] < Sq) & d_ok[None, :], other=0.0,
-    )
+    q = _load_rows(Q + b * sq_b + h * sq_h, offs_m, offs_d, sq_m, sq_d, Sq, D)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -70,12 +87,9 @@ def _attn_fwd(
         end = tl.minimum(Skv, (pid_m + 1) * BLOCK_M)
     for start_n in range(0, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kt = tl.load(
-            K + b * sk_b + h * sk_h + offs_n[None, :] * sk_n + offs_d[:, None] * sk_d,
-            mask=(offs_n[None, :] < Skv) & d_ok[:, None], other=0.0,
-        )
+        k = _load_rows(K, offs_n, offs_d, sk_n, sk_d, Skv, D)
         s = _scores(
-            q, kt, Mask, b * sm_b + h * sm_h, sm_m, sm_n, offs_m, offs_n, Sq, Skv, scale,
+            q, tl.trans(k), Mask, b * sm_b + h * sm_h, sm_m, sm_n, offs_m, offs_n, Sq, Skv, scale,
             CAUSAL, MASK_KIND, UPCAST, PRECISION,
         )
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -85,22 +99,14 @@ def _attn_fwd(
         p = tl.exp(s - shift[:, None])
         alpha = tl.exp(m_i - shift)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            V + b * sv_b + h * sv_h + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d,
-            mask=(offs_n[:, None] < Skv) & d_ok[None, :], other=0.0,
-        )
+        v = _load_rows(V, offs_n, offs_d, sv_n, sv_d, Skv, D)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, PRECISION)
         m_i = m_new
     empty = l_i == 0.0  # every key masked: out 0, lse -inf
     l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
+    _store_rows(Out + b * so_b + h * so_h, acc / l_safe[:, None], offs_m, offs_d, so_m, so_d, Sq, D)
     lse = tl.where(empty, float("-inf"), m_i + tl.log(l_safe))
-    row_ok = offs_m < Sq
-    tl.store(
-        Out + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_d[None, :] * so_d,
-        out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :],
-    )
-    tl.store(Lse + bh.to(tl.int64) * Sq + offs_m, lse, mask=row_ok)
+    tl.store(Lse + bh * Sq + offs_m, lse, mask=offs_m < Sq)
 
 
 @triton.jit
@@ -113,17 +119,15 @@ def _attn_bwd_dkdv(
     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    Q += b * sq_b + h * sq_h
+    DO += b * sdo_b + h * sdo_h
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    kv_ok = (offs_n[:, None] < Skv) & d_ok[None, :]
-    k = tl.load(K + b * sk_b + h * sk_h + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d, mask=kv_ok, other=0.0)
-    v = tl.load(V + b * sv_b + h * sv_h + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d, mask=kv_ok, other=0.0)
-    kt = tl.trans(k)
-    vt = tl.trans(v)
+    k = _load_rows(K + b * sk_b + h * sk_h, offs_n, offs_d, sk_n, sk_d, Skv, D)
+    v = _load_rows(V + b * sv_b + h * sv_h, offs_n, offs_d, sv_n, sv_d, Skv, D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     start = 0
@@ -131,23 +135,21 @@ def _attn_bwd_dkdv(
         start = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
     for start_m in range(start, Sq, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < Sq
-        rows_ok = m_ok[:, None] & d_ok[None, :]
-        q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d, mask=rows_ok, other=0.0)
-        do = tl.load(DO + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d, mask=rows_ok, other=0.0)
-        lse = tl.load(Lse + bh.to(tl.int64) * Sq + offs_m, mask=m_ok, other=0.0)
-        delta = tl.load(Delta + bh.to(tl.int64) * Sq + offs_m, mask=m_ok, other=0.0)
+        q = _load_rows(Q, offs_m, offs_d, sq_m, sq_d, Sq, D)
+        do = _load_rows(DO, offs_m, offs_d, sdo_m, sdo_d, Sq, D)
+        lse = tl.load(Lse + bh * Sq + offs_m, mask=offs_m < Sq, other=0.0)
+        delta = tl.load(Delta + bh * Sq + offs_m, mask=offs_m < Sq, other=0.0)
         s = _scores(
-            q, kt, Mask, b * sm_b + h * sm_h, sm_m, sm_n, offs_m, offs_n, Sq, Skv, scale,
+            q, tl.trans(k), Mask, b * sm_b + h * sm_h, sm_m, sm_n, offs_m, offs_n, Sq, Skv, scale,
             CAUSAL, MASK_KIND, UPCAST, PRECISION,
         )
         # Rows with no attended key have lse -inf and scores -inf: shifting by 0 gives p = 0.
         p = tl.exp(s - tl.where(lse == float("-inf"), 0.0, lse)[:, None])
         dv += _dot(tl.trans(p.to(do.dtype)), do, UPCAST, PRECISION)
-        ds = p * (_dot(do, vt, UPCAST, PRECISION) - delta[:, None])
+        ds = p * (_dot(do, tl.trans(v), UPCAST, PRECISION) - delta[:, None])
         dk += _dot(tl.trans(ds.to(q.dtype)), q, UPCAST, PRECISION)
-    tl.store(DK + bh.to(tl.int64) * Skv * D + offs_n[:, None] * D + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=kv_ok)
-    tl.store(DV + bh.to(tl.int64) * Skv * D + offs_n[:, None] * D + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_ok)
+    _store_rows(DK + bh * Skv * D, dk * scale, offs_n, offs_d, D, 1, Skv, D)
+    _store_rows(DV + bh * Skv * D, dv, offs_n, offs_d, D, 1, Skv, D)
 
 
 @triton.jit
@@ -160,51 +162,60 @@ def _attn_bwd_dq(
     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    K += b * sk_b + h * sk_h
+    V += b * sv_b + h * sv_h
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    m_ok = offs_m < Sq
-    rows_ok = m_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d, mask=rows_ok, other=0.0)
-    do = tl.load(DO + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_m + offs_d[None, :] * sdo_d, mask=rows_ok, other=0.0)
-    lse = tl.load(Lse + bh.to(tl.int64) * Sq + offs_m, mask=m_ok, other=0.0)
-    lse = tl.where(lse == float("-inf"), 0.0, lse)
-    delta = tl.load(Delta + bh.to(tl.int64) * Sq + offs_m, mask=m_ok, other=0.0)
+    q = _load_rows(Q + b * sq_b + h * sq_h, offs_m, offs_d, sq_m, sq_d, Sq, D)
+    do = _load_rows(DO + b * sdo_b + h * sdo_h, offs_m, offs_d, sdo_m, sdo_d, Sq, D)
+    lse = tl.load(Lse + bh * Sq + offs_m, mask=offs_m < Sq, other=0.0)
+    lse = tl.where(lse == float("-inf"), 0.0, lse)  # as in _attn_bwd_dkdv
+    delta = tl.load(Delta + bh * Sq + offs_m, mask=offs_m < Sq, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     end = Skv
     if CAUSAL:
         end = tl.minimum(Skv, (pid_m + 1) * BLOCK_M)
     for start_n in range(0, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_ok = (offs_n[:, None] < Skv) & d_ok[None, :]
-        k = tl.load(K + b * sk_b + h * sk_h + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d, mask=kv_ok, other=0.0)
-        vt = tl.load(V + b * sv_b + h * sv_h + offs_n[None, :] * sv_n + offs_d[:, None] * sv_d, mask=(offs_n[None, :] < Skv) & d_ok[:, None], other=0.0)
+        k = _load_rows(K, offs_n, offs_d, sk_n, sk_d, Skv, D)
+        v = _load_rows(V, offs_n, offs_d, sv_n, sv_d, Skv, D)
         s = _scores(
             q, tl.trans(k), Mask, b * sm_b + h * sm_h, sm_m, sm_n, offs_m, offs_n, Sq, Skv, scale,
             CAUSAL, MASK_KIND, UPCAST, PRECISION,
         )
         p = tl.exp(s - lse[:, None])
-        ds = p * (_dot(do, vt, UPCAST, PRECISION) - delta[:, None])
+        ds = p * (_dot(do, tl.trans(v), UPCAST, PRECISION) - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, UPCAST, PRECISION)
-    tl.store(
-        DQ + bh.to(tl.int64) * Sq * D + offs_m[:, None] * D + offs_d[None, :],
-        (dq * scale).to(DQ.dtype.element_ty), mask=rows_ok,
-    )
+    _store_rows(DQ + bh * Sq * D, dq * scale, offs_m, offs_d, D, 1, Sq, D)
 
 
-def _config(q):
-    """Tile sizes and launch flags shared by the three kernels."""
-    d = q.shape[-1]
+# GPU tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel, for 2-byte and 4-byte inputs.
+# The program's own block is the large side: queries in the forward and dq kernels, keys in the
+# dk/dv kernel, with the loop streaming narrow tiles of the other side. Untuned guesses until
+# bench/kernels.py runs on a GPU.
+_GPU_TILES = {
+    "fwd": {2: (128, 64, 8, 3), 4: (64, 64, 8, 2)},
+    "dkdv": {2: (32, 128, 8, 2), 4: (32, 64, 8, 2)},
+    "dq": {2: (128, 32, 8, 2), 4: (64, 32, 8, 2)},
+}
+
+_INTERPRETER_TILES = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}
+
+
+def _config(q, kernel):
+    """Tile sizes and launch flags for one of the three kernels."""
     if interpreting():
-        # Small tiles make small test shapes span several blocks, with partial tails.
-        block_m, block_n, warps, stages = 16, 16, 4, 1
+        # Small unequal tiles make small test shapes span several blocks with partial tails,
+        # and exercise the causal loop bounds when query and key tiles differ, as on a GPU.
+        block_m, block_n = _INTERPRETER_TILES[kernel]
+        warps, stages = 4, 1
     else:
-        block_m, block_n, warps, stages = (128 if q.element_size() == 2 else 64), 64, 8, 2
+        block_m, block_n, warps, stages = _GPU_TILES[kernel][min(q.element_size(), 4)]
     return dict(
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(q.shape[-1])),
         UPCAST=interpreting(), PRECISION=dot_precision(q.dtype), num_warps=warps, num_stages=stages,
     )
 
@@ -220,17 +231,18 @@ def _mask_args(mask, shape):
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, mask, scale):
-        if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        same_bhd = q.shape[:2] == k.shape[:2] and q.shape[3:] == k.shape[3:]
+        if q.dim() != 4 or k.shape != v.shape or not same_bhd or not q.dtype == k.dtype == v.dtype:
             raise ValueError(
-                "attention wants q [B, H, Sq, D] and k, v [B, H, Skv, D], got "
-                f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+                "attention wants q [B, H, Sq, D] and k, v [B, H, Skv, D] of one dtype, got "
+                f"{tuple(q.shape)} {q.dtype}, {tuple(k.shape)} {k.dtype}, {tuple(v.shape)} {v.dtype}"
             )
         B, H, Sq, D = q.shape
         Skv = k.shape[2]
         mask_t, mask_strides, mask_kind = _mask_args(mask, (B, H, Sq, Skv))
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
-        cfg = _config(q)
+        cfg = _config(q, "fwd")
         grid = (triton.cdiv(Sq, cfg["BLOCK_M"]), B * H)
         _attn_fwd[grid](
             q, k, v, q if mask_t is None else mask_t, out, lse,
@@ -258,18 +270,20 @@ class _Attention(torch.autograd.Function):
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-        cfg = _config(q)
         common = (
             *q.stride(), *k.stride(), *v.stride(), *ctx.mask_strides, *dout.stride(),
             H, Sq, Skv, D, ctx.scale,
         )
         mask_arg = q if mask_t is None else mask_t
-        flags = dict(CAUSAL=ctx.causal, MASK_KIND=ctx.mask_kind, **cfg)
+        cfg = _config(q, "dkdv")
         _attn_bwd_dkdv[(triton.cdiv(Skv, cfg["BLOCK_N"]), B * H)](
-            q, k, v, mask_arg, dout, lse, delta, dk, dv, *common, **flags
+            q, k, v, mask_arg, dout, lse, delta, dk, dv, *common,
+            CAUSAL=ctx.causal, MASK_KIND=ctx.mask_kind, **cfg,
         )
+        cfg = _config(q, "dq")
         _attn_bwd_dq[(triton.cdiv(Sq, cfg["BLOCK_M"]), B * H)](
-            q, k, v, mask_arg, dout, lse, delta, dq, *common, **flags
+            q, k, v, mask_arg, dout, lse, delta, dq, *common,
+            CAUSAL=ctx.causal, MASK_KIND=ctx.mask_kind, **cfg,
         )
         return dq, dk, dv, None, None, None
 

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from ._util import interpreting
 
+
 @triton.jit
 def _ce_fwd(Logits, Target, Lse, TargetLogit, stride, V, offset, ignore_index, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

@@ -91,6 +91,7 @@ class _Norm(torch.autograd.Function):
         if n > MAX_N:
             raise ValueError(f"norm kernels support rows of at most {MAX_N} elements, got {n}")
         x2 = _rows(x, n)
+        weight, bias = (None if t is None else t.contiguous() for t in (weight, bias))
         m = x2.shape[0]
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         rstd = torch.empty(m, dtype=torch.float32, device=x.device)
