@@ -356,6 +356,7 @@ def _raise_infeasible(prep, infeasible, cluster, budget):
         raise InfeasiblePlanError(f"no valid plan exists on {cluster.name or cluster.num_devices} devices at any "
                                   f"budget: the pinned layouts cannot be reached; relax the pins", budget=budget)
     need, assignment, shape, names, idx, cm = best
+    strategies_pass(prep.gm, shape)        # the graph holds the last candidate mesh's strategies
     p = evaluate(prep, idx, assignment, cm, shape, names, cluster, budget)
     consumers = [(f"param {k} (+grad, optimizer)", v) for k, v in p.memory["by_param"].items()]
     consumers += [(f"activations of {n['name']}", n["activation_bytes"]) for n in p.nodes]

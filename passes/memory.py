@@ -87,9 +87,7 @@ def _attribute(node, saved, outs, owner, target_device) -> SavedForBackward:
     if target_device == "cuda" and rule.saved_on_gpu is not None and saved:
         from autopar.passes.rules import context_for
 
-        ctx = context_for(node)
-        kept = rule.saved_on_gpu(ctx) - ctx.outs[0].nbytes - sum(i.nbytes for i in ctx.ins[:3])
-        return SavedForBackward(ctx.outs[0].nbytes, tuple(k < 3 for k in range(len(ins))), max(kept, 0))
+        return rule.saved_on_gpu(context_for(node))
     own_keys = {_storage_key(o) for o in outs}
     saved_inputs = [False] * len(ins)
     out_bytes, internal, seen = 0, 0, set()

@@ -92,8 +92,9 @@ class OpRule:
     # Rewrites a node's (already local) args for local shapes:
     # (ctx, args, kwargs, local input shapes, local output shapes) -> (args, kwargs).
     local_args: Callable | None = None
-    # Bytes saved for backward that a target GPU kernel keeps, when it differs from the planning machine.
-    saved_on_gpu: Callable[[OpContext], int] | None = None
+    # What the target GPU kernel saves for backward (a passes.meta.SavedForBackward), when it differs
+    # from what the planning machine's kernel saves.
+    saved_on_gpu: Callable[[OpContext], object] | None = None
     replicate_only: bool = False
 
 

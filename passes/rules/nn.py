@@ -88,9 +88,10 @@ def _sdpa_flops(ctx):
 
 def _sdpa_saved_on_gpu(ctx):
     """Flash attention keeps q, k, v, the output and an fp32 logsumexp; never the s x s scores."""
-    q, k, v = ctx.ins[:3]
-    lse = _numel(q.shape[:-1]) * 4
-    return q.nbytes + k.nbytes + v.nbytes + ctx.outs[0].nbytes + lse
+    from autopar.passes.meta import SavedForBackward
+
+    lse = _numel(ctx.ins[0].shape[:-1]) * 4
+    return SavedForBackward(ctx.outs[0].nbytes, tuple(k < 3 for k in range(len(ctx.ins))), lse)
 
 
 @register_rule(aten.scaled_dot_product_attention.default, flops=_sdpa_flops, saved_on_gpu=_sdpa_saved_on_gpu)

@@ -25,7 +25,7 @@ def linear_unary_rule(ctx):
 @register_rule(aten.silu.default, aten.gelu.default, aten.relu.default, aten.tanh.default,
                aten.sigmoid.default, aten.exp.default, aten.log.default, aten.rsqrt.default,
                aten.sqrt.default, aten.pow.Tensor_Scalar, aten.abs.default, aten.sin.default,
-               aten.cos.default, aten.reciprocal.default, aten.dropout.default,
+               aten.cos.default, aten.reciprocal.default, aten.where.ScalarOther, aten.where.ScalarSelf,
                aten.eq.Scalar, aten.ne.Scalar, aten.ge.Scalar, aten.gt.Scalar, aten.le.Scalar,
                aten.lt.Scalar, aten.logical_not.default, aten.bitwise_not.default,
                aten.masked_fill.Scalar, aten.where.self, aten.eq.Tensor, aten.ne.Tensor, aten.ge.Tensor,
@@ -35,6 +35,22 @@ def linear_unary_rule(ctx):
                aten.pow.Tensor_Tensor, aten.clamp.default, aten.tril.default, aten.triu.default,
                flops=_elementwise_flops)
 def pointwise_rule(ctx):
+    return broadcast_options(ctx)
+
+
+def _dropout_saved_on_gpu(ctx):
+    """The CUDA kernel keeps a one-byte mask; CPU kernels keep it in the activation dtype."""
+    from autopar.passes.meta import SavedForBackward
+
+    n = 1
+    for s in ctx.outs[0].shape:
+        n *= s
+    return SavedForBackward(0, (False,), n)
+
+
+@register_rule(aten.dropout.default, aten.native_dropout.default, flops=_elementwise_flops,
+               saved_on_gpu=_dropout_saved_on_gpu)
+def dropout_rule(ctx):
     return broadcast_options(ctx)
 
 

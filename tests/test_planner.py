@@ -1,0 +1,168 @@
+"""The planner: known-good layouts found by the solver, published memory figures, offline planning,
+optimality on a real graph, and clear errors."""
+import json
+import math
+
+import pytest
+import torch
+
+import autopar
+from autopar.errors import InfeasiblePlanError, MeshError, PlanFormatError, ShardingError
+from tests.toy_models import wide_stack
+
+
+@pytest.fixture(scope="module")
+def megatron_plan():
+    """A wide block, a small batch, one 8-GPU node: the regime of Megatron's hand-tuned layouts."""
+    model = wide_stack()
+    x = torch.randn(1, 2048, 8192, dtype=torch.bfloat16)
+    return autopar.plan(model, autopar.ClusterSpec.preset("8xH100"), (x,), progress=False)
+
+
+def test_solver_finds_megatron_mlp_and_head_split(megatron_plan):
+    p = megatron_plan
+    lay = {k.split("blocks.0.", 1)[1]: v for k, v in p.params.items() if k.startswith("blocks.0.")}
+    # nn.Linear weights are [out, in]: column split = S(0), row split = S(1), on one common axis.
+    axes = [a for a, (fc1, fc2) in enumerate(zip(lay["fc1.weight"], lay["fc2.weight"]))
+            if fc1 == "S(0)" and fc2 == "S(1)"]
+    assert len(axes) == 1, f"MLP not split column then row on one axis: {lay['fc1.weight']}, {lay['fc2.weight']}"
+    a = axes[0]
+    for name in ("q.weight", "k.weight", "v.weight"):
+        assert lay[name][a] == "S(0)", f"{name} should be split by columns (heads), got {lay[name]}"
+    assert lay["o.weight"][a] == "S(1)"
+    sdpa = [n for n in p.nodes if n["op"].startswith("scaled_dot_product_attention")]
+    assert sdpa and all(n["outputs"][0][a] == "S(1)" for n in sdpa), "attention is not split by heads"
+    # Forward traffic per MLP on that axis: one all-reduce, or Megatron's sequence-parallel pair
+    # (all-gather in, reduce-scatter out), which moves the same bytes and keeps LayerNorm sharded.
+    axis = p.mesh["axes"][a]
+    fwd = [c for c in p.collectives if c["phase"] == "forward" and c["axis"] == axis]
+    kinds = sorted(c["kind"] for c in fwd)
+    n_mlp = 2
+    assert kinds.count("all_reduce") + kinds.count("reduce_scatter") == 2 * n_mlp, kinds  # attention + MLP
+
+
+def test_data_parallel_wins_for_large_batch_and_small_model():
+    model = wide_stack(h=256, heads=4, layers=2)
+    x = torch.randn(512, 128, 256, dtype=torch.bfloat16)
+    p = autopar.plan(model, autopar.ClusterSpec.preset("8xH100"), (x,), mesh_shape=(8,), progress=False)
+    assert all(lay == ["R"] for lay in p.params.values()), p.params
+    assert p.inputs["x"] == ["S(0)"]
+    assert {c["kind"] for c in p.collectives if c["phase"] == "backward"} == {"all_reduce"}
+
+
+def test_activation_memory_agrees_with_korthikanti():
+    """GPT-2 with eager attention and plain GELU, 16-bit, no parallelism: s*b*h*(34 + 5*a*s/h) per layer."""
+    import transformers as tf
+
+    s, b, h, a = 512, 2, 1024, 16
+    cfg = tf.GPT2Config(n_layer=2, n_embd=h, n_head=a, vocab_size=1024, n_positions=s, use_cache=False,
+                        activation_function="gelu", attn_implementation="eager")
+    with torch.device("meta"):
+        model = tf.GPT2LMHeadModel(cfg).to(torch.bfloat16)
+    ids = torch.randint(0, 1024, (b, s))
+    p = autopar.plan(model, autopar.ClusterSpec.preset("1xH100"), (ids,), {"labels": ids.clone()}, progress=False)
+    ours = sum(n["activation_bytes"] for n in p.nodes if n["layer"] == "transformer.h.0")
+    published = s * b * h * (34 + 5 * a * s / h)
+    assert abs(ours / published - 1) < 0.10, f"{ours} vs {published}"
+
+
+def test_flash_attention_drops_the_quadratic_term():
+    import transformers as tf
+
+    s, b, h, a = 1024, 1, 512, 8
+    cfg = tf.GPT2Config(n_layer=1, n_embd=h, n_head=a, vocab_size=512, n_positions=s, use_cache=False,
+                        attn_implementation="sdpa", attn_pdrop=0.0)
+    with torch.device("meta"):
+        model = tf.GPT2LMHeadModel(cfg).to(torch.bfloat16)
+    ids = torch.randint(0, 512, (b, s))
+    p = autopar.plan(model, autopar.ClusterSpec.preset("1xH100"), (ids,), {"labels": ids.clone()}, progress=False)
+    sdpa = [n for n in p.nodes if n["op"].startswith("scaled_dot_product_attention")][0]
+    # q, k, v and the output (4 sbh in 16 bits) plus a fp32 logsumexp per head and token.
+    assert sdpa["activation_bytes"] == 4 * s * b * h * 2 + a * s * b * 4
+
+
+def test_offline_plan_at_1024_devices_needs_no_process_group():
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    model = wide_stack(h=1024, heads=16, layers=2)
+    x = torch.randn(1024, 512, 1024, dtype=torch.bfloat16)
+    p = autopar.plan(model, autopar.ClusterSpec.preset("1024xH100"), (x,), progress=False)
+    assert math.prod(p.mesh["shape"]) == 1024
+    assert p.step_time > 0 and p.memory["peak"] <= p.memory["budget"]
+
+
+def test_ilp_is_optimal_on_a_real_graph():
+    from autopar.passes.costs import CostModel
+    from autopar.passes.problem import build_problem
+    from autopar.passes.strategies import strategies_pass
+    from autopar.planner import prepare
+    from autopar.solver import brute_force, solve
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
+    x = torch.randn(32, 64)
+    cluster = autopar.ClusterSpec.preset("2xH100")
+    prep = prepare(model, (x,), None, cluster)
+    strategies_pass(prep.gm, (2,))
+    prob, _ = build_problem(prep.gm, CostModel(cluster, (2,)), None)
+    space = math.prod(len(c.costs) for c in prob.choices)
+    assert 1 < space <= 1_000_000, space
+    assert solve(prob).objective == pytest.approx(brute_force(prob).objective, rel=1e-6)
+
+
+def test_plan_round_trips_through_json(tmp_path, megatron_plan):
+    path = tmp_path / "plan.json"
+    megatron_plan.save(path)
+    loaded = autopar.Plan.load(path)
+    assert loaded.to_dict() == json.loads(megatron_plan.to_json())
+    text = loaded.summary()
+    assert "mesh" in text and "step time" in text and "memory per device" in text
+
+
+def test_infeasible_budget_names_the_smallest_feasible_one():
+    model = wide_stack(h=512, heads=8, layers=2)
+    x = torch.randn(8, 256, 512, dtype=torch.bfloat16)
+    cluster = autopar.ClusterSpec.preset("8xH100")
+    with pytest.raises(InfeasiblePlanError) as info:
+        autopar.plan(model, cluster, (x,), memory_budget=1e5, progress=False)
+    err = info.value
+    assert err.min_feasible_budget > 1e5 and err.largest_consumers
+    assert "smallest feasible budget" in str(err)
+    ok = autopar.plan(model, cluster, (x,), memory_budget=err.min_feasible_budget * 1.01, progress=False)
+    assert ok.memory["peak"] <= err.min_feasible_budget * 1.5
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.update(version=99), "version"),
+    (lambda d: d.pop("mesh"), "missing"),
+    (lambda d: d["params"].update({"w": ["S(x)"]}), "cannot parse placement"),
+    (lambda d: d["params"].update({"w": ["R", "R", "R"]}), "one placement per mesh axis"),
+    (lambda d: d["collectives"].append({"kind": "teleport", "phase": "forward", "axis": "dp"}), "kind must be"),
+])
+def test_malformed_plan_files_are_refused(tmp_path, megatron_plan, mutate, message):
+    d = json.loads(megatron_plan.to_json())
+    mutate(d)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(PlanFormatError, match=message):
+        autopar.Plan.load(path)
+
+
+def test_plan_file_that_is_not_json(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text("{not json")
+    with pytest.raises(PlanFormatError, match="not a JSON plan"):
+        autopar.Plan.load(path)
+
+
+def test_mesh_shape_must_multiply_to_the_device_count():
+    with pytest.raises(MeshError, match="multiplies to 6"):
+        autopar.ClusterSpec.preset("8xH100", mesh_shape=(3, 2))
+
+
+def test_pin_to_an_impossible_layout_is_explained():
+    model = wide_stack(h=256, heads=4, layers=1)
+    x = torch.randn(8, 64, 256, dtype=torch.bfloat16)
+    with pytest.raises(ShardingError, match="cannot produce"):
+        autopar.plan(model, autopar.ClusterSpec.preset("8xH100"), (x,), mesh_shape=(8,),
+                     pins={"blocks.0.ln1.weight": ["S(1)"]}, progress=False)
