@@ -76,8 +76,9 @@ def _op_name(n: fx.Node) -> str:
     return name(n)
 
 
-def generate(gm: fx.GraphModule, plan: Plan, group_names: list[str]) -> LocalProgram:
-    """The local program of one rank. ``group_names[a]`` is the c10d group of mesh axis ``a``."""
+def generate(gm: fx.GraphModule, plan: Plan, group_names: list[str], device=None) -> LocalProgram:
+    """The local program of one rank. ``group_names[a]`` is the c10d group of mesh axis ``a``;
+    ``device`` replaces the device that factory ops were captured with (meta, for a meta model)."""
     mesh_shape = plan.mesh_shape
     mark_requires_grad(gm)
     strategy = strategies_from_plan(gm, plan)
@@ -131,7 +132,20 @@ def generate(gm: fx.GraphModule, plan: Plan, group_names: list[str]) -> LocalPro
                     outs.append(env[a] if isinstance(a, fx.Node) else a)
             g.output(pytree.tree_unflatten(outs, spec))
     local = fx.GraphModule(gm, g, class_name="LocalProgram")
+    if device is not None:
+        _retarget_devices(local, torch.device(device))
     return LocalProgram(local, low, placeholders)
+
+
+def _retarget_devices(gm: fx.GraphModule, device: torch.device) -> None:
+    """Point factory ops (``arange(..., device=...)``) at this rank's device, in submodules too."""
+    for mod in gm.modules():
+        if not isinstance(mod, fx.GraphModule):
+            continue
+        for n in mod.graph.nodes:
+            if n.op == "call_function":
+                n.args, n.kwargs = pytree.tree_map_only(torch.device, lambda _: device, (n.args, dict(n.kwargs)))
+        mod.recompile()
 
 
 def _emit(g, node, s: Strategy, low, env, reshard, mesh_shape):

@@ -54,6 +54,7 @@ class ParallelModule(nn.Module):
                                                               requires_grad=full.requires_grad)
         self._buffers_by_name = buffers
         self._constants = constants
+        self._materialized = False
         self.local_program = program.gm       # registered as a submodule: its attributes move with .to()
 
     # --- the user's view ---------------------------------------------------------------------
@@ -68,6 +69,7 @@ class ParallelModule(nn.Module):
     def forward(self, *args, **kwargs):
         flat, spec = pytree.tree_flatten((args, kwargs))
         self._check_inputs(flat, spec)
+        self._check_materialized()
         inputs = iter(flat)
         call = []
         for kind, target in self._program.placeholders:
@@ -95,6 +97,17 @@ class ParallelModule(nn.Module):
                 f"(argument structure {'matches' if spec == self._captured.in_spec else 'differs'}). "
                 f"A plan fixes every shape: call autopar.compile again with example inputs of the new shape, "
                 f"or pad batches to the planned shape.")
+
+    def _check_materialized(self):
+        if self._materialized:
+            return
+        on_meta = [f for f in self._layouts if self.local_parameter(f).is_meta]
+        on_meta += [b for b, t in self._buffers_by_name.items() if t.is_meta]
+        if on_meta:
+            raise AutoparError(f"{len(on_meta)} parameters or buffers are still on the meta device (e.g. "
+                               f"{on_meta[:3]}); load them with pmodel.load_state_dict(full_state_dict), "
+                               f"including non-persistent buffers such as rotary tables")
+        self._materialized = True
 
     def train_step(self, *args, **kwargs):
         """Forward and backward; returns the loss (detached)."""
@@ -132,11 +145,13 @@ class ParallelModule(nn.Module):
         from torch.distributed.tensor import DTensor
 
         missing = [f for f in self._layouts if f not in state_dict]
-        unexpected = [k for k in state_dict if k not in self._layouts]
+        unexpected = [k for k in state_dict if k not in self._layouts and k not in self._buffers_by_name]
         if strict and (missing or unexpected):
             raise KeyError(f"load_state_dict: missing {missing[:5]}, unexpected {unexpected[:5]}")
         with torch.no_grad():
             for fqn, value in state_dict.items():
+                if fqn in self._buffers_by_name:
+                    self._buffers_by_name[fqn] = value.detach().clone()     # buffers run replicated
                 if fqn not in self._layouts:
                     continue
                 if isinstance(value, DTensor):
@@ -148,6 +163,7 @@ class ParallelModule(nn.Module):
                     self.shards[self._fqn_to_key[fqn]] = new
                 else:
                     param.copy_(local)
+        self._materialized = False
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
@@ -232,7 +248,8 @@ def build(model, plan: Plan, example_inputs=(), example_kwargs=None, *, check_we
     captured = capture(model, example_inputs, example_kwargs)
     gm = normalize_pass(captured.gm)
     groups = [mesh.get_group(a).group_name for a in plan.axis_names]
-    program = generate(gm, plan, groups)
+    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    program = generate(gm, plan, groups, device)
     params = dict(model.named_parameters())
     on_meta = any(p.is_meta for p in params.values())
     if check_weights and not on_meta:
@@ -240,9 +257,7 @@ def build(model, plan: Plan, example_inputs=(), example_kwargs=None, *, check_we
         if not same_on_all_ranks([p.detach() for p in params.values()], world):
             raise AutoparError("the model's weights differ between ranks; seed every rank the same "
                                "(torch.manual_seed) before building the model, or load one checkpoint on all")
-    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else None
-    full = {fqn: (p if device is None or p.is_meta else p.to(device)) for fqn, p in params.items()
-            if fqn in plan.params}
+    full = {fqn: (p if p.is_meta else p.to(device)) for fqn, p in params.items() if fqn in plan.params}
     buffers = {name: b for name, b in model.named_buffers()}
     constants = {k: v for k, v in captured.constant_values.items()}
     return ParallelModule(program, plan, captured, mesh, full, buffers, constants)

@@ -1,0 +1,152 @@
+"""The generated per-rank program: its collectives are exactly the plan's, it reads as Python, and the
+runtime refuses bad input with clear errors."""
+import collections
+import copy
+
+import pytest
+import torch
+
+from tests.distributed_utils import run_distributed
+from tests.hf_models import MEGATRON, batch, build
+
+
+def _count_executed(pm, ids, labels):
+    """Collectives actually run by one training step, per (kind, axis, phase)."""
+    from autopar.runtime import collectives as C
+
+    axis_of = {pm.mesh.get_group(a).group_name: a for a in pm.plan.axis_names}
+    counts = collections.Counter()
+    phase = {"now": "forward"}
+    originals = {name: getattr(C, name) for name in ("_gather", "_reduce_scatter", "_all_reduce", "_all_to_all")}
+    kinds = {"_gather": "all_gather", "_reduce_scatter": "reduce_scatter", "_all_reduce": "all_reduce",
+             "_all_to_all": "all_to_all"}
+
+    def counting(name):
+        def run(*args):
+            counts[(kinds[name], axis_of[args[-1]], phase["now"])] += 1
+            return originals[name](*args)
+        return run
+
+    for name in originals:
+        setattr(C, name, counting(name))
+    try:
+        loss = pm(ids, labels=labels).loss
+        phase["now"] = "backward"
+        loss.backward()
+    finally:
+        for name, fn in originals.items():
+            setattr(C, name, fn)
+    return counts
+
+
+def _graph_forward_counts(pm):
+    from autopar.runtime.collectives import COLLECTIVE_KIND
+
+    axis_of = {pm.mesh.get_group(a).group_name: a for a in pm.plan.axis_names}
+    counts = collections.Counter()
+    for n in pm.local_program.graph.nodes:
+        if n.op == "call_function" and n.target in COLLECTIVE_KIND and n.target.__name__ != "grad_all_reduce":
+            kind = COLLECTIVE_KIND[n.target]
+            if kind is not None:
+                counts[(kind, axis_of[n.args[-1]], "forward")] += 1
+    return counts
+
+
+def _collectives_match(rank, world, model_name, mesh, pins):
+    import autopar
+
+    torch.manual_seed(0)
+    model = build(model_name)
+    ids, labels = batch()
+    pm = autopar.compile(model, autopar.ClusterSpec.local_cpu(world), (ids,), {"labels": labels},
+                         mesh_shape=mesh, pins=pins)
+    planned = collections.Counter(pm.plan.collective_counts())
+    assert planned, "the plan has no collectives to check"
+    forward_planned = collections.Counter({k: v for k, v in planned.items() if k[2] == "forward"})
+    assert _graph_forward_counts(pm) == forward_planned
+    assert _count_executed(pm, ids, labels) == planned
+    code = pm.code
+    assert "def forward" in code and "all_reduce" in code or "all_gather" in code
+
+
+@pytest.mark.parametrize("model_name, world, mesh, kind", [
+    ("llama", 2, (2,), "megatron"),
+    ("gpt2", 2, (2,), "zero"),
+    ("bert", 4, (2, 2), "megatron x data"),
+])
+def test_collective_counts_match_the_plan(model_name, world, mesh, kind):
+    axes = len(mesh)
+    if kind == "zero":
+        pins = {"*.weight": ["S(0)"], "input_ids": ["S(0)"], "labels": ["S(0)"]}
+    else:
+        pins = {k: ["R"] * (axes - 1) + [v] for k, v in MEGATRON[model_name].items()}
+        if axes == 2:
+            pins.update({"input_ids": ["S(0)", "R"], "labels": ["S(0)", "R"]})
+    run_distributed(_collectives_match, world, model_name, mesh, pins, timeout=300)
+
+
+def _bad_inputs(rank, world):
+    import autopar
+    from autopar.errors import AutoparError, ClusterMismatchError, PlanFormatError
+    from autopar.runtime.module import ShapeMismatchError
+
+    torch.manual_seed(0)
+    model = build("gpt2")
+    ids, labels = batch()
+    cluster = autopar.ClusterSpec.local_cpu(world)
+    with pytest.raises(ClusterMismatchError, match="4 devices"):
+        autopar.compile(model, autopar.ClusterSpec.local_cpu(4), (ids,), {"labels": labels})
+    pm = autopar.compile(model, cluster, (ids,), {"labels": labels})
+    with pytest.raises(ShapeMismatchError, match="plan was made for"):
+        pm(ids[:, :8], labels=labels[:, :8])
+    other = build("llama")
+    with pytest.raises(PlanFormatError, match="another model"):
+        autopar.compile(other, cluster, (ids,), {"labels": labels}, plan=pm.plan)
+    skewed = copy.deepcopy(model)
+    if rank == 1:
+        with torch.no_grad():
+            next(skewed.parameters()).add_(1e-3)
+    with pytest.raises(AutoparError, match="differ between ranks"):
+        autopar.compile(skewed, cluster, (ids,), {"labels": labels}, plan=pm.plan)
+
+
+def test_bad_input_gets_clear_errors():
+    run_distributed(_bad_inputs, 2, timeout=300)
+
+
+def _meta_model_and_checkpoint(rank, world, ckpt_dir):
+    import torch.distributed.checkpoint as dcp
+
+    import autopar
+
+    torch.manual_seed(0)
+    real = build("llama")
+    full = {k: v.detach().clone() for k, v in real.named_parameters()}
+    buffers = {k: v.clone() for k, v in real.named_buffers()}      # rotary tables are not persistent
+    with torch.device("meta"):
+        meta = build("llama")
+    ids, labels = batch()
+    cluster = autopar.ClusterSpec.local_cpu(world)
+    pm = autopar.compile(meta, cluster, (ids,), {"labels": labels})
+    with pytest.raises(autopar.AutoparError, match="meta device"):
+        pm(ids, labels=labels)
+    pm.load_state_dict({**full, **buffers})
+    ref = autopar.compile(real, cluster, (ids,), {"labels": labels}, plan=pm.plan)
+    assert torch.equal(pm.train_step(ids, labels=labels), ref.train_step(ids, labels=labels))
+
+    state = pm.state_dict()
+    assert all(type(v).__name__ == "DTensor" for v in state.values())
+    dcp.save(state, checkpoint_id=ckpt_dir)
+    fresh = autopar.compile(build("llama"), cluster, (ids,), {"labels": labels}, plan=pm.plan)
+    target = fresh.state_dict()
+    dcp.load(target, checkpoint_id=ckpt_dir)
+    fresh.load_state_dict(target)
+    for k, v in pm.full_state_dict().items():
+        assert torch.equal(fresh.full_state_dict()[k], v), k
+        assert torch.equal(v, full[k]), k
+    model = build("llama")
+    model.load_state_dict(pm.full_state_dict(), strict=False)
+
+
+def test_meta_model_load_state_dict_and_dcp_checkpoint(tmp_path):
+    run_distributed(_meta_model_and_checkpoint, 2, str(tmp_path / "ckpt"), timeout=300)
