@@ -1,0 +1,85 @@
+"""``python -m autopar plan``: plan a zoo model (or ``package.module:function``) for a cluster offline.
+
+The model is built on the meta device and planned under a fake process group, so this needs no GPU,
+no weights and no memory for the model.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from autopar.zoo import NAMES
+
+    p.add_argument("--model", required=True, metavar="NAME_OR_MODULE:FUNCTION",
+                   help=f"one of {', '.join(NAMES)}, or package.module:function returning a model "
+                        f"or (model, args, kwargs)")
+    p.add_argument("--cluster", required=True, metavar="PRESET",
+                   help="NxDEVICE (e.g. 8xH100, 64xH100, 8xA100), or cpu:N for N local gloo processes")
+    p.add_argument("--batch", type=int, default=8, help="global batch size (default 8)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's zoo default)")
+    p.add_argument("--dtype", choices=_DTYPES, default="float32", help="parameter dtype (default float32)")
+    p.add_argument("--memory-budget", type=float, default=None, metavar="GB",
+                   help="bytes per device, in GB (1e9 bytes); default: the device's capacity less its reserve")
+    p.add_argument("--mesh", default=None, metavar="A,B,...", help="fix the mesh shape, e.g. 8,8")
+    p.add_argument("--time-limit", type=float, default=60.0, metavar="S", help="ILP time limit per mesh (s)")
+    p.add_argument("--out", default=None, metavar="PLAN.json", help="save the plan as JSON")
+    p.add_argument("--html", default=None, metavar="REPORT.html", help="write an HTML report of the plan")
+
+
+def _cluster(name: str):
+    from autopar import ClusterSpec
+
+    if name.lower().startswith("cpu:"):
+        try:
+            n = int(name[4:])
+        except ValueError:
+            raise ValueError(f"cluster {name!r}: write cpu:N with N an integer, e.g. cpu:2") from None
+        return ClusterSpec.local_cpu(n)
+    return ClusterSpec.preset(name)
+
+
+def _mesh(text: str | None):
+    if text is None:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--mesh {text!r}: write comma-separated integers, e.g. 8,8") from None
+
+
+def _fail(e: Exception) -> int:
+    print(f"autopar plan: error: {e}".replace("\n", " "), file=sys.stderr)
+    return 1
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    import autopar
+    from autopar import zoo
+
+    try:
+        cluster = _cluster(args.cluster)
+        mesh = _mesh(args.mesh)
+        model, ex_args, ex_kwargs = zoo.build(args.model, batch=args.batch, seq=args.seq, device="meta",
+                                              dtype=getattr(torch, args.dtype))
+    except (ValueError, ImportError) as e:    # bad names, presets, meshes; transformers missing
+        return _fail(e)
+    budget = args.memory_budget * 1e9 if args.memory_budget is not None else None
+    try:
+        plan = autopar.plan(model, cluster, ex_args, ex_kwargs, memory_budget=budget, mesh_shape=mesh,
+                            time_limit=args.time_limit)
+    except autopar.AutoparError as e:         # raised on purpose, with what to change; a bug keeps its traceback
+        return _fail(e)
+    print(plan.summary())
+    if args.out:
+        plan.save(args.out)
+        print(f"plan saved to {args.out}")
+    if args.html:
+        plan.to_html(args.html)
+        print(f"HTML report written to {args.html}")
+    return 0
