@@ -82,10 +82,10 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
         cluster = _with_mesh(cluster, mesh_shape, axis_names)
     budget = float(memory_budget) if memory_budget is not None else cluster.usable_memory
     optimizer = optimizer or default_optimizer(model)
-    with _progress(progress) as report:
+    candidates = cluster.mesh_candidates() if cluster.mesh_shape is None else [cluster.mesh_shape]
+    with _progress(progress, total=2 + 4 * len(candidates)) as report:
         report("capturing")
         prep = prepare(model, example_inputs, example_kwargs, cluster, skip_passes=skip_passes)
-        candidates = cluster.mesh_candidates() if cluster.mesh_shape is None else [cluster.mesh_shape]
         best, tried, infeasible = None, [], []
         for shape in candidates:
             names = tuple(cluster.axis_names) if cluster.mesh_shape is not None and cluster.axis_names \
@@ -129,32 +129,35 @@ def _with_mesh(cluster, mesh_shape, axis_names):
 
 
 @contextlib.contextmanager
-def _progress(enabled):
-    """Stage names on a rich status line once planning has taken more than a second."""
+def _progress(enabled, total: int):
+    """A rich progress bar with the stage name, shown once planning has taken more than a second
+    (always with ``progress=True``, never with ``progress=False``, else when stderr is a terminal)."""
+    import sys
+
     t0 = time.perf_counter()
-    status = None
+    state = {"bar": None, "task": None, "done": 0}
 
     def report(stage):
-        nonlocal status
         log.info("planning: %s", stage)
-        if enabled is False:
+        state["done"] += 1
+        if enabled is False or not (enabled or sys.stderr.isatty()):
             return
-        if status is None and time.perf_counter() - t0 > 1.0:
-            import sys
+        if state["bar"] is None and (enabled or time.perf_counter() - t0 > 1.0):
+            from rich.console import Console
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-            if enabled or sys.stderr.isatty():
-                from rich.console import Console
-
-                status = Console(stderr=True).status("planning")
-                status.start()
-        if status is not None:
-            status.update(f"planning: {stage}  [{time.perf_counter() - t0:.1f}s]")
+            state["bar"] = Progress(TextColumn("planning"), BarColumn(), TextColumn("{task.description}"),
+                                    TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+            state["bar"].start()
+            state["task"] = state["bar"].add_task(stage, total=total)
+        if state["bar"] is not None:
+            state["bar"].update(state["task"], completed=state["done"], description=stage)
 
     try:
         yield report
     finally:
-        if status is not None:
-            status.stop()
+        if state["bar"] is not None:
+            state["bar"].stop()
 
 
 def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_shape, axis_names,
@@ -269,7 +272,9 @@ def alternatives(gm, prob, idx: ProblemIndex, assignment, cm: CostModel, axis_na
                         if v.node is m:
                             colls += _edge_collectives(cm, v, s.outputs[v.index], chosen[c], k, c.name, axis_names)
             mem = fwd_mem.get(ci, [0.0] * len(choice.costs))[o] / choice.count
+            rs = meta_of(rep).strategies.strategies[o]
             entries.append({"layout": choice.labels[o] if choice.labels else str(o), "chosen": o == assignment[ci],
+                            "inputs": [format_layout(l) for l in rs.inputs],
                             "own_seconds": choice.costs[o], "resharding_seconds": edge, "total_seconds": total,
                             "memory_bytes": mem, "collectives": colls})
         name = meta_of(rep).role.target if rep.op == "placeholder" else rep.name
@@ -339,8 +344,9 @@ def _timeline(gm, chosen, acts, mem, cm):
         points.append(("backward", n.name, static, grads, running, out))
     peak = max((p[2] + p[3] + p[4] + p[5] for p in points), default=static)
     peak = max(peak, static + total_grads)
+    # At most ~200 points, always keeping the highest one of each window so the peak stays visible.
     stride = max(1, len(points) // 200)
-    keep = points[::stride]
+    keep = [max(points[i:i + stride], key=lambda p: p[2] + p[3] + p[4] + p[5]) for i in range(0, len(points), stride)]
     timeline = [{"phase": ph, "node": nm, "params": mem["params"], "optimizer": mem["optimizer"], "grads": g,
                  "activations": a, "transient": t} for ph, nm, _s, g, a, t in keep]
     return timeline, peak

@@ -36,6 +36,7 @@ class LocalProgram:
     gm: fx.GraphModule
     lowered: Lowered
     placeholders: list        # (kind, target) per local placeholder, in call order
+    output_layouts: list      # per user output tensor: its layout as returned (all-R unless kept sharded)
 
 
 def strategies_from_plan(gm: fx.GraphModule, plan: Plan) -> dict:
@@ -76,9 +77,12 @@ def _op_name(n: fx.Node) -> str:
     return name(n)
 
 
-def generate(gm: fx.GraphModule, plan: Plan, group_names: list[str], device=None) -> LocalProgram:
+def generate(gm: fx.GraphModule, plan: Plan, group_names: list[str], device=None, *,
+             replicate_outputs: bool = True) -> LocalProgram:
     """The local program of one rank. ``group_names[a]`` is the c10d group of mesh axis ``a``;
-    ``device`` replaces the device that factory ops were captured with (meta, for a meta model)."""
+    ``device`` replaces the device that factory ops were captured with (meta, for a meta model).
+    With ``replicate_outputs=False`` outputs are returned in the layout they are computed in, skipping
+    the gathers that ``plan.collectives`` lists for them."""
     mesh_shape = plan.mesh_shape
     mark_requires_grad(gm)
     strategy = strategies_from_plan(gm, plan)
@@ -88,7 +92,7 @@ def generate(gm: fx.GraphModule, plan: Plan, group_names: list[str], device=None
     g = fx.Graph()
     env: dict = {}
     resharded: dict = {}
-    placeholders = []
+    placeholders, output_layouts = [], []
 
     def reshard(key):
         if key in resharded:
@@ -126,7 +130,12 @@ def generate(gm: fx.GraphModule, plan: Plan, group_names: list[str], device=None
             for a in leaves:
                 if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
                     key = low.output_uses[k]
-                    outs.append(reshard(key) if key is not None else env[a])
+                    if replicate_outputs:
+                        outs.append(reshard(key) if key is not None else env[a])
+                        output_layouts.append(tuple(parse_layout(["R"] * len(mesh_shape))))
+                    else:
+                        outs.append(env[a])
+                        output_layouts.append(strategy[a].outputs[0])
                     k += 1
                 else:
                     outs.append(env[a] if isinstance(a, fx.Node) else a)
@@ -134,7 +143,7 @@ def generate(gm: fx.GraphModule, plan: Plan, group_names: list[str], device=None
     local = fx.GraphModule(gm, g, class_name="LocalProgram")
     if device is not None:
         _retarget_devices(local, torch.device(device))
-    return LocalProgram(local, low, placeholders)
+    return LocalProgram(local, low, placeholders, output_layouts)
 
 
 def _retarget_devices(gm: fx.GraphModule, device: torch.device) -> None:

@@ -135,8 +135,14 @@ class CostModel:
         ctx = context_for(node)
         total = 0.0
         if ctx.outs:
-            frac = local_fraction(s.outputs[0], self.mesh_shape)
-            total += (saved.outputs + saved.internal) * frac
+            total += saved.outputs * local_fraction(s.outputs[0], self.mesh_shape)
+        # Buffers private to the op (norm statistics, a log-softmax, masks) scale with its share of the
+        # work, not with its output: a loss summed over sharded tokens has a Partial scalar output.
+        split = 1
+        for a, n in enumerate(self.mesh_shape):
+            if s.splits_work[a]:
+                split *= n
+        total += saved.internal / split
         for k, keep in enumerate(saved.inputs):
             if keep and k < len(ctx.ins):
                 sharers = meta_of(ctx.input_nodes[k]).extra.get("saved_by", 1)

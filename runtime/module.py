@@ -38,9 +38,11 @@ def shard_of(full: torch.Tensor, layout, mesh_shape, coords) -> torch.Tensor:
 
 
 class ParallelModule(nn.Module):
-    def __init__(self, program, plan: Plan, captured, mesh, full_params: dict, buffers: dict, constants: dict):
+    def __init__(self, program, plan: Plan, captured, mesh, full_params: dict, buffers: dict, constants: dict,
+                 *, sharded_outputs: bool = False):
         super().__init__()
         self.plan = plan
+        self.sharded_outputs = sharded_outputs
         self.mesh = mesh
         self._program = program
         self._captured = captured
@@ -85,8 +87,27 @@ class ParallelModule(nn.Module):
                 if lay is not None and isinstance(x, torch.Tensor):
                     x = shard_of(x, parse_layout(lay), self.plan.mesh_shape, self._coords)
                 call.append(x)
-        outs = self.local_program(*call)
-        return pytree.tree_unflatten(pytree.tree_leaves(outs), self._captured.out_spec)
+        outs = pytree.tree_leaves(self.local_program(*call))
+        if self.sharded_outputs:
+            outs = self._as_dtensors(outs)
+        return pytree.tree_unflatten(outs, self._captured.out_spec)
+
+    def _as_dtensors(self, outs):
+        from torch.distributed.tensor import DTensor
+
+        layouts = iter(self._program.output_layouts)
+        wrapped = []
+        for x in outs:
+            if isinstance(x, torch.Tensor):
+                lay = next(layouts)
+                shape = list(x.shape)
+                for p, n in zip(lay, self.plan.mesh_shape):
+                    if p.is_shard:
+                        shape[p.dim] *= n
+                x = DTensor.from_local(x, self.mesh, [p.to_dtensor() for p in lay], run_check=False,
+                                       shape=torch.Size(shape), stride=_contiguous_stride(shape))
+            wrapped.append(x)
+        return wrapped
 
     def _check_inputs(self, flat, spec):
         planned = self._captured.input_shapes
@@ -191,7 +212,10 @@ def _loss_of(out):
 
 
 def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_kwargs=None, *,
-            memory_budget=None, plan: Plan | None = None, check_weights: bool = True, **plan_options):
+            memory_budget=None, plan: Plan | None = None, check_weights: bool = True,
+            sharded_outputs: bool = False, **plan_options):
+    """See ``autopar.compile``. ``sharded_outputs=True`` returns outputs as DTensors in the layouts they
+    are computed in, without gathering them (a loss summed over sharded tokens stays Partial)."""
     if not dist.is_available() or not dist.is_initialized():
         raise ClusterMismatchError("autopar.compile runs inside an initialized process group: start the "
                                    "program with torchrun (ClusterSpec.from_env() initializes it) or call "
@@ -216,7 +240,8 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
         if n != world:
             raise ClusterMismatchError(f"the plan's mesh {plan.mesh_shape} has {n} devices but the process "
                                        f"group has {world} ranks")
-    return build(model, plan, example_inputs, example_kwargs, check_weights=check_weights)
+    return build(model, plan, example_inputs, example_kwargs, check_weights=check_weights,
+                 sharded_outputs=sharded_outputs)
 
 
 def _plan_on_rank0(model, cluster, example_inputs, example_kwargs, memory_budget, options):
@@ -235,7 +260,8 @@ def _plan_on_rank0(model, cluster, example_inputs, example_kwargs, memory_budget
     return Plan.from_dict(json.loads(payload[0]))
 
 
-def build(model, plan: Plan, example_inputs=(), example_kwargs=None, *, check_weights=True) -> ParallelModule:
+def build(model, plan: Plan, example_inputs=(), example_kwargs=None, *, check_weights=True,
+          sharded_outputs=False) -> ParallelModule:
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.codegen.local_program import generate
@@ -249,7 +275,7 @@ def build(model, plan: Plan, example_inputs=(), example_kwargs=None, *, check_we
     gm = normalize_pass(captured.gm)
     groups = [mesh.get_group(a).group_name for a in plan.axis_names]
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    program = generate(gm, plan, groups, device)
+    program = generate(gm, plan, groups, device, replicate_outputs=not sharded_outputs)
     params = dict(model.named_parameters())
     on_meta = any(p.is_meta for p in params.values())
     if check_weights and not on_meta:
@@ -260,4 +286,4 @@ def build(model, plan: Plan, example_inputs=(), example_kwargs=None, *, check_we
     full = {fqn: (p if p.is_meta else p.to(device)) for fqn, p in params.items() if fqn in plan.params}
     buffers = {name: b for name, b in model.named_buffers()}
     constants = {k: v for k, v in captured.constant_values.items()}
-    return ParallelModule(program, plan, captured, mesh, full, buffers, constants)
+    return ParallelModule(program, plan, captured, mesh, full, buffers, constants, sharded_outputs=sharded_outputs)

@@ -150,3 +150,26 @@ def _meta_model_and_checkpoint(rank, world, ckpt_dir):
 
 def test_meta_model_load_state_dict_and_dcp_checkpoint(tmp_path):
     run_distributed(_meta_model_and_checkpoint, 2, str(tmp_path / "ckpt"), timeout=300)
+
+
+def _sharded_outputs(rank, world):
+    import autopar
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    model = build("gpt2")
+    ids, labels = batch()
+    cluster = autopar.ClusterSpec.local_cpu(world)
+    # Data parallel, with the logits (the lm_head node, "linear") left split by batch.
+    pins = {"input_ids": ["S(0)"], "labels": ["S(0)"], "*.weight": ["R"], "*.bias": ["R"], "linear": ["S(0)"]}
+    full = autopar.compile(model, cluster, (ids,), {"labels": labels}, pins=pins)
+    sharded = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=full.plan, sharded_outputs=True)
+    out, ref = sharded(ids, labels=labels), full(ids, labels=labels)
+    assert isinstance(out.logits, DTensor) and isinstance(out.loss, DTensor)
+    assert out.logits.placements[0].is_shard(0) and out.logits.to_local().shape[0] == ids.shape[0] // world
+    torch.testing.assert_close(out.logits.full_tensor(), ref.logits)
+    torch.testing.assert_close(out.loss.full_tensor(), ref.loss)
+
+
+def test_outputs_can_stay_sharded_as_dtensors():
+    run_distributed(_sharded_outputs, 2, timeout=300)
