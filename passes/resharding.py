@@ -12,6 +12,8 @@ Megatron's "f").
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -34,7 +36,7 @@ class Step:
         """(kind, phase, bytes per device) this step runs. Bytes follow REFERENCES.md: the gathered
         output for all-gather, the full input for reduce-scatter, the tensor for all-reduce and
         all-to-all."""
-        nin, nout = _numel(self.in_shape) * itemsize, _numel(self.out_shape) * itemsize
+        nin, nout = math.prod(self.in_shape) * itemsize, math.prod(self.out_shape) * itemsize
         fwd = {"all_gather": [("all_gather", nout)], "reduce_scatter": [("reduce_scatter", nin)],
                "all_reduce": [("all_reduce", nin)], "all_to_all": [("all_to_all", nin)]}.get(self.op, [])
         bwd = []
@@ -45,13 +47,6 @@ class Step:
                    "local_chunk": [("all_gather", nin)],
                    "grad_all_reduce": [("all_reduce", nin)]}.get(self.op, [])
         return [(k, "forward", b) for k, b in fwd] + [(k, "backward", b) for k, b in bwd]
-
-
-def _numel(shape):
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def transition(src: Sequence[Placement], dst: Sequence[Placement], local_src_shape: Sequence[int],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 
 import torch
 import torch.distributed as dist
@@ -234,9 +235,7 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
             raise PlanFormatError(f"this plan was made for another model ({plan.model.get('class')}, fingerprint "
                                   f"{plan.model.get('fingerprint')}) than {type(model).__qualname__} "
                                   f"(fingerprint {model_fingerprint(model)}); plan this model again")
-        n = 1
-        for s in plan.mesh_shape:
-            n *= s
+        n = math.prod(plan.mesh_shape)
         if n != world:
             raise ClusterMismatchError(f"the plan's mesh {plan.mesh_shape} has {n} devices but the process "
                                        f"group has {world} ranks")

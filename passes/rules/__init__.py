@@ -16,6 +16,7 @@ An op with no rule is replicated, with one warning naming it; the compiler never
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -38,11 +39,12 @@ class TensorInfo:
         return len(self.shape)
 
     @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * self.dtype.itemsize
+        return self.numel * self.dtype.itemsize
 
 
 @dataclass(frozen=True)

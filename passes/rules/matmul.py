@@ -11,16 +11,9 @@ from autopar.passes.rules.helpers import einsum_options, letters
 aten = torch.ops.aten
 
 
-def _numel(shape):
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def _contract_flops(ctx):
     # 2 * (output elements) * (contracted length); the contracted length is the first input's last dim.
-    return 2.0 * _numel(ctx.outs[0].shape) * ctx.ins[0].shape[-1]
+    return 2.0 * ctx.outs[0].numel * ctx.ins[0].shape[-1]
 
 
 @register_rule(aten.mm.default, flops=_contract_flops)

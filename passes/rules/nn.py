@@ -1,4 +1,6 @@
 """Reductions, normalization, softmax, attention, embedding and the loss."""
+import math
+
 import torch
 
 from autopar.layout import P, R, S
@@ -8,15 +10,8 @@ from autopar.passes.rules.helpers import dim_map_options, norm_dim
 aten = torch.ops.aten
 
 
-def _numel(shape):
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def _input_flops(ctx):
-    return float(_numel(ctx.ins[0].shape))
+    return float(ctx.ins[0].numel)
 
 
 def _reduced_dims(ctx):
@@ -54,14 +49,14 @@ def reduction_rule(ctx):
 
 
 @register_rule(aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int,
-               flops=lambda ctx: 5.0 * _numel(ctx.ins[0].shape))
+               flops=lambda ctx: 5.0 * ctx.ins[0].numel)
 def softmax_rule(ctx):
     dim = norm_dim(ctx.args[1], ctx.ins[0].ndim)
     return dim_map_options(ctx, lambda d: None if d == dim else d, partial=False)
 
 
 @register_rule(aten.layer_norm.default, aten.rms_norm.default,
-               flops=lambda ctx: 8.0 * _numel(ctx.ins[0].shape))
+               flops=lambda ctx: 8.0 * ctx.ins[0].numel)
 def norm_rule(ctx):
     # Only the leading dims are sharded: the normalized ones need every element of a row.
     x = ctx.ins[0]
@@ -82,7 +77,7 @@ def embedding_rule(ctx):
 
 def _sdpa_flops(ctx):
     q, k = ctx.ins[0], ctx.ins[1]
-    b_h_sq = _numel(q.shape[:-1])
+    b_h_sq = math.prod(q.shape[:-1])
     return 4.0 * b_h_sq * k.shape[-2] * q.shape[-1]
 
 
@@ -90,7 +85,7 @@ def _sdpa_saved_on_gpu(ctx):
     """Flash attention keeps q, k, v, the output and an fp32 logsumexp; never the s x s scores."""
     from autopar.passes.meta import SavedForBackward
 
-    lse = _numel(ctx.ins[0].shape[:-1]) * 4
+    lse = math.prod(ctx.ins[0].shape[:-1]) * 4
     return SavedForBackward(ctx.outs[0].nbytes, tuple(k < 3 for k in range(len(ctx.ins))), lse)
 
 
@@ -118,7 +113,7 @@ def sdpa_rule(ctx):
 
 
 @register_rule(aten.cross_entropy_loss.default, aten.nll_loss.default,
-               flops=lambda ctx: 5.0 * _numel(ctx.ins[0].shape))
+               flops=lambda ctx: 5.0 * ctx.ins[0].numel)
 def cross_entropy_rule(ctx):
     logits, target = ctx.ins[:2]
     reduction = ctx.arg(3, "reduction", 1)

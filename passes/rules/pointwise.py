@@ -8,10 +8,7 @@ aten = torch.ops.aten
 
 
 def _elementwise_flops(ctx):
-    n = 1
-    for s in ctx.outs[0].shape:
-        n *= s
-    return float(n)
+    return float(ctx.outs[0].numel)
 
 
 # Unary ops that are linear in their input: a Partial passes through.
@@ -42,10 +39,7 @@ def _dropout_saved_on_gpu(ctx):
     """The CUDA kernel keeps a one-byte mask; CPU kernels keep it in the activation dtype."""
     from autopar.passes.meta import SavedForBackward
 
-    n = 1
-    for s in ctx.outs[0].shape:
-        n *= s
-    return SavedForBackward(0, (False,), n)
+    return SavedForBackward(0, (False,), ctx.outs[0].numel)
 
 
 @register_rule(aten.dropout.default, aten.native_dropout.default, flops=_elementwise_flops,
