@@ -44,12 +44,13 @@ class Attention(nn.Module):
         self.q, self.k, self.v, self.o = (nn.Linear(cfg.d_model, cfg.d_model) for _ in range(4))
 
     def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = (p(x).view(b, t, self.n_head, d // self.n_head).transpose(1, 2)
-                   for p in (self.q, self.k, self.v))
+        b, t, _ = x.shape
+        # Sizes come from the projections, not from x: under hand-written tensor parallelism each rank
+        # holds n_head / tp heads of the full head size.
+        q, k, v = (p(x).unflatten(-1, (self.n_head, -1)).transpose(1, 2) for p in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
                                            is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(b, t, d))
+        return self.o(y.transpose(1, 2).flatten(2))
 
 
 class MLP(nn.Module):

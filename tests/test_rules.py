@@ -58,6 +58,8 @@ CASES = {
     "view_merge": lambda m, k, n, b: (aten.view.default, (rand(b, m, k), [b * m, k]), {}),
     "view_split": lambda m, k, n, b: (aten.view.default, (rand(b * m, k), [b, m, k]), {}),
     "reshape_regroup": lambda m, k, n, b: (aten.reshape.default, (rand(b, m * k), [b * m, k]), {}),
+    "flatten": lambda m, k, n, b: (aten.flatten.using_ints, (rand(b, m, k), 1, 2), {}),
+    "unflatten": lambda m, k, n, b: (aten.unflatten.int, (rand(b, m * k), 1, [m, -1]), {}),
     "expand": lambda m, k, n, b: (aten.expand.default, (rand(1, m, 1), [b, m, k]), {}),
     "transpose": lambda m, k, n, b: (aten.transpose.int, (rand(b, m, k), 0, 2), {}),
     "permute": lambda m, k, n, b: (aten.permute.default, (rand(b, m, k), [2, 0, 1]), {}),

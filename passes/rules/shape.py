@@ -25,8 +25,18 @@ def view_rule(ctx):
     return dim_map_options(ctx, mapping.get)
 
 
-# flatten/unflatten take dims, not sizes, as args: they need no rewrite.
-register_rule(aten.flatten.using_ints, aten.unflatten.int)(view_rule)
+# flatten takes dims, not sizes: no rewrite.
+register_rule(aten.flatten.using_ints)(view_rule)
+
+
+def _local_unflatten_sizes(ctx, args, kwargs, local_ins, local_outs):
+    """unflatten(x, dim, sizes): the new dims' sizes, taken from the local output."""
+    dim = norm_dim(args[1], ctx.ins[0].ndim)
+    sizes = list(local_outs[0][dim:dim + len(args[2])])
+    return (args[0], args[1], sizes) + tuple(args[3:]), kwargs
+
+
+register_rule(aten.unflatten.int, local_args=_local_unflatten_sizes)(view_rule)
 
 
 @register_rule(aten.expand.default, local_args=_local_size_arg)

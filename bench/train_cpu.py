@@ -1,0 +1,173 @@
+"""Training step time and peak live-tensor memory on 2 gloo ranks, side by side in one run:
+autopar's plan, DDP, FSDP2 (fully_shard) and manual tensor parallel (parallelize_module), on one
+GPT-2-small-shaped model; plus a 1-rank autopar plan against plain eager.
+
+    OMP_NUM_THREADS=1 python bench/train_cpu.py [--steps 8] [--layers 4] [--d-model 768]
+
+The model is autopar's built-in GPT (GPT-2's architecture with nn.Linear projections, so that
+parallelize_module's ColwiseParallel/RowwiseParallel apply to it as they do not to HF GPT-2's Conv1D).
+Memory is the peak of live tensors per rank (torch.distributed._tools.mem_tracker.MemTracker) over a
+training step, parameters, gradients and optimizer states included.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def model_and_batch(args):
+    from autopar.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=args.vocab, n_layer=args.layers, n_head=args.heads, d_model=args.d_model,
+                    d_ff=4 * args.d_model, max_seq=args.seq)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+    return GPT(cfg), ids, ids.clone()
+
+
+def measure(step, steps, warmup=2):
+    """Median seconds of ``step()`` (which runs one full training step)."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        dist.barrier() if dist.is_initialized() else None
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def peak_memory(model, opt, step):
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    mt = MemTracker()
+    mt.track_external(model, opt)
+    with mt:
+        for _ in range(2):
+            step()
+            mt.reset_mod_stats()
+    return mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def trainer(model, opt, call):
+    def step():
+        loss = call()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def systems(args, rank, world):
+    """(name, module, optimizer, step) for each system, built fresh from the same weights."""
+    import autopar
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    base, ids, labels = model_and_batch(args)
+    out = []
+
+    pm = autopar.compile(copy.deepcopy(base), autopar.ClusterSpec.local_cpu(world), (ids,), {"labels": labels})
+    if rank == 0:
+        print(pm.plan.summary().splitlines()[0], "|", pm.plan.summary().splitlines()[-2])
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+    out.append(("autopar", pm, opt, trainer(pm, opt, lambda: pm(ids, labels=labels).loss)))
+
+    ddp = DDP(copy.deepcopy(base))
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+    local = slice(rank * args.batch // world, (rank + 1) * args.batch // world)
+    out.append(("DDP", ddp, opt, trainer(ddp, opt, lambda: ddp(ids[local], labels=labels[local]).loss)))
+
+    fsdp = copy.deepcopy(base)
+    for block in fsdp.blocks:
+        fully_shard(block)
+    fully_shard(fsdp)
+    opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-4)
+    out.append(("FSDP2", fsdp, opt, trainer(fsdp, opt, lambda: fsdp(ids[local], labels=labels[local]).loss)))
+
+    tp = copy.deepcopy(base)
+    mesh = init_device_mesh("cpu", (world,))
+    plan = {}
+    for i in range(args.layers):
+        plan.update({f"blocks.{i}.attn.q": ColwiseParallel(), f"blocks.{i}.attn.k": ColwiseParallel(),
+                     f"blocks.{i}.attn.v": ColwiseParallel(), f"blocks.{i}.attn.o": RowwiseParallel(),
+                     f"blocks.{i}.mlp.fc1": ColwiseParallel(), f"blocks.{i}.mlp.fc2": RowwiseParallel()})
+    parallelize_module(tp, mesh, plan)
+    for block in tp.blocks:         # each rank now holds n_head / world heads
+        block.attn.n_head //= world
+    opt = torch.optim.AdamW(tp.parameters(), lr=1e-4)
+    out.append(("manual TP", tp, opt, trainer(tp, opt, lambda: tp(ids, labels=labels).loss)))
+    return out
+
+
+def two_ranks(rank, world, args):
+    results = {}
+    for name, module, opt, step in systems(args, rank, world):
+        seconds = measure(step, args.steps)
+        peak = peak_memory(module, opt, step)
+        t = torch.tensor([seconds, peak], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)          # the slowest rank and the fullest rank
+        results[name] = (t[0].item(), t[1].item())
+    if rank == 0:
+        a_time, a_mem = results["autopar"]
+        print(f"\n{'system':<10} {'step (ms)':>10} {'vs autopar':>11} {'peak MiB/rank':>14} {'vs autopar':>11}")
+        for name, (s, m) in results.items():
+            print(f"{name:<10} {s * 1e3:>10.1f} {s / a_time:>10.2f}x {m / 2**20:>14.1f} {m / a_mem:>10.2f}x")
+
+
+def one_rank(rank, world, args):
+    import autopar
+
+    base, ids, labels = model_and_batch(args)
+    eager = copy.deepcopy(base)
+    opt = torch.optim.AdamW(eager.parameters(), lr=1e-4)
+    eager_step = trainer(eager, opt, lambda: eager(ids, labels=labels).loss)
+    pm = autopar.compile(copy.deepcopy(base), autopar.ClusterSpec.local_cpu(1), (ids,), {"labels": labels})
+    popt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+    plan_step = trainer(pm, popt, lambda: pm(ids, labels=labels).loss)
+    # Interleave the two so that drift in machine load hits both alike.
+    e, p = [], []
+    for _ in range(3):
+        e.append(measure(eager_step, args.steps))
+        p.append(measure(plan_step, args.steps))
+    e, p = min(e), min(p)
+    print(f"\n1 rank: eager {e * 1e3:.1f} ms, autopar {p * 1e3:.1f} ms, overhead {100 * (p / e - 1):+.1f}% "
+          f"(target within 5%)")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=768)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # the repository's test helpers
+    from tests.distributed_utils import run_distributed
+
+    print(f"built-in GPT: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, vocab {args.vocab}, "
+          f"batch {args.batch} x seq {args.seq}; {args.steps} timed steps; OMP_NUM_THREADS="
+          f"{os.environ['OMP_NUM_THREADS']}")
+    run_distributed(two_ranks, 2, args, timeout=1800)
+    run_distributed(one_rank, 1, args, timeout=1800)
+
+
+if __name__ == "__main__":
+    main()
