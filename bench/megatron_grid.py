@@ -1,0 +1,57 @@
+"""autopar's plan against hand-tuned Megatron-style grids, under the same cost model.
+
+    python bench/megatron_grid.py
+
+For each model, the Megatron layout (tensor parallel inside a node: attention split by heads, MLP
+split column then row; data parallel across nodes) is forced with pins and priced by the same cost
+model that autopar optimizes; autopar's own plan searches every layout and mesh. Prints predicted step
+time and peak memory per device, and the ratios.
+"""
+import logging
+
+import torch
+
+import autopar
+from autopar import zoo
+
+LLAMA_TP = {"*.q_proj.weight": "S(0)", "*.k_proj.weight": "S(0)", "*.v_proj.weight": "S(0)",
+            "*.o_proj.weight": "S(1)", "*.gate_proj.weight": "S(0)", "*.up_proj.weight": "S(0)",
+            "*.down_proj.weight": "S(1)"}
+CASES = [("llama3-8b", "64xH100", 8, (8, 8)), ("llama3-8b", "16xH100", 8, (2, 8)),
+         ("llama2-70b", "512xH100", 64, (64, 8))]
+
+
+def megatron_pins(mesh):
+    dp_rep = ["R"] * (len(mesh) - 1)
+    pins = {k: dp_rep + [v] for k, v in LLAMA_TP.items()}
+    pins.update({"input_ids": ["S(0)"] + ["R"] * (len(mesh) - 1), "labels": ["S(0)"] + ["R"] * (len(mesh) - 1)})
+    return pins
+
+
+def main():
+    logging.getLogger("autopar.rules").setLevel(logging.ERROR)
+    print(f"{'model':<11} {'cluster':<9} {'plan':<22} {'mesh':<8} {'step (ms)':>10} {'peak GiB':>9} "
+          f"{'step ratio':>11} {'memory ratio':>13}")
+    for name, cluster_name, batch, grid in CASES:
+        model, args, kwargs = zoo.build(name, batch=batch, dtype=torch.bfloat16)
+        cluster = autopar.ClusterSpec.preset(cluster_name)
+        label = f"Megatron tp={grid[-1]} dp={grid[0]}"
+        auto = autopar.plan(model, cluster, args, kwargs, progress=False)
+        try:
+            meg = autopar.plan(model, cluster, args, kwargs, mesh_shape=grid, pins=megatron_pins(grid),
+                               progress=False)
+        except autopar.InfeasiblePlanError as e:
+            print(f"{name:<11} {cluster_name:<9} {label:<22} {str(grid):<8} does not fit: needs "
+                  f"{e.min_feasible_budget / 2**30:.1f} GiB per device of {cluster.usable_memory / 2**30:.1f}")
+            meg = None
+        for label, p in ((label, meg), ("autopar", auto)):
+            if p is None:
+                continue
+            print(f"{name:<11} {cluster_name:<9} {label:<22} {str(tuple(p.mesh['shape'])):<8} "
+                  f"{p.step_time * 1e3:>10.1f} {p.memory['peak'] / 2**30:>9.2f} "
+                  f"{p.step_time / auto.step_time:>10.2f}x {p.memory['peak'] / auto.memory['peak']:>12.2f}x",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
