@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from autopar.cluster import ClusterSpec, default_axis_names
-from autopar.errors import InfeasiblePlanError
+from autopar.errors import AutoparError, InfeasiblePlanError
 from autopar.layout import format_layout
 from autopar.passes.capture import CapturedProgram, capture
 from autopar.passes.costs import INFEASIBLE, CostModel, OptimizerSpec, VIEW_OPS, count_saving_consumers
@@ -71,17 +71,22 @@ def default_optimizer(model) -> OptimizerSpec:
 def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), example_kwargs=None, *,
          memory_budget: float | None = None, mesh_shape=None, axis_names=None, time_limit: float = 60.0,
          optimizer: OptimizerSpec | None = None, progress: bool | None = None, skip_passes=(),
-         pins: dict | None = None) -> Plan:
+         pins: dict | None = None, kernels: str = "aten") -> Plan:
     """Find the fastest layout of ``model`` on ``cluster`` that fits ``memory_budget`` bytes per device.
 
     ``pins`` forces layouts by hand: ``{"*.mlp.c_fc.weight": ["R", "S(1)"], "input_ids": ["S(0)", "R"]}``
     (globs over parameter FQNs, input names and node names); the solver fills in the rest.
+    ``kernels`` is the backend the plan will run with ("aten", "triton", or "auto": Triton on a CUDA
+    cluster); with Triton, chains of pointwise ops are priced as fused kernels (CostModel ``fused``).
     """
     t0 = time.perf_counter()
     if mesh_shape is not None:
         cluster = _with_mesh(cluster, mesh_shape, axis_names)
     budget = float(memory_budget) if memory_budget is not None else cluster.usable_memory
     optimizer = optimizer or default_optimizer(model)
+    if kernels not in ("auto", "triton", "aten"):
+        raise ValueError(f"kernels must be 'auto', 'triton' or 'aten', got {kernels!r}")
+    fused = kernels == "triton" or (kernels == "auto" and cluster.device_type == "cuda")
     candidates = cluster.mesh_candidates() if cluster.mesh_shape is None else [cluster.mesh_shape]
     with _progress(progress, total=2 + 4 * len(candidates)) as report:
         report("capturing")
@@ -90,9 +95,13 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
         for shape in candidates:
             names = tuple(cluster.axis_names) if cluster.mesh_shape is not None and cluster.axis_names \
                 else default_axis_names(shape)
+            if "pp" in names:
+                raise AutoparError(f"mesh axes {names} name a pipeline axis 'pp', but pipeline parallelism is "
+                                   f"not implemented yet (docs/status.md); name the axes yourself "
+                                   f"(axis_names=...) to use that axis for data or tensor sharding")
             report(f"mesh {shape}: strategies")
             strategies_pass(prep.gm, shape)
-            cm = CostModel(cluster, shape, optimizer)
+            cm = CostModel(cluster, shape, optimizer, fused=fused)
             report(f"mesh {shape}: costs")
             prob, idx = build_problem(prep.gm, cm, budget, pins)
             report(f"mesh {shape}: solving {len(prob.choices)} decisions, {len(prob.edges)} edges")

@@ -166,3 +166,10 @@ def test_pin_to_an_impossible_layout_is_explained():
     with pytest.raises(ShardingError, match="cannot produce"):
         autopar.plan(model, autopar.ClusterSpec.preset("8xH100"), (x,), mesh_shape=(8,),
                      pins={"blocks.0.ln1.weight": ["S(1)"]}, progress=False)
+
+
+def test_pipeline_axis_is_refused_clearly():
+    model = wide_stack(h=256, heads=4, layers=1)
+    x = torch.randn(8, 64, 256, dtype=torch.bfloat16)
+    with pytest.raises(autopar.AutoparError, match="pipeline parallelism is not implemented"):
+        autopar.plan(model, autopar.ClusterSpec.preset("16xH100"), (x,), mesh_shape=(2, 2, 2, 2), progress=False)
