@@ -21,7 +21,7 @@ from autopar.cluster import ClusterSpec
 from autopar.layout import local_fraction, local_shape
 from autopar.passes.meta import meta_of
 from autopar.passes.resharding import Step, collective_seconds, transition
-from autopar.passes.rules import context_for, rule_for
+from autopar.passes.rules import context_for, rule_for, tensor_inputs
 from autopar.passes.strategies import Strategy, Value, requires_grad, signature, value_info
 
 aten = torch.ops.aten
@@ -43,10 +43,20 @@ class OptimizerSpec:
 
 
 class CostModel:
-    def __init__(self, cluster: ClusterSpec, mesh_shape, optimizer: OptimizerSpec = OptimizerSpec()):
+    """Costs under one mesh shape.
+
+    ``fused=True`` prices the program the Triton backend runs (docs/kernels.md): a pointwise value
+    whose only reader is also pointwise stays in registers inside one fused kernel, so neither the
+    producer's write nor the reader's load of it touches memory; both still pay their FLOPs. Every
+    other op (matmuls, reductions, attention) and every other edge costs the same as without fusion.
+    """
+
+    def __init__(self, cluster: ClusterSpec, mesh_shape, optimizer: OptimizerSpec = OptimizerSpec(),
+                 fused: bool = False):
         self.cluster = cluster
         self.mesh_shape = tuple(mesh_shape)
         self.optimizer = optimizer
+        self.fused = fused
         self.links = [cluster.axis_link(self.mesh_shape, a) for a in range(len(self.mesh_shape))]
         self._compute_cache: dict = {}
         self._activation_cache: dict = {}
@@ -56,12 +66,13 @@ class CostModel:
         """Forward plus backward seconds of ``node`` under ``s``."""
         if node.op != "call_function" or node.target in VIEW_OPS:
             return 0.0
-        key = (signature(node), s, requires_grad(node))
+        in_registers = _in_registers(node) if self.fused else None
+        key = (signature(node), s, requires_grad(node), in_registers)
         if key not in self._compute_cache:
-            self._compute_cache[key] = self._compute_seconds(node, s)
+            self._compute_cache[key] = self._compute_seconds(node, s, in_registers)
         return self._compute_cache[key]
 
-    def _compute_seconds(self, node: fx.Node, s: Strategy) -> float:
+    def _compute_seconds(self, node: fx.Node, s: Strategy, in_registers=None) -> float:
         ctx = context_for(node)
         rule = rule_for(node)
         split = 1
@@ -69,8 +80,11 @@ class CostModel:
             if s.splits_work[a]:
                 split *= n
         flops = (rule.flops(ctx) if rule.flops else 0.0) / split
-        nbytes = sum(i.nbytes * local_fraction(lay, self.mesh_shape) for i, lay in zip(ctx.ins, s.inputs))
-        nbytes += sum(o.nbytes * local_fraction(lay, self.mesh_shape) for o, lay in zip(ctx.outs, s.outputs))
+        inputs_kept, output_kept = in_registers or ((False,) * len(ctx.ins), False)
+        nbytes = sum(i.nbytes * local_fraction(lay, self.mesh_shape)
+                     for i, lay, kept in zip(ctx.ins, s.inputs, inputs_kept) if not kept)
+        if not output_kept:
+            nbytes += sum(o.nbytes * local_fraction(lay, self.mesh_shape) for o, lay in zip(ctx.outs, s.outputs))
         dtype = ctx.outs[0].dtype if ctx.outs else torch.float32
         dev = self.cluster.device
         fwd = max(flops / dev.peak_flops(dtype), nbytes / dev.memory_bandwidth)
@@ -148,6 +162,20 @@ class CostModel:
                 sharers = meta_of(ctx.input_nodes[k]).extra.get("saved_by", 1)
                 total += ctx.ins[k].nbytes * local_fraction(s.inputs[k], self.mesh_shape) / sharers
         return total
+
+
+def _pointwise(node: fx.Node) -> bool:
+    return node.op == "call_function" and (node.target is aten._to_copy.default
+                                           or torch.Tag.pointwise in getattr(node.target, "tags", ()))
+
+
+def _in_registers(node: fx.Node):
+    """For a pointwise node under fused kernels: (per tensor input, whether it comes from a pointwise
+    producer read only here; whether the output goes only to one pointwise reader). None otherwise."""
+    if not _pointwise(node):
+        return None
+    inputs = tuple(_pointwise(a) and len(a.users) == 1 for a in tensor_inputs(node))
+    return inputs, len(node.users) == 1 and _pointwise(next(iter(node.users)))
 
 
 INFEASIBLE = 1e6  # seconds: a resharding that cannot happen (a Partial made from a non-Partial)

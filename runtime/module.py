@@ -66,6 +66,11 @@ class ParallelModule(nn.Module):
         """The generated per-rank program, as Python."""
         return self.local_program.code
 
+    @property
+    def kernels(self) -> dict:
+        """Triton source by kernel name, for every kernel the program calls (empty with ATen kernels)."""
+        return dict(self.local_program.meta.get("autopar_kernels", {}))
+
     def local_parameter(self, fqn: str) -> nn.Parameter:
         return self.shards[self._fqn_to_key[fqn]]
 
@@ -73,6 +78,13 @@ class ParallelModule(nn.Module):
         flat, spec = pytree.tree_flatten((args, kwargs))
         self._check_inputs(flat, spec)
         self._check_materialized()
+        outs = pytree.tree_leaves(self.local_program(*self._local_args(flat)))
+        if self.sharded_outputs:
+            outs = self._as_dtensors(outs)
+        return pytree.tree_unflatten(outs, self._captured.out_spec)
+
+    def _local_args(self, flat) -> list:
+        """This rank's arguments of the local program, from the flattened call arguments."""
         inputs = iter(flat)
         call = []
         for kind, target in self._program.placeholders:
@@ -88,10 +100,7 @@ class ParallelModule(nn.Module):
                 if lay is not None and isinstance(x, torch.Tensor):
                     x = shard_of(x, parse_layout(lay), self.plan.mesh_shape, self._coords)
                 call.append(x)
-        outs = pytree.tree_leaves(self.local_program(*call))
-        if self.sharded_outputs:
-            outs = self._as_dtensors(outs)
-        return pytree.tree_unflatten(outs, self._captured.out_spec)
+        return call
 
     def _as_dtensors(self, outs):
         from torch.distributed.tensor import DTensor
@@ -214,9 +223,10 @@ def _loss_of(out):
 
 def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_kwargs=None, *,
             memory_budget=None, plan: Plan | None = None, check_weights: bool = True,
-            sharded_outputs: bool = False, **plan_options):
+            sharded_outputs: bool = False, kernels: str = "auto", **plan_options):
     """See ``autopar.compile``. ``sharded_outputs=True`` returns outputs as DTensors in the layouts they
-    are computed in, without gathering them (a loss summed over sharded tokens stays Partial)."""
+    are computed in, without gathering them (a loss summed over sharded tokens stays Partial).
+    ``kernels`` is "auto" (Triton on CUDA, ATen on CPU), "triton" or "aten" (docs/kernels.md)."""
     if not dist.is_available() or not dist.is_initialized():
         raise ClusterMismatchError("autopar.compile runs inside an initialized process group: start the "
                                    "program with torchrun (ClusterSpec.from_env() initializes it) or call "
@@ -226,10 +236,13 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
         raise ClusterMismatchError(f"the process group has {world} ranks but the ClusterSpec describes "
                                    f"{cluster.num_devices} devices; use ClusterSpec.from_env() or a spec of "
                                    f"{world} devices")
+    from autopar.codegen.triton import resolve_backend
     from autopar.planner import model_fingerprint
 
+    kernels = resolve_backend(kernels, _device_type())
     if plan is None:
-        plan = _plan_on_rank0(model, cluster, example_inputs, example_kwargs, memory_budget, plan_options)
+        plan = _plan_on_rank0(model, cluster, example_inputs, example_kwargs, memory_budget,
+                              {**plan_options, "kernels": kernels})
     else:
         if plan.model.get("fingerprint") != model_fingerprint(model):
             raise PlanFormatError(f"this plan was made for another model ({plan.model.get('class')}, fingerprint "
@@ -240,7 +253,7 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
             raise ClusterMismatchError(f"the plan's mesh {plan.mesh_shape} has {n} devices but the process "
                                        f"group has {world} ranks")
     return build(model, plan, example_inputs, example_kwargs, check_weights=check_weights,
-                 sharded_outputs=sharded_outputs)
+                 sharded_outputs=sharded_outputs, kernels=kernels)
 
 
 def _plan_on_rank0(model, cluster, example_inputs, example_kwargs, memory_budget, options):
@@ -259,16 +272,22 @@ def _plan_on_rank0(model, cluster, example_inputs, example_kwargs, memory_budget
     return Plan.from_dict(json.loads(payload[0]))
 
 
+def _device_type() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
 def build(model, plan: Plan, example_inputs=(), example_kwargs=None, *, check_weights=True,
-          sharded_outputs=False) -> ParallelModule:
+          sharded_outputs=False, kernels: str = "aten") -> ParallelModule:
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.codegen.local_program import generate
+    from autopar.codegen.triton import fuse_pass, resolve_backend
     from autopar.passes.capture import capture
     from autopar.passes.normalize import normalize_pass
     from autopar.runtime.collectives import same_on_all_ranks
 
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    device_type = _device_type()
+    kernels = resolve_backend(kernels, device_type)
     mesh = init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=plan.axis_names)
     captured = capture(model, example_inputs, example_kwargs)
     gm = normalize_pass(captured.gm)
@@ -285,4 +304,8 @@ def build(model, plan: Plan, example_inputs=(), example_kwargs=None, *, check_we
     full = {fqn: (p if p.is_meta else p.to(device)) for fqn, p in params.items() if fqn in plan.params}
     buffers = {name: b for name, b in model.named_buffers()}
     constants = {k: v for k, v in captured.constant_values.items()}
-    return ParallelModule(program, plan, captured, mesh, full, buffers, constants, sharded_outputs=sharded_outputs)
+    pm = ParallelModule(program, plan, captured, mesh, full, buffers, constants, sharded_outputs=sharded_outputs)
+    if kernels == "triton":
+        local_args = pm._local_args(pytree.tree_leaves((tuple(example_inputs), dict(example_kwargs or {}))))
+        fuse_pass(program.gm, backend=kernels, example_inputs=local_args)
+    return pm

@@ -1,0 +1,317 @@
+"""The fusion pass on a rank's local program.
+
+1. Norms and the loss become calls into the kernel library (``autopar.codegen.kernels``).
+2. Pointwise ops are grouped into regions, walking the graph in order and joining each op to the
+   regions of its producers when the result is still one kernel:
+   - a pointwise region: every op has the same shape (inputs may broadcast to it);
+   - a row region: a reduction along the last dim (sum, mean, amax, softmax, log_softmax) with the
+     pointwise ops before it (at the full shape) and after it (at the full shape or one per row);
+   - the region stays convex: no path leaves it and comes back, so one call can replace it. Calls
+     into ``runtime.collectives`` are never fused, so no region spans a collective.
+3. Each region of two ops or more becomes one call of a generated kernel (codegen.triton.kernel).
+"""
+from __future__ import annotations
+
+import collections
+import heapq
+import importlib
+import inspect
+import logging
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autopar.codegen.triton.kernel import kernel_for
+from autopar.codegen.triton.ops import FLOAT_DTYPES, ROW_KINDS, Lowered, lower
+from autopar.codegen.triton.source import Input, Op, Output, RegionSpec
+
+log = logging.getLogger("autopar")
+aten = torch.ops.aten
+
+MAX_ROW = 65536     # a row kernel holds one row in registers; longer rows stay ATen
+
+
+def fuse_pass(gm: fx.GraphModule, *, backend: str = "triton", example_inputs=None) -> fx.GraphModule:
+    """Replace fusible regions of ``gm`` by Triton kernels (``backend="triton"``; ``"aten"`` leaves
+    ``gm`` as it is). Nodes need ``meta["val"]``; give ``example_inputs`` (one per placeholder, real or
+    fake) to have it recorded first. The generated sources are in ``gm.meta["autopar_kernels"]``."""
+    if backend == "aten":
+        return gm
+    if backend != "triton":
+        raise ValueError(f"fuse_pass: backend must be 'triton' or 'aten', got {backend!r}")
+    if example_inputs is not None:
+        record_meta(gm, example_inputs)
+    graph = gm.graph
+    sources = gm.meta.setdefault("autopar_kernels", {})
+    for node in list(graph.nodes):
+        call = _library_call(node)
+        if call is not None:
+            fn, args, module = call
+            sources[fn.__name__] = inspect.getsource(importlib.import_module(f"autopar.codegen.kernels.{module}"))
+            _replace(graph, [node], [node], fn, args)
+    fused = 0
+    for region in find_regions(graph):
+        spec, inputs, outputs = region_spec(region)
+        if not outputs:          # dead code: nothing reads it
+            continue
+        kernel = kernel_for(spec)
+        sources[kernel.name] = kernel.source.text
+        _replace(graph, region.nodes, outputs, kernel.fn, inputs)
+        fused += 1
+    _stable_toposort(graph)
+    graph.lint()
+    gm.recompile()
+    if log.isEnabledFor(logging.DEBUG):
+        left = collections.Counter(str(n.target) for n in graph.nodes
+                                   if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload))
+        log.debug("fuse_pass: %d generated regions; left as ATen: %s", fused, dict(left))
+    return gm
+
+
+def record_meta(gm: fx.GraphModule, example_inputs) -> None:
+    """Run ``gm`` on fake copies of ``example_inputs`` and keep every node's value in ``meta["val"]``.
+    Meta tensors become fake tensors on the device of the other inputs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    device = next((x.device for x in tensors if not x.is_meta), torch.device("cpu"))
+
+    def fake(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        if x.is_meta:
+            with mode:
+                return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device)
+        return mode.from_tensor(x)
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            n.meta["val"] = out
+            return out
+
+    args = [fake(x) for x in example_inputs]
+    with mode, torch.no_grad():
+        Recorder(gm).run(*args)
+
+
+# --- library kernels -----------------------------------------------------------------------------
+def _val(node):
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _arg(node, i, name, default):
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def _library_call(node):
+    """(kernel function, its arguments, library module) for a norm or a loss the library covers."""
+    from autopar.codegen import kernels
+
+    if node.op != "call_function":
+        return None
+    t = node.target
+    x = _val(node.args[0]) if node.args else None
+    if x is None or x.dtype not in FLOAT_DTYPES or x.dim() == 0:
+        return None
+    if t in (aten.layer_norm.default, aten.rms_norm.default):
+        if list(node.args[1]) != [x.shape[-1]] or x.shape[-1] > MAX_ROW:
+            return None
+        if t is aten.layer_norm.default:
+            args = (node.args[0], _arg(node, 2, "weight", None), _arg(node, 3, "bias", None),
+                    _arg(node, 4, "eps", 1e-5))
+            return kernels.layer_norm, args, "_norms"
+        eps = _arg(node, 3, "eps", None)
+        args = (node.args[0], _arg(node, 2, "weight", None), torch.finfo(x.dtype).eps if eps is None else eps)
+        return kernels.rms_norm, args, "_norms"
+    if t is aten.cross_entropy_loss.default:
+        target = _val(node.args[1])
+        reduction = _arg(node, 3, "reduction", 1)
+        if (x.dim() != 2 or target is None or target.dim() != 1 or _arg(node, 2, "weight", None) is not None
+                or reduction not in (0, 2) or _arg(node, 5, "label_smoothing", 0.0) != 0.0):
+            return None
+        args = (node.args[0], node.args[1], _arg(node, 4, "ignore_index", -100), "none" if reduction == 0 else "sum")
+        return kernels.cross_entropy, args, "_cross_entropy"
+    return None
+
+
+# --- regions -------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class Region:
+    nodes: list          # in graph order
+    shape: tuple         # the iteration shape: every op's shape (pointwise), or the reduced input's (row)
+    row: bool            # holds a reduction along the last dim
+
+
+def _fusible(node: fx.Node) -> Lowered | None:
+    if node.op != "call_function":
+        return None
+    out = _val(node)
+    if out is None or out.dtype not in FLOAT_DTYPES:
+        return None
+    low = lower(node)
+    if low is None:
+        return None
+    for i, a in enumerate(low.operands):
+        if isinstance(a, fx.Node):
+            v = _val(a)
+            if v is None or v.device != out.device or v.dtype.is_complex or v.dtype == torch.float64:
+                return None
+            if v.dtype == torch.bool and not (low.kind == "where" and i == 0):   # masks select, never add
+                return None
+        elif not isinstance(a, (int, float, bool)):
+            return None
+    if low.kind in ROW_KINDS and not 1 < _val(low.operands[0]).shape[-1] <= MAX_ROW:
+        return None
+    return low
+
+
+def _shape_of(node, low: Lowered) -> tuple[tuple, bool]:
+    """The (iteration shape, row) of a region holding only ``node``."""
+    if low.kind in ROW_KINDS:
+        return tuple(_val(low.operands[0]).shape), True
+    return tuple(_val(node).shape), False
+
+
+def _combine(a, b):
+    """The (shape, row) of two regions joined, or None when one kernel cannot hold both."""
+    if a[1] == b[1]:
+        return a if a[0] == b[0] else None
+    (full, _), (other, _) = (a, b) if a[1] else (b, a)
+    return (full, True) if other in (full, full[:-1] + (1,)) else None
+
+
+def find_regions(graph: fx.Graph) -> list[Region]:
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    region_of: dict = {}
+    for node in graph.nodes:
+        low = _fusible(node)
+        if low is None:
+            continue
+        candidates = list(dict.fromkeys(region_of[a] for a in low.operands if isinstance(a, fx.Node)
+                                        and a in region_of))
+        choices = ([candidates] if len(candidates) > 1 else []) + [[c] for c in candidates]
+        region = next((r for r in (_join(c, node, low, pos) for c in choices) if r is not None), None)
+        if region is None:
+            shape, row = _shape_of(node, low)
+            region = Region([node], shape, row)
+        for n in region.nodes:
+            region_of[n] = region
+    kept = [r for r in dict.fromkeys(region_of.values()) if len(r.nodes) > 1]   # one op alone gains nothing
+    return sorted(kept, key=lambda r: pos[r.nodes[0]])
+
+
+def _join(regions, node, low, pos) -> Region | None:
+    shape = _shape_of(node, low)
+    for r in regions:
+        shape = shape and _combine(shape, (r.shape, r.row))
+    if shape is None:
+        return None
+    members = {n for r in regions for n in r.nodes} | {node}
+    full, row = shape
+    # A reduction without keepdim has lost the row's axis: it may leave the region, not feed it.
+    if row and any(a in members and _val(a).dim() != len(full) for n in members for a in n.all_input_nodes):
+        return None
+    if not _convex(members, pos):
+        return None
+    return Region(sorted(members, key=pos.__getitem__), full, row)
+
+
+def _convex(members: set, pos: dict) -> bool:
+    """No path leaves ``members`` and comes back (the region could not run as one call)."""
+    last = max(pos[n] for n in members)
+    stack = [u for n in members for u in n.users if u not in members]
+    seen = set()
+    while stack:
+        u = stack.pop()
+        if u in seen or pos[u] > last:
+            continue
+        seen.add(u)
+        for w in u.users:
+            if w in members:
+                return False
+            stack.append(w)
+    return True
+
+
+def region_spec(region: Region):
+    """(the RegionSpec, the input nodes, the output nodes) of a region."""
+    full, rank = region.shape, len(region.shape)
+    if region.row:
+        dims = tuple(d for d in range(rank - 1) if full[d] > 1) + (rank - 1,)
+    else:
+        dims = tuple(d for d in range(rank) if full[d] > 1)
+    index = {n: j for j, n in enumerate(region.nodes)}
+    inputs: dict = {}
+    specs, ops = [], []
+    for n in region.nodes:
+        low = lower(n)           # read afresh: an earlier region's call may now feed this one
+        args = []
+        for a in low.operands:
+            if not isinstance(a, fx.Node):
+                args.append(("c", a))
+            elif a in index:
+                args.append(("v", index[a]))
+            else:
+                if a not in inputs:
+                    inputs[a] = len(inputs)
+                    specs.append(_input_spec(_val(a), full, dims, region.row))
+                args.append(("in", inputs[a]))
+        row = region.row and tuple(_val(n).shape) != full
+        ops.append(Op(low.kind, tuple(args), low.params, row, aten=str(n.target)))
+    outputs = [n for n in region.nodes if any(u not in index for u in n.users)]
+    outs = tuple(Output(index[n], _val(n).dtype, _val(n).dim() == rank) for n in outputs)
+    spec = RegionSpec(region.row, rank, dims, tuple(specs), tuple(ops), outs)
+    return spec, list(inputs), outputs
+
+
+def _input_spec(x: torch.Tensor, full: tuple, dims: tuple, row_mode: bool) -> Input:
+    offset = len(full) - x.dim()
+    varies = tuple(k for k, d in enumerate(dims) if d >= offset and x.shape[d - offset] == full[d])
+    return Input(x.dtype, varies, row_mode and len(dims) - 1 not in varies)
+
+
+# --- rewriting -----------------------------------------------------------------------------------
+def _replace(graph: fx.Graph, nodes: list, outputs: list, fn, args) -> None:
+    """One call of ``fn`` in place of ``nodes``; ``outputs`` are the nodes read outside them."""
+    members = set(nodes)
+    with graph.inserting_after(nodes[-1]):
+        call = graph.call_function(fn, tuple(args))
+    call.meta["autopar_fused"] = tuple(n.name for n in nodes)
+    if len(outputs) == 1:
+        call.meta["val"] = outputs[0].meta.get("val")
+        outputs[0].replace_all_uses_with(call, delete_user_cb=lambda u: u not in members)
+    else:
+        call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
+        for m, o in reversed(list(enumerate(outputs))):
+            with graph.inserting_after(call):
+                item = graph.call_function(operator.getitem, (call, m))
+            item.meta["val"] = o.meta.get("val")
+            o.replace_all_uses_with(item, delete_user_cb=lambda u: u not in members)
+    for n in reversed(nodes):
+        graph.erase_node(n)
+
+
+def _stable_toposort(graph: fx.Graph) -> None:
+    """Reorder so every node follows its inputs, moving as little as possible: a region's call sits
+    where its last op was, and a reader of an earlier output of the region moves after it."""
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    waiting = {n: len(n.all_input_nodes) for n in nodes}
+    ready = [(pos[n], n) for n in nodes if waiting[n] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, n = heapq.heappop(ready)
+        order.append(n)
+        for u in n.users:
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, (pos[u], u))
+    if order != nodes:
+        for prev, n in zip(order, order[1:]):
+            prev.append(n)

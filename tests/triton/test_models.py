@@ -1,0 +1,56 @@
+"""GPT-2 compiled with kernels="triton": its local program calls the library's norms and loss and a
+generated kernel for each GELU, and it trains with the tolerances of tests/test_parity.py on 1 and 2
+gloo ranks (the interpreter runs every kernel, forward and backward)."""
+import collections
+import copy
+
+import torch
+
+import autopar.codegen.triton as generated
+from tests.distributed_utils import run_distributed
+from tests.hf_models import MEGATRON, batch, build
+from tests.test_parity import _train_and_compare
+
+aten = torch.ops.aten
+
+
+def _check_program(pm, where):
+    left = collections.Counter(n.target for n in pm.local_program.graph.nodes if n.op == "call_function")
+    for op in (aten.layer_norm.default, aten.cross_entropy_loss.default, aten.tanh.default, aten.pow.Tensor_Scalar):
+        assert not left[op], f"{where}: {op} is still called as ATen:\n{pm.code}"
+    names = {getattr(t, "__name__", "") for t in left}
+    kernels = pm.kernels
+    assert {"layer_norm", "cross_entropy"} <= set(kernels) and {"layer_norm", "cross_entropy"} <= names
+    gelu = [k for k in kernels if k.startswith("fused_") and "tanh" in k]
+    assert len(gelu) == 1 and f"def {gelu[0]}_bwd(" in kernels[gelu[0]], list(kernels)
+    assert left[getattr(generated, gelu[0])] == 2     # one call per layer
+
+
+def _train_with_triton(rank, world, plans):
+    import autopar
+
+    torch.manual_seed(0)
+    model = build("gpt2")
+    ref = copy.deepcopy(model)
+    ids, labels = batch()
+    if world == 1:
+        aten_pm = autopar.compile(model, autopar.ClusterSpec.local_cpu(1), (ids,), {"labels": labels},
+                                  progress=False)        # kernels="auto" is ATen on CPU
+        assert aten_pm.kernels == {} and "aten.layer_norm" in aten_pm.code
+    for label, options in plans:
+        pm = autopar.compile(model, autopar.ClusterSpec.local_cpu(world), (ids,), {"labels": labels},
+                             mesh_shape=(world,), kernels="triton", progress=False, **options)
+        where = f"gpt2 / {label} / kernels='triton' on {world} ranks"
+        _check_program(pm, where)
+        _train_and_compare(pm, copy.deepcopy(ref), ids, labels, where)
+
+
+def test_gpt2_trains_with_triton_kernels_on_one_rank():
+    run_distributed(_train_with_triton, 1, [("one device", {})], timeout=300)
+
+
+def test_gpt2_trains_with_triton_kernels_on_two_ranks():
+    data = {"input_ids": ["S(0)"], "labels": ["S(0)"], "*.weight": ["R"], "*.bias": ["R"]}
+    megatron = {k: [v] for k, v in MEGATRON["gpt2"].items()}
+    run_distributed(_train_with_triton, 2, [("data parallel", {"pins": data}), ("megatron", {"pins": megatron})],
+                    timeout=400)
