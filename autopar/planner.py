@@ -104,7 +104,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
             cm = CostModel(cluster, shape, optimizer, fused=fused)
             report(f"mesh {shape}: costs")
             prob, idx = build_problem(prep.gm, cm, budget, pins)
-            report(f"mesh {shape}: solving {len(prob.choices)} decisions, {len(prob.edges)} edges")
+            report(f"mesh {shape}: solving {len(prob.choices)} decisions, {len(prob.edges) + len(prob.shared)} edges")
             sol = solve(prob, time_limit=time_limit)
             entry = {"mesh": list(shape), "status": sol.status, "objective": sol.objective,
                      "seconds": sol.seconds, "variables": sol.num_variables, "constraints": sol.num_constraints}
@@ -250,6 +250,14 @@ def alternatives(gm, prob, idx: ProblemIndex, assignment, cm: CostModel, axis_na
     for n in chosen:
         members.setdefault(root_of(n), []).append(n)
     fwd_mem = {ci: per for ci, per in prob.memory[0].terms} if prob.memory else {}
+    touching: dict = {}      # choice -> the shared values it produces or reads
+    for e in prob.shared:
+        for c in {e.src, *(c for c, _ in e.readers)}:
+            touching.setdefault(c, []).append(e)
+    pairs: dict = {}         # choice -> the plain edges it is an end of
+    for e in prob.edges:
+        for c in {e.src, e.dst}:
+            pairs.setdefault(c, []).append(e)
     out = {}
     for key, roots in idx.roots_of_key.items():
         rep = roots[0]
@@ -259,8 +267,10 @@ def alternatives(gm, prob, idx: ProblemIndex, assignment, cm: CostModel, axis_na
             continue
         scored = []
         for o in range(len(choice.costs)):
-            edge = sum(e.cost[o][assignment[e.dst]] for e in prob.edges if e.src == ci and e.dst != ci)
-            edge += sum(e.cost[assignment[e.src]][o] for e in prob.edges if e.dst == ci and e.src != ci)
+            trial = list(assignment)
+            trial[ci] = o
+            edge = sum(e.seconds(trial) for e in touching.get(ci, ()))
+            edge += sum(e.count * e.cost[trial[e.src]][trial[e.dst]] for e in pairs.get(ci, ()))
             scored.append((choice.costs[o] + edge / choice.count, o, edge / choice.count))
         scored.sort()
         keep = [o for _, o, _ in scored if o == assignment[ci]] + [o for _, o, _ in scored if o != assignment[ci]][:top]

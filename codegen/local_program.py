@@ -61,7 +61,9 @@ def strategies_from_plan(gm: fx.GraphModule, plan: Plan) -> dict:
             out[node] = Strategy((), outs, (False,) * nax)
         elif node.op == "call_function":
             entry = by_name.get(node.name)
-            if entry is None or entry["op"] != _op_name(node):
+            val = node.meta.get("val")
+            shape = list(val.shape) if isinstance(val, torch.Tensor) else None
+            if entry is None or entry["op"] != _op_name(node) or entry.get("shape") != shape:
                 raise PlanFormatError(f"the plan does not match this model at node {node.name!r} "
                                       f"({_op_name(node)}): it was made for another model or another "
                                       f"version of it ({plan.model.get('class')}); plan this model again")

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from dataclasses import dataclass
 
@@ -110,6 +111,15 @@ class CostModel:
             partial_axes = frozenset(a for a, p in enumerate(dst) if p.is_replicate and dst_strategy.splits_work[a])
         return _transition_cached(tuple(src_layout), tuple(dst), info.shape, self.mesh_shape, partial_axes)
 
+    def transition_seconds(self, value: Value, src_layout, dst_layout, partial_axes: frozenset) -> float:
+        """Seconds to bring ``value`` from ``src_layout`` to ``dst_layout``, reducing its gradient over
+        ``partial_axes`` on the way back; INFEASIBLE when no resharding can."""
+        info = value_info(value)
+        steps = _transition_cached(tuple(src_layout), tuple(dst_layout), info.shape, self.mesh_shape, partial_axes)
+        if steps is None:
+            return INFEASIBLE
+        return self.steps_seconds(steps, info.dtype.itemsize, requires_grad(value.node))
+
     def resharding_seconds(self, value: Value, src_layout, consumer, dst_strategy, position, dst_layout=None) -> float:
         steps = self.resharding(value, src_layout, consumer, dst_strategy, position, dst_layout)
         if steps is None:
@@ -178,7 +188,9 @@ def _in_registers(node: fx.Node):
     return inputs, len(node.users) == 1 and _pointwise(next(iter(node.users)))
 
 
-INFEASIBLE = 1e6  # seconds: a resharding that cannot happen (a Partial made from a non-Partial)
+# A resharding that cannot happen (a Partial made from a non-Partial), or a pinned-out option: the
+# solver turns infinite costs into constraints.
+INFEASIBLE = math.inf
 
 
 @functools.lru_cache(maxsize=200_000)

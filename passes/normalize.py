@@ -1,7 +1,7 @@
 """Canonicalize the captured graph so that sharding rules see few, simple ops.
 
 - drop metadata asserts and other dead nodes;
-- fold no-ops: ``alias``, ``to`` without a change, ``dropout`` with p=0;
+- fold no-ops: ``alias``, ``contiguous``, ``to`` without a change, ``dropout`` with p=0;
 - split a bias off ``addmm``/``linear``, so that a row-split matmul can end in ``Partial`` and the
   bias be added once after the reduction;
 - write a mean cross-entropy as a sum over the tokens divided by the count of counted tokens, so that
@@ -16,7 +16,10 @@ import torch.fx as fx
 
 aten = torch.ops.aten
 
-_NO_OP_VIEWS = {aten.alias.default, aten.lift_fresh_copy.default}
+# contiguous only changes strides, and export records it only when the traced tensors need it, so
+# a meta model and a real one would otherwise give different graphs (and a plan of one would not
+# describe the other). Local programs reshape rather than view, so nothing needs the strides.
+_NO_OP_VIEWS = {aten.alias.default, aten.lift_fresh_copy.default, aten.contiguous.default}
 _ASSERTS = {aten._assert_tensor_metadata.default, aten._assert_scalar.default}
 _CASTS = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.to.device}
 

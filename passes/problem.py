@@ -14,8 +14,8 @@ import torch.fx as fx
 from autopar.layout import R
 from autopar.passes.costs import INFEASIBLE, CostModel
 from autopar.passes.meta import meta_of
-from autopar.passes.strategies import Value, input_values, root_of, strategy_under_root
-from autopar.solver import Choice, Edge, MemoryConstraint, Problem
+from autopar.passes.strategies import Value, input_values, requires_grad, root_of, strategy_under_root
+from autopar.solver import Choice, Edge, MemoryConstraint, Problem, SharedEdge
 
 
 def key_of(node: fx.Node):
@@ -130,45 +130,69 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
         fwd_terms.append((ci, tuple(x + y for x, y in zip(act, state))))
         bwd_terms.append((ci, tuple(state_bwd)))
 
-    # Edges, one matrix per distinct (producer key, output, consumer key, input position).
-    groups = defaultdict(list)
+    # A value read outside its own decision by one reader is a plain edge (a tight formulation); a value
+    # read by several is a shared edge, where each distinct way its readers ask for it (target layout,
+    # gradient reduction) is paid once, as codegen reshards once per request. Values of repeated layers
+    # with the same readers share one edge, counted once per copy.
+    readers = defaultdict(list)
     for c in list(nodes) + [n for n in gm.graph.nodes if n.op == "output"]:
         values = input_values(c) if c.op == "call_function" else _output_values(c)
         for k, v in enumerate(values):
-            rp = root_of(v.node)
             rc = root_of(c) if c.op != "output" else None
-            if rp is rc:
-                continue
-            groups[(key_of(v.node), v.index, key_of(c) if rc is not None else "output", k)].append((v, c, rp, rc))
+            if root_of(v.node) is not rc:
+                readers[v].append((c, k, rc))
+    groups = defaultdict(list)
+    for v, rs in readers.items():
+        signature = (key_of(v.node), v.index, tuple(sorted((str(key_of(c)) if rc is not None else "output", k)
+                                                           for c, k, rc in rs)))
+        groups[signature].append(v)
     matrices = {}
-    for gkey, occurrences in groups.items():
-        v, c, rp, rc = occurrences[0]
-        n_src = len(meta_of(rp).strategies.strategies)
-        src_layouts = [output_layout(v, i) for i in range(n_src)]
-        ci_src = idx.choice_of_key[key_of(rp)]
-        k = gkey[3]
-        if rc is None:
-            sink = tuple(R for _ in cm.mesh_shape)
-            row = [cm.resharding_seconds(v, lay, None, None, k, dst_layout=sink) * len(occurrences)
-                   for lay in src_layouts]
-            choice = prob.choices[ci_src]
-            prob.choices[ci_src] = Choice(choice.name, tuple(a + b / choice.count for a, b in zip(choice.costs, row)),
-                                          choice.count, choice.labels)
-            continue
-        n_dst = len(meta_of(rc).strategies.strategies)
-        mat = [[cm.resharding_seconds(v, src_layouts[i], c, strategy_of(c, j), k) for j in range(n_dst)]
-               for i in range(n_src)]
-        ci_dst = idx.choice_of_key[key_of(rc)]
-        acc = matrices.get((ci_src, ci_dst))
-        scaled = [[x * len(occurrences) for x in row] for row in mat]
-        matrices[(ci_src, ci_dst)] = scaled if acc is None else [[a + b for a, b in zip(r1, r2)]
-                                                                 for r1, r2 in zip(acc, scaled)]
+    for signature, values in groups.items():
+        e = _shared_edge(values[0], readers[values[0]], len(values), idx, cm)
+        if len(e.readers) + len(e.always) > 1:
+            prob.shared.append(e)
+        elif e.always:                       # only a user output reads it: a cost of the source's option
+            ch = prob.choices[e.src]
+            extra = [e.count * e.cost[e.always[0]][i] / ch.count for i in range(len(ch.costs))]
+            prob.choices[e.src] = Choice(ch.name, tuple(a + b for a, b in zip(ch.costs, extra)), ch.count, ch.labels)
+        else:
+            (dst, reqs), = e.readers
+            mat = [[e.count * e.cost[r][i] if r >= 0 else 0.0 for r in reqs] for i in range(len(e.cost[0]))]
+            acc = matrices.get((e.src, dst))
+            matrices[(e.src, dst)] = mat if acc is None else [[a + b for a, b in zip(r1, r2)]
+                                                              for r1, r2 in zip(acc, mat)]
     for (s, d), mat in matrices.items():
         prob.edges.append(Edge(s, d, tuple(tuple(r) for r in mat)))
     prob.memory = [MemoryConstraint("end of forward", tuple(fwd_terms)),
                    MemoryConstraint("end of backward", tuple(bwd_terms))]
     prob.validate()
     return prob, idx
+
+
+def _shared_edge(v: Value, rs, count: int, idx: ProblemIndex, cm: CostModel) -> SharedEdge:
+    rp = root_of(v.node)
+    n_src = len(meta_of(rp).strategies.strategies)
+    grad = requires_grad(v.node)
+    requests: dict = {}
+
+    def request(dst, partial):
+        return requests.setdefault((tuple(dst), partial), len(requests))
+
+    reader_rows, always = [], set()
+    for c, k, rc in rs:
+        if rc is None:                       # a user output: returned replicated
+            always.add(request(tuple(R for _ in cm.mesh_shape), frozenset()))
+            continue
+        row = []
+        for j in range(len(meta_of(rc).strategies.strategies)):
+            st = strategy_of(c, j)
+            dst = st.inputs[k]
+            partial = frozenset(a for a, p in enumerate(dst) if grad and p.is_replicate and st.splits_work[a])
+            row.append(request(dst, partial))
+        reader_rows.append((idx.choice_of_key[key_of(rc)], tuple(row)))
+    cost = tuple(tuple(cm.transition_seconds(v, output_layout(v, i), dst, partial) for i in range(n_src))
+                 for (dst, partial) in requests)
+    return SharedEdge(idx.choice_of_key[key_of(rp)], tuple(reader_rows), cost, tuple(sorted(always)), count)
 
 
 def _output_values(out_node: fx.Node) -> list[Value]:

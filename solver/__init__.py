@@ -3,7 +3,7 @@ from .brute_force import brute_force
 from .greedy import greedy
 from .ilp import solve
 from .memory import minimum_feasible_budget
-from .problem import Choice, Edge, MemoryConstraint, Problem, Solution
+from .problem import Choice, Edge, MemoryConstraint, Problem, SharedEdge, Solution
 
-__all__ = ["Problem", "Choice", "Edge", "MemoryConstraint", "Solution", "solve", "greedy", "brute_force",
+__all__ = ["Problem", "Choice", "Edge", "SharedEdge", "MemoryConstraint", "Solution", "solve", "greedy", "brute_force",
            "minimum_feasible_budget"]

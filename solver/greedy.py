@@ -1,6 +1,8 @@
 """A fast deterministic heuristic: the ILP's warm start, its fallback, and a baseline for tests."""
 from __future__ import annotations
 
+import math
+
 from .problem import Problem
 
 _ROUNDS = 10   # coordinate-descent sweeps; each strictly lowers the objective, most stop after two or three
@@ -25,10 +27,23 @@ def greedy(problem: Problem) -> tuple[int, ...]:
             adj[e.dst].append((e.src, e.count, tuple(zip(*e.cost))))
 
     a = [-1] * n   # -1: not assigned yet
+    shared_of: list[list] = [[] for _ in range(n)]
+    for e in problem.shared:
+        for c in {e.src, *(c for c, _ in e.readers)}:
+            shared_of[c].append(e)
+
+    def shared_seconds(e) -> float:
+        if a[e.src] < 0:
+            return 0.0
+        made = set(e.always) | {reqs[a[c]] for c, reqs in e.readers if a[c] >= 0 and reqs[a[c]] >= 0}
+        return e.count * sum(e.cost[r][a[e.src]] for r in made)
 
     def local(c: int, i: int) -> float:
         """The part of the objective that depends on choice c, with c at option i."""
-        return unary[c][i] + sum(k * m[i][a[o]] for o, k, m in adj[c] if a[o] >= 0)
+        was, a[c] = a[c], i
+        shared = sum(shared_seconds(e) for e in shared_of[c])
+        a[c] = was
+        return unary[c][i] + sum(k * m[i][a[o]] for o, k, m in adj[c] if a[o] >= 0) + shared
 
     for c in range(n):
         a[c] = min(range(len(unary[c])), key=lambda i: local(c, i))
@@ -85,7 +100,8 @@ def greedy(problem: Problem) -> tuple[int, ...]:
             best_j, best_v = a[c], local(c, a[c])
             for j in range(len(unary[c])):
                 v = local(c, j)
-                if v < best_v - 1e-12 * abs(best_v) and excess_change(c, j) <= 0:
+                better = v < best_v and (math.isinf(best_v) or v < best_v - 1e-12 * abs(best_v))
+                if better and excess_change(c, j) <= 0:
                     best_j, best_v = j, v
             if best_j != a[c]:
                 switch(c, best_j)

@@ -7,8 +7,10 @@ marginals: sum_j y[i][j] = x_src[i] and sum_i y[i][j] = x_dst[j].
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import math
 import time
 import warnings
 from typing import Callable, Sequence
@@ -81,6 +83,9 @@ def one_hot(model: pulp.LpProblem, problem: Problem) -> Variables:
             continue
         xs = [variable(model, f"x{c}_{i}", cat=pulp.LpBinary) for i in range(len(ch.costs))]
         model += pulp.lpSum(xs) == 1, f"one_{c}"
+        for v, cost in zip(xs, ch.costs):
+            if math.isinf(cost):
+                v.upBound = 0
         x.append(xs)
     return x
 
@@ -115,16 +120,48 @@ def assignment(x: Variables) -> tuple[int, ...]:
 
 def warm(x: Variables, start: Sequence[int]) -> None:
     for xs, a in zip(x, start):
-        if xs is not None:
+        if xs is not None and xs[a].upBound != 0:     # a forbidden greedy pick is no start at all
             xs[a].setInitialValue(1)
+
+
+def _finite(e):
+    """An edge with its forbidden (infinite) pairs priced 0: ``forbid_pairs`` excludes them."""
+    if not any(math.isinf(v) for row in e.cost for v in row):
+        return e
+    return dataclasses.replace(e, cost=tuple(tuple(0.0 if math.isinf(v) else v for v in row) for row in e.cost))
+
+
+def forbid(model, problem: Problem, x: Variables) -> bool:
+    """Constraints for infinite costs; True when a fixed choice makes the problem infeasible outright."""
+    impossible = any(xs is None and math.isinf(ch.costs[0]) for xs, ch in zip(x, problem.choices))
+    for k, e in enumerate(problem.edges):
+        for i, row in enumerate(e.cost):
+            for j, v in enumerate(row):
+                if not math.isinf(v):
+                    continue
+                xi = None if x[e.src] is None else x[e.src][i]
+                xj = None if x[e.dst] is None else x[e.dst][j]
+                if e.src == e.dst:      # both ends take one option: only the diagonal happens
+                    if i == j:
+                        impossible |= xi is None
+                        if xi is not None:
+                            xi.upBound = 0
+                elif xi is None and xj is None:
+                    impossible = True
+                elif xi is None or xj is None:
+                    (xj if xi is None else xi).upBound = 0
+                else:
+                    model += xi + xj <= 1, f"forbid_{k}_{i}_{j}"
+    return impossible
 
 
 def _fold_objective(problem: Problem) -> tuple[list[list[float]], dict[tuple[int, int], list[list[float]]]]:
     """The objective as per-option costs plus, per choice pair, the non-separable remainder of the
     merged edge matrices (oriented [lower index option][higher index option])."""
-    lin = [[ch.count * c for c in ch.costs] for ch in problem.choices]
+    lin = [[0.0 if math.isinf(c) else ch.count * c for c in ch.costs] for ch in problem.choices]
     pairs: dict[tuple[int, int], list[list[float]]] = {}
     for e in problem.edges:
+        e = _finite(e)
         if e.src == e.dst:   # a folded layer feeding itself: both ends take the same option
             for i in range(len(lin[e.src])):
                 lin[e.src][i] += e.count * e.cost[i][i]
@@ -150,6 +187,53 @@ def _fold_objective(problem: Problem) -> tuple[list[list[float]], dict[tuple[int
     return lin, residual
 
 
+def _shared_terms(model, k: int, e, x: Variables) -> tuple[list, bool]:
+    """Objective terms of a shared edge: z_r = 1 when any reader makes request r (z_r >= the reader's
+    options that make it), and w_ir >= x_src,i + z_r - 1 charges that request at the source's option.
+    Both may be continuous: minimization drives them to the max of binaries, which is 0 or 1."""
+    terms, impossible = [], False
+    src = x[e.src]
+    made = set(e.always)
+    wanted: dict[int, list] = {}
+    for c, reqs in e.readers:
+        if x[c] is None:
+            if reqs[0] >= 0:
+                made.add(reqs[0])
+            continue
+        for j, r in enumerate(reqs):
+            if r >= 0:
+                wanted.setdefault(r, []).append(x[c][j])
+    for r in made:      # always paid: linear in the source's option
+        if src is None:
+            impossible |= math.isinf(e.cost[r][0])     # the fixed source cannot serve it
+            continue
+        for i, c in enumerate(e.cost[r]):
+            if math.isinf(c):
+                src[i].upBound = 0
+            else:
+                terms.append((src[i], e.count * c))
+    for r, xs in wanted.items():
+        if r in made:
+            continue
+        z = variable(model, f"z{k}_{r}", low=0)
+        for idx, v in enumerate(xs):
+            model += z >= v, f"req_{k}_{r}_{idx}"
+        for i, c in enumerate(e.cost[r]):
+            if math.isinf(c):            # this request cannot be served from that source option
+                model += (z <= 0 if src is None else z + src[i] <= 1), f"bar_{k}_{r}_{i}"
+        row = [0.0 if math.isinf(c) else e.count * c for c in e.cost[r]]
+        base = min(row)
+        terms.append((z, base))
+        if src is None or max(row) - base <= 1e-12 * max(abs(base), 1e-300):
+            continue
+        for i, c in enumerate(row):
+            if c > base:
+                w = variable(model, f"w{k}_{r}_{i}", low=0)
+                model += w >= src[i] + z - 1, f"pay_{k}_{r}_{i}"
+                terms.append((w, c - base))
+    return terms, impossible
+
+
 def solve(problem: Problem, *, time_limit: float = 60.0, backend: str = "auto", warm_start: bool = True,
           progress: Callable[[str], None] | None = None) -> Solution:
     """The assignment of least Problem.objective within the memory limit.
@@ -167,6 +251,7 @@ def solve(problem: Problem, *, time_limit: float = 60.0, backend: str = "auto", 
     fallback = greedy(problem)   # the warm start, and the answer whenever the solver does worse
     model = pulp.LpProblem("autopar_layout", pulp.LpMinimize)
     x = one_hot(model, problem)
+    known_infeasible = forbid(model, problem, x)
     lin, residual = _fold_objective(problem)
 
     terms = []   # (variable, seconds)
@@ -182,11 +267,19 @@ def solve(problem: Problem, *, time_limit: float = 60.0, backend: str = "auto", 
         terms += [(y[i][j], v) for i, row in enumerate(r) for j, v in enumerate(row) if v]
         if warm_start:
             y[fallback[s]][fallback[d]].setInitialValue(1)
+    for k, e in enumerate(problem.shared):
+        shared_terms, impossible = _shared_terms(model, k, e, x)
+        terms += shared_terms
+        known_infeasible |= impossible
     # Seconds can be 1e-6: scale to O(1) so the solvers' absolute tolerances do not swallow them.
-    scale = max((abs(c) for _, c in terms), default=0.0) or 1.0
-    model += pulp.LpAffineExpression([(v, c / scale) for v, c in terms if c])
+    # A variable may appear in several terms (shared edges charge the source's options): sum them, as an
+    # LpAffineExpression built from pairs keeps only the last coefficient of a repeated variable.
+    coef: dict = {}
+    for v, c in terms:
+        coef[v] = coef.get(v, 0.0) + c
+    scale = max((abs(c) for c in coef.values()), default=0.0) or 1.0
+    model += pulp.LpAffineExpression([(v, c / scale) for v, c in coef.items() if c])
 
-    known_infeasible = False
     if problem.memory_limit is not None:
         for k, (constant, coef) in enumerate(memory_rows(problem, x)):
             rhs = problem.memory_limit - constant

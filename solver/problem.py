@@ -5,7 +5,12 @@ decision: the caller folds them together and sets ``count`` to the number of cop
 size does not grow with depth. An ``Edge`` charges ``cost[i][j]`` seconds when its source takes option
 ``i`` and its destination option ``j`` (resharding), times ``count``. A ``MemoryConstraint`` is one
 moment of the training step: ``constant + sum(terms[d][choice_d]) <= limit`` bytes per device.
-A ``Tie`` forces two decisions to take options whose ids are listed as compatible.
+A ``SharedEdge`` is one value read by several decisions: each reader's option names the *request*
+it makes of the value (a target layout), and every distinct request is paid once, whatever the number
+of readers making it, at ``cost[request][source option]`` seconds, times ``count``.
+
+A cost of ``math.inf`` forbids that option, pair of options or request: the solver turns it into a
+constraint rather than a number, so that huge costs never drown the real ones in its tolerances.
 """
 from __future__ import annotations
 
@@ -38,6 +43,26 @@ class Edge:
 
 
 @dataclass(frozen=True)
+class SharedEdge:
+    src: int
+    readers: tuple[tuple[int, tuple[int, ...]], ...]   # (choice, request id per option, -1 for none)
+    cost: tuple[tuple[float, ...], ...]                # [request][src option], seconds
+    always: tuple[int, ...] = ()                       # requests made whatever the choices (an output)
+    count: int = 1
+
+    def requests(self, assignment: Sequence[int]) -> set[int]:
+        made = set(self.always)
+        for c, reqs in self.readers:
+            if reqs[assignment[c]] >= 0:
+                made.add(reqs[assignment[c]])
+        return made
+
+    def seconds(self, assignment: Sequence[int]) -> float:
+        i = assignment[self.src]
+        return self.count * sum(self.cost[r][i] for r in self.requests(assignment))
+
+
+@dataclass(frozen=True)
 class MemoryConstraint:
     name: str
     terms: tuple[tuple[int, tuple[float, ...]], ...]   # (choice index, bytes per option)
@@ -48,6 +73,7 @@ class MemoryConstraint:
 class Problem:
     choices: list[Choice] = field(default_factory=list)
     edges: list[Edge] = field(default_factory=list)
+    shared: list[SharedEdge] = field(default_factory=list)
     memory: list[MemoryConstraint] = field(default_factory=list)
     memory_limit: float | None = None          # bytes per device; None: unconstrained
 
@@ -67,6 +93,18 @@ class Problem:
         names = [m.name for m in self.memory]
         if len(set(names)) != len(names):   # memory_usage() is keyed by name: a duplicate would hide one
             raise ValueError(f"memory constraint names must be unique, got {sorted(names)}")
+        for e in self.shared:
+            if not 0 <= e.src < n:
+                raise ValueError(f"shared edge source {e.src} is out of range 0..{n - 1}")
+            for c, reqs in e.readers:
+                if not 0 <= c < n or len(reqs) != len(self.choices[c].costs):
+                    raise ValueError(f"shared edge from {self.choices[e.src].name}: reader {c} needs one "
+                                     f"request per option")
+                if any(not -1 <= r < len(e.cost) for r in reqs):
+                    raise ValueError(f"shared edge from {self.choices[e.src].name}: request out of range")
+            if any(len(row) != len(self.choices[e.src].costs) for row in e.cost):
+                raise ValueError(f"shared edge from {self.choices[e.src].name}: cost rows need one entry per "
+                                 f"source option")
         for m in self.memory:
             for idx, per_option in m.terms:
                 if not 0 <= idx < n:   # a negative index would silently wrap around
@@ -79,6 +117,7 @@ class Problem:
         """Total seconds of an assignment: the function every solver minimizes."""
         total = sum(c.count * c.costs[a] for c, a in zip(self.choices, assignment))
         total += sum(e.count * e.cost[assignment[e.src]][assignment[e.dst]] for e in self.edges)
+        total += sum(e.seconds(assignment) for e in self.shared)
         return total
 
     def memory_usage(self, assignment: Sequence[int]) -> dict[str, float]:

@@ -46,7 +46,10 @@ def test_data_parallel_wins_for_large_batch_and_small_model():
     x = torch.randn(512, 128, 256, dtype=torch.bfloat16)
     p = autopar.plan(model, autopar.ClusterSpec.preset("8xH100"), (x,), mesh_shape=(8,), progress=False)
     assert all(lay == ["R"] for lay in p.params.values()), p.params
-    assert p.inputs["x"] == ["S(0)"]
+    # Every matmul runs on its own block of the batch (taking the input whole and slicing it costs the
+    # same as taking it split, so the input's own layout is either).
+    matmuls = [n for n in p.nodes if n["op"].startswith("linear")]
+    assert matmuls and all(n["outputs"][0] == ["S(0)"] for n in matmuls), [n["outputs"] for n in matmuls]
     assert {c["kind"] for c in p.collectives if c["phase"] == "backward"} == {"all_reduce"}
 
 

@@ -6,7 +6,7 @@ to exercise the ILP's scaling; bytes come in MB.
 """
 from hypothesis import strategies as st
 
-from autopar.solver import Choice, Edge, MemoryConstraint, Problem
+from autopar.solver import Choice, Edge, MemoryConstraint, Problem, SharedEdge
 
 MB = 1e6
 
@@ -36,7 +36,16 @@ def problems(draw, max_choices=8, memory=None):
     for _ in range(draw(st.integers(0, 2 * n))):
         s, d = draw(st.integers(0, n - 1)), draw(st.integers(0, n - 1))   # self-edges and repeats too
         edges.append(Edge(s, d, draw(matrices(sizes[s], sizes[d], unit)), count=draw(st.integers(1, 4))))
-    p = Problem(choices=choices, edges=edges)
+    shared = []
+    for _ in range(draw(st.integers(0, n))):   # one value read by several choices, each request paid once
+        src = draw(st.integers(0, n - 1))
+        n_req = draw(st.integers(1, 3))
+        readers = tuple((c, tuple(draw(st.integers(-1, n_req - 1)) for _ in range(sizes[c])))
+                        for c in draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=3)))
+        cost = tuple(tuple(unit * draw(st.integers(0, 20)) for _ in range(sizes[src])) for _ in range(n_req))
+        always = tuple(draw(st.lists(st.integers(0, n_req - 1), max_size=1)))
+        shared.append(SharedEdge(src, readers, cost, always, count=draw(st.integers(1, 3))))
+    p = Problem(choices=choices, edges=edges, shared=shared)
     if memory if memory is not None else draw(st.booleans()):
         for k in range(draw(st.integers(1, 3))):
             idx = draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=n))   # repeats allowed
@@ -52,4 +61,5 @@ def problems(draw, max_choices=8, memory=None):
 def unit_of(p: Problem) -> float:
     """The smallest nonzero cost: any two objective values differ by a multiple of it."""
     vals = [v for c in p.choices for v in c.costs] + [v for e in p.edges for row in e.cost for v in row]
+    vals += [v for e in p.shared for row in e.cost for v in row]
     return min((v for v in vals if v), default=1.0)
