@@ -133,7 +133,7 @@ def _finite(e):
 
 def forbid(model, problem: Problem, x: Variables) -> bool:
     """Constraints for infinite costs; True when a fixed choice makes the problem infeasible outright."""
-    impossible = any(xs is None and math.isinf(ch.costs[0]) for xs, ch in zip(x, problem.choices))
+    impossible = any(all(math.isinf(c) for c in ch.costs) for ch in problem.choices)
     for k, e in enumerate(problem.edges):
         for i, row in enumerate(e.cost):
             for j, v in enumerate(row):
@@ -188,49 +188,57 @@ def _fold_objective(problem: Problem) -> tuple[list[list[float]], dict[tuple[int
 
 
 def _shared_terms(model, k: int, e, x: Variables) -> tuple[list, bool]:
-    """Objective terms of a shared edge: z_r = 1 when any reader makes request r (z_r >= the reader's
-    options that make it), and w_ir >= x_src,i + z_r - 1 charges that request at the source's option.
-    Both may be continuous: minimization drives them to the max of binaries, which is 0 or 1."""
+    """Objective terms of a shared edge. For each reader, y[i][j] links the source's option i and the
+    reader's option j (rows sum to x_src, columns to x_reader, as for an ordinary edge); a request r
+    at source option i is paid through w[i][r] >= the reader's y[i][j] over the options j that make r,
+    for every reader, so it is paid once however many readers make it. The bound is as tight as an
+    ordinary edge's, with a max over readers where a per-reader sum would count a request twice."""
     terms, impossible = [], False
     src = x[e.src]
+    n_src = len(e.cost[0]) if e.cost else 1
     made = set(e.always)
-    wanted: dict[int, list] = {}
     for c, reqs in e.readers:
-        if x[c] is None:
-            if reqs[0] >= 0:
-                made.add(reqs[0])
-            continue
-        for j, r in enumerate(reqs):
-            if r >= 0:
-                wanted.setdefault(r, []).append(x[c][j])
+        if x[c] is None and reqs[0] >= 0:
+            made.add(reqs[0])
     for r in made:      # always paid: linear in the source's option
-        if src is None:
-            impossible |= math.isinf(e.cost[r][0])     # the fixed source cannot serve it
-            continue
         for i, c in enumerate(e.cost[r]):
-            if math.isinf(c):
+            if src is None:
+                impossible |= math.isinf(c)
+            elif math.isinf(c):
                 src[i].upBound = 0
             else:
                 terms.append((src[i], e.count * c))
-    for r, xs in wanted.items():
-        if r in made:
+    pays: dict = {}     # (i, r) -> [expression that must be paid for]
+    for n, (c, reqs) in enumerate(e.readers):
+        if x[c] is None or all(r < 0 or r in made for r in reqs):
             continue
-        z = variable(model, f"z{k}_{r}", low=0)
-        for idx, v in enumerate(xs):
-            model += z >= v, f"req_{k}_{r}_{idx}"
-        for i, c in enumerate(e.cost[r]):
-            if math.isinf(c):            # this request cannot be served from that source option
-                model += (z <= 0 if src is None else z + src[i] <= 1), f"bar_{k}_{r}_{i}"
-        row = [0.0 if math.isinf(c) else e.count * c for c in e.cost[r]]
-        base = min(row)
-        terms.append((z, base))
-        if src is None or max(row) - base <= 1e-12 * max(abs(base), 1e-300):
+        if src is None:
+            links = [[v for v in x[c]]]
+        else:
+            links = [[variable(model, f"sy{k}_{n}_{i}_{j}", low=0) for j in range(len(reqs))] for i in range(n_src)]
+            for i, row in enumerate(links):
+                model += pulp.lpSum(row) == src[i], f"ys{k}_{n}_{i}"
+            for j in range(len(reqs)):
+                model += pulp.lpSum(links[i][j] for i in range(n_src)) == x[c][j], f"yc{k}_{n}_{j}"
+        for i, row in enumerate(links):
+            by_request: dict = {}
+            for j, r in enumerate(reqs):
+                if r >= 0 and r not in made:
+                    by_request.setdefault(r, []).append(row[j])
+            for r, vs in by_request.items():
+                pays.setdefault((i, r), []).append(pulp.lpSum(vs))
+    for (i, r), exprs in pays.items():
+        c = e.cost[r][i]
+        if math.isinf(c):               # this request cannot be served from that source option
+            for n, ex in enumerate(exprs):
+                model += ex <= 0, f"bar_{k}_{i}_{r}_{n}"
             continue
-        for i, c in enumerate(row):
-            if c > base:
-                w = variable(model, f"w{k}_{r}_{i}", low=0)
-                model += w >= src[i] + z - 1, f"pay_{k}_{r}_{i}"
-                terms.append((w, c - base))
+        if c == 0:
+            continue
+        w = variable(model, f"sw{k}_{i}_{r}", low=0)
+        for n, ex in enumerate(exprs):
+            model += w >= ex, f"pay_{k}_{i}_{r}_{n}"
+        terms.append((w, e.count * c))
     return terms, impossible
 
 
