@@ -1,17 +1,2 @@
-"""The fusion tests run generated Triton kernels on CPU under the Triton interpreter. The variable is
-set here, before anything imports triton, because triton reads it when kernels are defined."""
-
-import importlib.util
-import os
-
-import pytest
-
-os.environ["TRITON_INTERPRET"] = "1"
-
-_NO_TRITON = importlib.util.find_spec("triton") is None
-
-
-@pytest.fixture(autouse=True)
-def _needs_triton():
-    if _NO_TRITON:
-        pytest.skip("triton is not installed (pip install triton); the fusion tests need it")
+"""Triton kernels run under the interpreter here (see tests/triton_interpreter.py)."""
+from tests.triton_interpreter import _needs_triton  # noqa: F401  (sets TRITON_INTERPRET, skips without triton)
