@@ -21,7 +21,7 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, memory_budge
 def compile(model, cluster, example_inputs=(), example_kwargs=None, *, memory_budget=None, plan=None, **options):
     """Plan (or take ``plan``) and return a ParallelModule that trains on torch.distributed.
     ``kernels="auto" | "triton" | "aten"`` picks the kernel backend (docs/kernels.md)."""
-    from autopar.runtime.module import compile as _compile
+    from autopar.compiler import compile as _compile
 
     return _compile(model, cluster, example_inputs, example_kwargs, memory_budget=memory_budget, plan=plan,
                     **options)

@@ -19,7 +19,7 @@ from autopar.passes.costs import INFEASIBLE, CostModel, OptimizerSpec, VIEW_OPS,
 from autopar.passes.layers import layer_counts, layers_pass
 from autopar.passes.lowering import collectives, lower
 from autopar.passes.memory import saved_activations_pass
-from autopar.passes.meta import meta_of
+from autopar.passes.meta import meta_of, op_name
 from autopar.passes.normalize import normalize_pass
 from autopar.passes.problem import ProblemIndex, build_problem
 from autopar.passes.runner import PassRunner
@@ -208,7 +208,7 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
         tag = meta_of(n).layer
         root = root_of(n)
         nodes.append({
-            "name": n.name, "op": _op_name(n),
+            "name": n.name, "op": op_name(n),
             "inputs": [format_layout(l) for l in s.inputs], "outputs": [format_layout(l) for l in s.outputs],
             "split_axes": [axis_names[a] for a, f in enumerate(s.splits_work) if f],
             "compute_seconds": c, "comm_seconds": comm_by_node.get(n.name, 0.0), "activation_bytes": a,
@@ -240,9 +240,8 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
 def alternatives(gm, prob, idx: ProblemIndex, assignment, cm: CostModel, axis_names, top: int = 3) -> dict:
     """For every decision: the chosen option and the ``top`` cheapest others, each with its own cost,
     the resharding it would cause with its neighbours (held at their chosen layouts) and its memory."""
-    from autopar.passes.problem import key_of, strategy_of
-    from autopar.passes.resharding import collective_seconds
-    from autopar.passes.strategies import input_values, requires_grad, value_info
+    from autopar.passes.problem import strategy_of
+    from autopar.passes.strategies import input_values
 
     chosen = {n: meta_of(n).strategies.strategies[idx.option_of(n, assignment)]
               for n in gm.graph.nodes if n.op in ("placeholder", "call_function") and meta_of(n).strategies}
@@ -332,11 +331,6 @@ def _smallest_valid_budget(prob):
         if sol.status != "infeasible" and prob.objective(sol.assignment) < INFEASIBLE:
             return max(prob.memory_usage(sol.assignment).values()), sol.assignment
     return None
-
-
-def _op_name(n: fx.Node) -> str:
-    t = n.target
-    return getattr(t, "__name__", None) if not hasattr(t, "_schema") else str(t).replace("aten.", "")
 
 
 def _timeline(gm, chosen, acts, mem, cm):

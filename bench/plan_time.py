@@ -34,7 +34,6 @@ def run(name, cluster, batch, *, dedup=True, layers=None, time_limit=120.0):
 
 
 def _with_layers(name, batch, layers):
-    import transformers as tf
 
     model, args, kwargs = zoo.build(name, batch=batch, dtype=torch.bfloat16)
     cfg = model.config

@@ -19,7 +19,7 @@ from autopar.errors import PlanFormatError
 from autopar.layout import local_shape, parse_layout
 from autopar.passes.costs import CostModel
 from autopar.passes.lowering import Lowered, lower
-from autopar.passes.meta import meta_of
+from autopar.passes.meta import meta_of, op_name
 from autopar.passes.rules import context_for, rule_for
 from autopar.passes.strategies import Strategy, input_values, mark_requires_grad
 from autopar.plan import Plan
@@ -63,20 +63,14 @@ def strategies_from_plan(gm: fx.GraphModule, plan: Plan) -> dict:
             entry = by_name.get(node.name)
             val = node.meta.get("val")
             shape = list(val.shape) if isinstance(val, torch.Tensor) else None
-            if entry is None or entry["op"] != _op_name(node) or entry.get("shape") != shape:
+            if entry is None or entry["op"] != op_name(node) or entry.get("shape") != shape:
                 raise PlanFormatError(f"the plan does not match this model at node {node.name!r} "
-                                      f"({_op_name(node)}): it was made for another model or another "
+                                      f"({op_name(node)}): it was made for another model or another "
                                       f"version of it ({plan.model.get('class')}); plan this model again")
             out[node] = Strategy(tuple(parse_layout(l) for l in entry["inputs"]),
                                  tuple(parse_layout(l) for l in entry["outputs"]),
                                  tuple(a in entry["split_axes"] for a in axes))
     return out
-
-
-def _op_name(n: fx.Node) -> str:
-    from autopar.planner import _op_name as name
-
-    return name(n)
 
 
 def generate(gm: fx.GraphModule, plan: Plan, group_names: list[str], device=None, *,

@@ -13,7 +13,6 @@ import torch.fx as fx
 
 from autopar.layout import R
 from autopar.passes.costs import CostModel
-from autopar.passes.resharding import Step
 from autopar.passes.strategies import Strategy, Value, input_values, requires_grad
 
 

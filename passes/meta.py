@@ -53,6 +53,12 @@ class AutoparMeta:
     extra: dict = field(default_factory=dict)
 
 
+def op_name(node: fx.Node) -> str:
+    """How plans name a node's op: ``mm.default``, ``scaled_dot_product_attention.default``."""
+    t = node.target
+    return str(t).replace("aten.", "") if hasattr(t, "_schema") else getattr(t, "__name__", str(t))
+
+
 def meta_of(node: fx.Node) -> AutoparMeta:
     m = node.meta.get(KEY)
     if m is None:

@@ -96,7 +96,6 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
 
     prob = Problem(memory_limit=memory_limit)
     fwd_terms, bwd_terms = [], []
-    unary_extra = defaultdict(lambda: None)
     for key, roots in idx.roots_of_key.items():
         rep = roots[0]
         opts = meta_of(rep).strategies.strategies

@@ -17,10 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.layout import R, Placement, S, divides
+from autopar.layout import R, S, divides
 from autopar.passes.meta import meta_of
-from autopar.passes.rules import (AxisOption, TensorInfo, axis_options, context_for, output_infos,
-                                  rule_for)
+from autopar.passes.rules import (AxisOption, TensorInfo, axis_options, context_for, output_infos)
 
 Layout = tuple  # tuple[Placement, ...]
 

@@ -1,24 +1,21 @@
 """The module users hold: local parameter shards, the generated local program, and the original
 call signature.
 
-``compile`` runs on every rank inside an initialized process group. Rank 0 plans (unless a Plan is
-given) and broadcasts the plan as JSON; every rank captures the model, generates its own local program
-and cuts its shards out of the full weights.
+``build`` runs on every rank with the Plan that autopar.compile got from rank 0: it captures the model,
+generates this rank's local program and cuts this rank's shards out of the full weights. The runtime
+knows nothing of planning.
 """
 from __future__ import annotations
 
-import json
 import logging
-import math
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from autopar.cluster import ClusterSpec
-from autopar.errors import AutoparError, ClusterMismatchError, PlanFormatError
-from autopar.layout import Placement, parse_layout
+from autopar.errors import AutoparError
+from autopar.layout import parse_layout
 from autopar.plan import Plan
 
 log = logging.getLogger("autopar")
@@ -221,58 +218,8 @@ def _loss_of(out):
     return loss
 
 
-def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_kwargs=None, *,
-            memory_budget=None, plan: Plan | None = None, check_weights: bool = True,
-            sharded_outputs: bool = False, kernels: str = "auto", **plan_options):
-    """See ``autopar.compile``. ``sharded_outputs=True`` returns outputs as DTensors in the layouts they
-    are computed in, without gathering them (a loss summed over sharded tokens stays Partial).
-    ``kernels`` is "auto" (Triton on CUDA, ATen on CPU), "triton" or "aten" (docs/kernels.md)."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise ClusterMismatchError("autopar.compile runs inside an initialized process group: start the "
-                                   "program with torchrun (ClusterSpec.from_env() initializes it) or call "
-                                   "torch.distributed.init_process_group first")
-    world = dist.get_world_size()
-    if world != cluster.num_devices:
-        raise ClusterMismatchError(f"the process group has {world} ranks but the ClusterSpec describes "
-                                   f"{cluster.num_devices} devices; use ClusterSpec.from_env() or a spec of "
-                                   f"{world} devices")
-    from autopar.codegen.triton import resolve_backend
-    from autopar.planner import model_fingerprint
-
-    kernels = resolve_backend(kernels, _device_type())
-    if plan is None:
-        plan = _plan_on_rank0(model, cluster, example_inputs, example_kwargs, memory_budget,
-                              {**plan_options, "kernels": kernels})
-    else:
-        if plan.model.get("fingerprint") != model_fingerprint(model):
-            raise PlanFormatError(f"this plan was made for another model ({plan.model.get('class')}, fingerprint "
-                                  f"{plan.model.get('fingerprint')}) than {type(model).__qualname__} "
-                                  f"(fingerprint {model_fingerprint(model)}); plan this model again")
-        n = math.prod(plan.mesh_shape)
-        if n != world:
-            raise ClusterMismatchError(f"the plan's mesh {plan.mesh_shape} has {n} devices but the process "
-                                       f"group has {world} ranks")
-    return build(model, plan, example_inputs, example_kwargs, check_weights=check_weights,
-                 sharded_outputs=sharded_outputs, kernels=kernels)
-
-
-def _plan_on_rank0(model, cluster, example_inputs, example_kwargs, memory_budget, options):
-    from autopar.planner import plan as make_plan
-
-    payload = [None]
-    if dist.get_rank() == 0:
-        try:
-            p = make_plan(model, cluster, example_inputs, example_kwargs, memory_budget=memory_budget, **options)
-            payload = [p.to_json()]
-        except Exception as e:     # every rank must learn of the failure, not hang in the broadcast
-            payload = [e]
-    dist.broadcast_object_list(payload, src=0)
-    if isinstance(payload[0], Exception):
-        raise payload[0]
-    return Plan.from_dict(json.loads(payload[0]))
-
-
-def _device_type() -> str:
+def device_type() -> str:
+    """The device kind of the initialized process group: cuda under NCCL, else cpu."""
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
@@ -286,13 +233,13 @@ def build(model, plan: Plan, example_inputs=(), example_kwargs=None, *, check_we
     from autopar.passes.normalize import normalize_pass
     from autopar.runtime.collectives import same_on_all_ranks
 
-    device_type = _device_type()
-    kernels = resolve_backend(kernels, device_type)
-    mesh = init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=plan.axis_names)
+    kind = device_type()
+    kernels = resolve_backend(kernels, kind)
+    mesh = init_device_mesh(kind, plan.mesh_shape, mesh_dim_names=plan.axis_names)
     captured = capture(model, example_inputs, example_kwargs)
     gm = normalize_pass(captured.gm)
     groups = [mesh.get_group(a).group_name for a in plan.axis_names]
-    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
     program = generate(gm, plan, groups, device, replicate_outputs=not sharded_outputs)
     params = dict(model.named_parameters())
     on_meta = any(p.is_meta for p in params.values())

@@ -20,7 +20,6 @@ STEPS, LR = 3, 1e-3
 
 def _plans(model_name, world, mesh_axes):
     """(label, compile options) for every plan kind on this world size."""
-    import autopar
 
     params = {"*.weight": ["R"] * mesh_axes, "*.bias": ["R"] * mesh_axes}
     data = {"input_ids": ["S(0)"] + ["R"] * (mesh_axes - 1), "labels": ["S(0)"] + ["R"] * (mesh_axes - 1)}

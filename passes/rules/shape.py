@@ -6,7 +6,7 @@ drops any strategy whose sharded dims do not divide (documented in docs/sharding
 """
 import torch
 
-from autopar.layout import P, R, S
+from autopar.layout import P, S
 from autopar.passes.rules import register_rule
 from autopar.passes.rules.helpers import dim_map_options, norm_dim, view_mapping
 
