@@ -84,19 +84,6 @@ def format_layout(layout: Sequence[Placement]) -> list[str]:
     return [str(p) for p in layout]
 
 
-def replicated(ndim_mesh: int) -> tuple[Placement, ...]:
-    return (R,) * ndim_mesh
-
-
-def shard_factor(layout: Sequence[Placement], mesh_shape: Sequence[int], dim: int) -> int:
-    """How many pieces ``dim`` is cut into under ``layout``."""
-    f = 1
-    for p, n in zip(layout, mesh_shape):
-        if p.kind == "S" and p.dim == dim:
-            f *= n
-    return f
-
-
 def local_shape(shape: Sequence[int], layout: Sequence[Placement], mesh_shape: Sequence[int],
                 *, what: str = "tensor") -> tuple[int, ...]:
     """The per-rank shape of a tensor of global ``shape``. Uneven splits are refused."""
@@ -112,6 +99,15 @@ def local_shape(shape: Sequence[int], layout: Sequence[Placement], mesh_shape: S
                                 f"does not divide by mesh axis {axis} of size {n}; choose a size that "
                                 f"divides, or leave that dim unsharded on this axis")
         out[p.dim] //= n
+    return tuple(out)
+
+
+def global_shape(local: Sequence[int], layout: Sequence[Placement], mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """The full shape of a tensor whose per-rank block has shape ``local`` (the inverse of local_shape)."""
+    out = list(local)
+    for p, n in zip(layout, mesh_shape):
+        if p.kind == "S":
+            out[p.dim] *= n
     return tuple(out)
 
 

@@ -73,14 +73,14 @@ class CostModel:
             self._compute_cache[key] = self._compute_seconds(node, s, in_registers)
         return self._compute_cache[key]
 
+    def work_split(self, s: Strategy) -> int:
+        """Into how many pieces the op's work is divided: the product of the axes it splits along."""
+        return math.prod(n for n, split in zip(self.mesh_shape, s.splits_work) if split)
+
     def _compute_seconds(self, node: fx.Node, s: Strategy, in_registers=None) -> float:
         ctx = context_for(node)
         rule = rule_for(node)
-        split = 1
-        for a, n in enumerate(self.mesh_shape):
-            if s.splits_work[a]:
-                split *= n
-        flops = (rule.flops(ctx) if rule.flops else 0.0) / split
+        flops = (rule.flops(ctx) if rule.flops else 0.0) / self.work_split(s)
         inputs_kept, output_kept = in_registers or ((False,) * len(ctx.ins), False)
         nbytes = sum(i.nbytes * local_fraction(lay, self.mesh_shape)
                      for i, lay, kept in zip(ctx.ins, s.inputs, inputs_kept) if not kept)
@@ -120,13 +120,6 @@ class CostModel:
             return INFEASIBLE
         return self.steps_seconds(steps, info.dtype.itemsize, requires_grad(value.node))
 
-    def resharding_seconds(self, value: Value, src_layout, consumer, dst_strategy, position, dst_layout=None) -> float:
-        steps = self.resharding(value, src_layout, consumer, dst_strategy, position, dst_layout)
-        if steps is None:
-            return INFEASIBLE
-        info = value_info(value)
-        return self.steps_seconds(steps, info.dtype.itemsize, requires_grad(value.node))
-
     # --- parameters and memory -----------------------------------------------------------------
     def param_bytes(self, node: fx.Node, layout) -> tuple[float, float, float]:
         """(parameter, gradient, optimizer state) bytes per device for a parameter under ``layout``."""
@@ -162,11 +155,7 @@ class CostModel:
             total += saved.outputs * local_fraction(s.outputs[0], self.mesh_shape)
         # Buffers private to the op (norm statistics, a log-softmax, masks) scale with its share of the
         # work, not with its output: a loss summed over sharded tokens has a Partial scalar output.
-        split = 1
-        for a, n in enumerate(self.mesh_shape):
-            if s.splits_work[a]:
-                split *= n
-        total += saved.internal / split
+        total += saved.internal / self.work_split(s)
         for k, keep in enumerate(saved.inputs):
             if keep and k < len(ctx.ins):
                 sharers = meta_of(ctx.input_nodes[k]).extra.get("saved_by", 1)

@@ -9,8 +9,6 @@
 """
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx as fx
 
@@ -87,7 +85,3 @@ def _mean_loss_as_sum_over_count(g, node):
     loss = _new(g, node, aten.div.Tensor, (total, count))
     node.replace_all_uses_with(loss)
     g.erase_node(node)
-
-
-def is_getitem(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is operator.getitem

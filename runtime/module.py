@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from autopar.errors import AutoparError
-from autopar.layout import parse_layout
+from autopar.layout import global_shape, parse_layout
 from autopar.plan import Plan
 
 log = logging.getLogger("autopar")
@@ -107,10 +107,7 @@ class ParallelModule(nn.Module):
         for x in outs:
             if isinstance(x, torch.Tensor):
                 lay = next(layouts)
-                shape = list(x.shape)
-                for p, n in zip(lay, self.plan.mesh_shape):
-                    if p.is_shard:
-                        shape[p.dim] *= n
+                shape = global_shape(x.shape, lay, self.plan.mesh_shape)
                 x = DTensor.from_local(x, self.mesh, [p.to_dtensor() for p in lay], run_check=False,
                                        shape=torch.Size(shape), stride=_contiguous_stride(shape))
             wrapped.append(x)
@@ -158,12 +155,7 @@ class ParallelModule(nn.Module):
         return out
 
     def _full_shape(self, fqn):
-        local = self.local_parameter(fqn)
-        shape = list(local.shape)
-        for p, n in zip(self._layouts[fqn], self.plan.mesh_shape):
-            if p.is_shard:
-                shape[p.dim] *= n
-        return torch.Size(shape)
+        return torch.Size(global_shape(self.local_parameter(fqn).shape, self._layouts[fqn], self.plan.mesh_shape))
 
     def full_state_dict(self) -> dict:
         """Parameter FQN -> full plain tensor, equal on every rank; loads into the original model."""
