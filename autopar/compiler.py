@@ -16,9 +16,12 @@ from autopar.runtime.module import build, device_type
 
 def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_kwargs=None, *,
             memory_budget=None, plan: Plan | None = None, check_weights: bool = True,
-            sharded_outputs: bool = False, kernels: str = "auto", **plan_options):
-    """Plan (or take ``plan``) and return this rank's ParallelModule. ``sharded_outputs=True`` returns outputs as DTensors in the layouts they
-    are computed in, without gathering them (a loss summed over sharded tokens stays Partial).
+            sharded_outputs: bool | None = None, kernels: str = "auto", **plan_options):
+    """Plan (or take ``plan``) and return this rank's ParallelModule.
+
+    ``sharded_outputs=True`` returns outputs as DTensors and leaves non-scalar ones (logits) in the
+    layouts they are computed in, so they are never gathered; the plan is made knowing that. Scalars
+    (the loss) are returned whole. The default is the given plan's setting, else False.
     ``kernels`` is "auto" (Triton on CUDA, ATen on CPU), "triton" or "aten" (docs/kernels.md)."""
     if not dist.is_available() or not dist.is_initialized():
         raise ClusterMismatchError("autopar.compile runs inside an initialized process group: start the "
@@ -35,7 +38,7 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
     kernels = resolve_backend(kernels, device_type())
     if plan is None:
         plan = _plan_on_rank0(model, cluster, example_inputs, example_kwargs, memory_budget,
-                              {**plan_options, "kernels": kernels})
+                              {**plan_options, "kernels": kernels, "sharded_outputs": bool(sharded_outputs)})
     else:
         if plan.model.get("fingerprint") != model_fingerprint(model):
             raise PlanFormatError(f"this plan was made for another model ({plan.model.get('class')}, fingerprint "
@@ -45,6 +48,8 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
         if n != world:
             raise ClusterMismatchError(f"the plan's mesh {plan.mesh_shape} has {n} devices but the process "
                                        f"group has {world} ranks")
+    if sharded_outputs is None:
+        sharded_outputs = plan.sharded_outputs
     return build(model, plan, example_inputs, example_kwargs, check_weights=check_weights,
                  sharded_outputs=sharded_outputs, kernels=kernels)
 

@@ -34,6 +34,7 @@ class Plan:
     # node name or parameter FQN -> the chosen layout and the best alternatives, with their costs and
     # the collectives each would cause with its neighbours (see docs/plan-format.md)
     alternatives: dict = field(default_factory=dict)
+    sharded_outputs: bool = False    # non-scalar outputs are returned as computed, not gathered
     version: int = PLAN_VERSION
     extra: dict = field(default_factory=dict)
 
@@ -114,7 +115,8 @@ def _validate(d: Any) -> None:
     if version != PLAN_VERSION:
         raise PlanFormatError(f"plan format version {version!r} is not supported (this autopar reads "
                               f"version {PLAN_VERSION}); plan the model again with this version")
-    required = [k for k, f in Plan.__dataclass_fields__.items() if k not in ("version", "extra", "alternatives")]
+    required = [k for k, f in Plan.__dataclass_fields__.items() if k not in ("version", "extra", "alternatives",
+                                                                                   "sharded_outputs")]
     missing = [k for k in required if k not in d]
     if missing:
         raise PlanFormatError(f"plan is missing fields {missing}")
@@ -151,5 +153,7 @@ def _validate(d: Any) -> None:
                                   f"axis one of {mesh['axes']}")
     if not isinstance(d["memory"], dict) or any(k not in d["memory"] for k in MEMORY_KEYS):
         raise PlanFormatError(f"plan memory must give {MEMORY_KEYS}")
+    if not isinstance(d.get("sharded_outputs", False), bool):
+        raise PlanFormatError(f"plan sharded_outputs must be true or false, got {d['sharded_outputs']!r}")
     if not isinstance(d["step_time"], (int, float)) or d["step_time"] < 0:
         raise PlanFormatError(f"plan step_time must be a non-negative number, got {d['step_time']!r}")

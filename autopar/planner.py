@@ -71,13 +71,16 @@ def default_optimizer(model) -> OptimizerSpec:
 def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), example_kwargs=None, *,
          memory_budget: float | None = None, mesh_shape=None, axis_names=None, time_limit: float = 60.0,
          optimizer: OptimizerSpec | None = None, progress: bool | None = None, skip_passes=(),
-         pins: dict | None = None, kernels: str = "aten") -> Plan:
+         pins: dict | None = None, kernels: str = "aten", sharded_outputs: bool = False) -> Plan:
     """Find the fastest layout of ``model`` on ``cluster`` that fits ``memory_budget`` bytes per device.
 
     ``pins`` forces layouts by hand: ``{"*.mlp.c_fc.weight": ["R", "S(1)"], "input_ids": ["S(0)", "R"]}``
     (globs over parameter FQNs, input names and node names); the solver fills in the rest.
     ``kernels`` is the backend the plan will run with ("aten", "triton", or "auto": Triton on a CUDA
     cluster); with Triton, chains of pointwise ops are priced as fused kernels (CostModel ``fused``).
+    ``sharded_outputs=True`` plans for a program that returns non-scalar outputs (logits) in the layout
+    they are computed in, as ``compile(..., sharded_outputs=True)`` runs it, so they are never gathered;
+    scalar outputs (the loss) are still returned whole.
     """
     t0 = time.perf_counter()
     if mesh_shape is not None:
@@ -103,7 +106,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
             strategies_pass(prep.gm, shape)
             cm = CostModel(cluster, shape, optimizer, fused=fused)
             report(f"mesh {shape}: costs")
-            prob, idx = build_problem(prep.gm, cm, budget, pins)
+            prob, idx = build_problem(prep.gm, cm, budget, pins, sharded_outputs)
             report(f"mesh {shape}: solving {len(prob.choices)} decisions, {len(prob.edges) + len(prob.shared)} edges")
             sol = solve(prob, time_limit=time_limit)
             entry = {"mesh": list(shape), "status": sol.status, "objective": sol.objective,
@@ -115,7 +118,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
                 infeasible.append((shape, names, prob, idx, cm))
                 continue
             report(f"mesh {shape}: evaluating")
-            p = evaluate(prep, idx, sol.assignment, cm, shape, names, cluster, budget)
+            p = evaluate(prep, idx, sol.assignment, cm, shape, names, cluster, budget, sharded_outputs)
             p.alternatives = alternatives(prep.gm, prob, idx, sol.assignment, cm, names)
             p.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
                             constraints=sol.num_constraints, backend=sol.backend)
@@ -170,13 +173,13 @@ def _progress(enabled, total: int):
 
 
 def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_shape, axis_names,
-             cluster: ClusterSpec, budget: float) -> Plan:
+             cluster: ClusterSpec, budget: float, sharded_outputs: bool = False) -> Plan:
     gm, cap = prep.gm, prep.captured
     chosen = {}
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "call_function") and meta_of(n).strategies is not None:
             chosen[n] = meta_of(n).strategies.strategies[idx.option_of(n, assignment)]
-    low = lower(gm, chosen, cm)
+    low = lower(gm, chosen, cm, sharded_outputs)
     colls = collectives(low, cm, axis_names)
     comm_by_node: dict = {}
     for c in colls:
@@ -233,7 +236,7 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
         mesh={"shape": list(mesh_shape), "axes": list(axis_names)},
         params=params, inputs=inputs, nodes=nodes, collectives=colls, memory=mem, step_time=step,
         breakdown={"compute": compute, "communication": comm_axis, "optimizer": optim},
-        solver={},
+        solver={}, sharded_outputs=sharded_outputs,
     )
 
 
@@ -279,6 +282,7 @@ def alternatives(gm, prob, idx: ProblemIndex, assignment, cm: CostModel, axis_na
             colls = []
             for m in members.get(rep, []):
                 s = strategy_of(m, o)
+                colls += _op_collectives(cm, m, s, axis_names)
                 if m.op == "call_function":
                     for k, v in enumerate(input_values(m)):
                         if root_of(v.node) is not rep and v.node in chosen:
@@ -297,6 +301,18 @@ def alternatives(gm, prob, idx: ProblemIndex, assignment, cm: CostModel, axis_na
                             "memory_bytes": mem, "collectives": colls})
         name = meta_of(rep).role.target if rep.op == "placeholder" else rep.name
         out[name] = entries
+    return out
+
+
+def _op_collectives(cm, node, s, axis_names):
+    from autopar.passes.resharding import collective_seconds
+
+    out = []
+    for oc in cm.op_collectives(node, s):
+        bw, lat = cm.links[oc.axis]
+        out.append({"kind": oc.kind, "axis": axis_names[oc.axis], "phase": oc.phase, "bytes": int(oc.nbytes),
+                    "seconds": collective_seconds(oc.kind, oc.nbytes, cm.mesh_shape[oc.axis], bw, lat),
+                    "neighbor": node.name, "value": node.name})
     return out
 
 

@@ -18,7 +18,7 @@ from autopar.cluster import ClusterSpec
 from autopar.errors import PlanFormatError
 from autopar.layout import local_shape, parse_layout
 from autopar.passes.costs import CostModel
-from autopar.passes.lowering import Lowered, lower
+from autopar.passes.lowering import Lowered, gathered_output, lower
 from autopar.passes.meta import meta_of, op_name
 from autopar.passes.rules import context_for, rule_for
 from autopar.passes.strategies import Strategy, input_values, mark_requires_grad
@@ -74,16 +74,16 @@ def strategies_from_plan(gm: fx.GraphModule, plan: Plan) -> dict:
 
 
 def generate(gm: fx.GraphModule, plan: Plan, group_names: list[str], device=None, *,
-             replicate_outputs: bool = True) -> LocalProgram:
+             sharded_outputs: bool = False) -> LocalProgram:
     """The local program of one rank. ``group_names[a]`` is the c10d group of mesh axis ``a``;
     ``device`` replaces the device that factory ops were captured with (meta, for a meta model).
-    With ``replicate_outputs=False`` outputs are returned in the layout they are computed in, skipping
-    the gathers that ``plan.collectives`` lists for them."""
+    With ``sharded_outputs=True`` non-scalar outputs are returned in the layout they are computed in
+    (passes.lowering.gathered_output), whatever the plan was priced for."""
     mesh_shape = plan.mesh_shape
     mark_requires_grad(gm)
     strategy = strategies_from_plan(gm, plan)
     cm = CostModel(ClusterSpec.from_dict(plan.cluster), mesh_shape)
-    low = lower(gm, strategy, cm)
+    low = lower(gm, strategy, cm, sharded_outputs)
 
     g = fx.Graph()
     env: dict = {}
@@ -119,19 +119,17 @@ def generate(gm: fx.GraphModule, plan: Plan, group_names: list[str], device=None
         elif node.op == "get_attr":
             env[node] = g.get_attr(node.target)
         elif node.op == "call_function":
-            env[node] = _emit(g, node, strategy[node], low, env, reshard, mesh_shape)
+            env[node] = _emit(g, node, strategy[node], low, env, reshard, mesh_shape, group_names)
         elif node.op == "output":
             leaves, spec = pytree.tree_flatten(node.args[0])
             outs, k = [], 0
             for a in leaves:
                 if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
                     key = low.output_uses[k]
-                    if replicate_outputs:
-                        outs.append(reshard(key) if key is not None else env[a])
-                        output_layouts.append(tuple(parse_layout(["R"] * len(mesh_shape))))
-                    else:
-                        outs.append(env[a])
-                        output_layouts.append(strategy[a].outputs[0])
+                    outs.append(reshard(key) if key is not None else env[a])
+                    gathered = gathered_output(a, sharded_outputs)
+                    output_layouts.append(tuple(parse_layout(["R"] * len(mesh_shape))) if gathered
+                                          else strategy[a].outputs[0])
                     k += 1
                 else:
                     outs.append(env[a] if isinstance(a, fx.Node) else a)
@@ -153,7 +151,7 @@ def _retarget_devices(gm: fx.GraphModule, device: torch.device) -> None:
         mod.recompile()
 
 
-def _emit(g, node, s: Strategy, low, env, reshard, mesh_shape):
+def _emit(g, node, s: Strategy, low, env, reshard, mesh_shape, group_names):
     if node.target is operator.getitem:
         return g.call_function(operator.getitem, (env[node.args[0]], node.args[1]))
     values = input_values(node)
@@ -177,6 +175,10 @@ def _emit(g, node, s: Strategy, low, env, reshard, mesh_shape):
         lout = [local_shape(o.shape, l, mesh_shape, what=node.name) for o, l in zip(ctx.outs, s.outputs)]
         args, kwargs = rule.local_args(ctx, args, kwargs, lin, lout)
     target = node.target
+    call = rule.local_call(context_for(node), s.inputs, args, kwargs, group_names) if rule.local_call else None
+    if call is not None:
+        # The op's sharded form communicates by itself (runtime.sharded_ops).
+        target, args, kwargs = call
     if target is aten.view.default:
         # A resharded input may not be contiguous in the way the view needs; reshape copies only then.
         target = aten.reshape.default

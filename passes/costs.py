@@ -92,6 +92,23 @@ class CostModel:
         return fwd * (3.0 if requires_grad(node) else 1.0)
 
     # --- communication -------------------------------------------------------------------------
+    def op_collectives(self, node: fx.Node, s: Strategy) -> list:
+        """The collectives ``node``'s own sharded computation runs under ``s`` (OpCollective), beyond
+        any resharding of its inputs: e.g. the reductions of a vocab-parallel loss."""
+        if node.op != "call_function":
+            return []
+        rule = rule_for(node)
+        if rule.collectives is None:
+            return []
+        return rule.collectives(context_for(node), s.inputs, self.mesh_shape)
+
+    def op_comm_seconds(self, node: fx.Node, s: Strategy) -> float:
+        total = 0.0
+        for oc in self.op_collectives(node, s):
+            bw, lat = self.links[oc.axis]
+            total += collective_seconds(oc.kind, oc.nbytes, self.mesh_shape[oc.axis], bw, lat)
+        return total
+
     def steps_seconds(self, steps: list[Step], itemsize: int, needs_grad: bool) -> float:
         total = 0.0
         for st in steps:

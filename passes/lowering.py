@@ -13,6 +13,7 @@ import torch.fx as fx
 
 from autopar.layout import R
 from autopar.passes.costs import CostModel
+from autopar.passes.meta import op_name
 from autopar.passes.strategies import Strategy, Value, input_values, requires_grad
 
 
@@ -29,10 +30,16 @@ class Lowered:
     reshards: dict = field(default_factory=dict)     # ReshardKey -> list[Step]
     first_consumer: dict = field(default_factory=dict)  # ReshardKey -> consumer node name
     uses: dict = field(default_factory=dict)         # (consumer node, input position) -> ReshardKey
-    output_uses: list = field(default_factory=list)  # ReshardKey or None per user output
+    output_uses: list = field(default_factory=list)  # per user output: ReshardKey, or None (returned as is)
 
 
-def lower(gm: fx.GraphModule, strategy: dict, cm: CostModel) -> Lowered:
+def gathered_output(node: fx.Node, sharded_outputs: bool) -> bool:
+    """Whether a user output is returned whole (replicated). With ``sharded_outputs`` only scalars are:
+    a loss costs a few bytes to reduce, while logits stay in the layout they are computed in."""
+    return not sharded_outputs or node.meta["val"].dim() == 0
+
+
+def lower(gm: fx.GraphModule, strategy: dict, cm: CostModel, sharded_outputs: bool = False) -> Lowered:
     low = Lowered(strategy)
     for node in gm.graph.nodes:
         if node.op == "call_function":
@@ -45,6 +52,9 @@ def lower(gm: fx.GraphModule, strategy: dict, cm: CostModel) -> Lowered:
             leaves = torch.utils._pytree.tree_leaves(node.args)
             for a in leaves:
                 if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
+                    if not gathered_output(a, sharded_outputs):
+                        low.output_uses.append(None)
+                        continue
                     rep = tuple(R for _ in cm.mesh_shape)
                     low.output_uses.append(_reshard(low, cm, Value(a), rep, None, node))
                 else:
@@ -82,4 +92,10 @@ def collectives(low: Lowered, cm: CostModel, axis_names) -> list[dict]:
                 out.append({"kind": kind, "axis": axis_names[st.axis], "bytes": int(nbytes), "phase": phase,
                             "seconds": collective_seconds(kind, nbytes, cm.mesh_shape[st.axis], bw, lat),
                             "node": low.first_consumer[key], "value": key.value.node.name, "step": st.op})
+    for node, s in low.strategy.items():
+        for oc in cm.op_collectives(node, s):
+            bw, lat = cm.links[oc.axis]
+            out.append({"kind": oc.kind, "axis": axis_names[oc.axis], "bytes": int(oc.nbytes), "phase": oc.phase,
+                        "seconds": collective_seconds(oc.kind, oc.nbytes, cm.mesh_shape[oc.axis], bw, lat),
+                        "node": node.name, "value": node.name, "step": op_name(node)})
     return out

@@ -58,33 +58,52 @@ def decision_name(node: fx.Node) -> str:
 
 
 def _pinned_options(rep: fx.Node, pins: dict, mesh_axes: int):
-    """Options of ``rep`` allowed by the first matching pin, or None when no pin names it."""
+    """Options of ``rep`` allowed by the first matching pin, or None when no pin names it.
+
+    A pin is the output layout (``["R", "S(1)"]``), or ``{"output": layout, "inputs": [layout per
+    tensor input]}`` with either key, for ops whose strategies differ only in how they read."""
     import fnmatch
 
     from autopar.errors import ShardingError
     from autopar.layout import format_layout
 
     name = decision_name(rep)
-    for pattern, layout in pins.items():
-        if fnmatch.fnmatchcase(name, pattern):
-            want = [str(p) for p in layout]
-            if len(want) != mesh_axes:
-                raise ShardingError(f"pin {pattern!r} -> {want} gives {len(want)} placements for a "
+    for pattern, pin in pins.items():
+        if not fnmatch.fnmatchcase(name, pattern):
+            continue
+        want = pin if isinstance(pin, dict) else {"output": pin}
+        unknown = set(want) - {"output", "inputs"}
+        if unknown:
+            raise ShardingError(f"pin {pattern!r}: unknown keys {sorted(unknown)}; a pin gives 'output' and/or "
+                                f"'inputs'")
+        out = [str(p) for p in want["output"]] if "output" in want else None
+        ins = [[str(p) for p in lay] for lay in want["inputs"]] if "inputs" in want else None
+        for lay in ([out] if out is not None else []) + (ins or []):
+            if len(lay) != mesh_axes:
+                raise ShardingError(f"pin {pattern!r} -> {lay} gives {len(lay)} placements for a "
                                     f"{mesh_axes}-axis mesh")
-            opts = meta_of(rep).strategies.strategies
-            allowed = {o for o, s in enumerate(opts) if s.outputs and format_layout(s.outputs[0]) == want}
-            if not allowed:
-                offered = sorted({str(format_layout(s.outputs[0])) for s in opts if s.outputs})
-                raise ShardingError(f"pin {pattern!r} asks {name} for layout {want}, which its op cannot "
-                                    f"produce here; it can take {offered}")
-            return allowed
+        opts = meta_of(rep).strategies.strategies
+        allowed = {o for o, s in enumerate(opts)
+                   if (out is None or (s.outputs and format_layout(s.outputs[0]) == out))
+                   and (ins is None or [format_layout(l) for l in s.inputs] == ins)}
+        if not allowed and ins is None:
+            offered = sorted({str(format_layout(s.outputs[0])) for s in opts if s.outputs})
+            raise ShardingError(f"pin {pattern!r} asks {name} for layout {out}, which its op cannot "
+                                f"produce here; it can take {offered}")
+        if not allowed:
+            offered = sorted({f"{[format_layout(l) for l in s.inputs]} -> {format_layout(s.outputs[0])}"
+                              for s in opts if s.outputs})
+            raise ShardingError(f"pin {pattern!r} asks {name} for {want}, which its op cannot do here; "
+                                f"it can take (inputs -> output) {offered}")
+        return allowed
     return None
 
 
 def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
-                  pins: dict | None = None) -> tuple[Problem, ProblemIndex]:
+                  pins: dict | None = None, sharded_outputs: bool = False) -> tuple[Problem, ProblemIndex]:
     """``pins`` maps a glob over decision names (parameter FQNs, input names, node names) to a layout
-    that decision must take. A pin on one copy of a repeated layer applies to every copy."""
+    that decision must take. A pin on one copy of a repeated layer applies to every copy. With
+    ``sharded_outputs`` only scalar user outputs are priced as gathered (passes.lowering)."""
     nodes = _decided_nodes(gm)
     idx = ProblemIndex()
     members = defaultdict(list)
@@ -104,7 +123,7 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
             c, a, st, stb = 0.0, 0.0, 0.0, 0.0
             for m in members[rep]:
                 s = strategy_of(m, o)
-                c += cm.compute_seconds(m, s)
+                c += cm.compute_seconds(m, s) + cm.op_comm_seconds(m, s)
                 a += cm.activation_bytes(m, s)
                 if m.op == "placeholder" and meta_of(m).role.kind == "param":
                     p, g, opt = cm.param_bytes(m, s.outputs[0])
@@ -135,7 +154,7 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
     # with the same readers share one edge, counted once per copy.
     readers = defaultdict(list)
     for c in list(nodes) + [n for n in gm.graph.nodes if n.op == "output"]:
-        values = input_values(c) if c.op == "call_function" else _output_values(c)
+        values = input_values(c) if c.op == "call_function" else _output_values(c, sharded_outputs)
         for k, v in enumerate(values):
             rc = root_of(c) if c.op != "output" else None
             if root_of(v.node) is not rc:
@@ -194,8 +213,12 @@ def _shared_edge(v: Value, rs, count: int, idx: ProblemIndex, cm: CostModel) -> 
     return SharedEdge(idx.choice_of_key[key_of(rp)], tuple(reader_rows), cost, tuple(sorted(always)), count)
 
 
-def _output_values(out_node: fx.Node) -> list[Value]:
+def _output_values(out_node: fx.Node, sharded_outputs: bool) -> list[Value]:
+    """The user outputs that are returned replicated (passes.lowering.gathered_output)."""
     import torch
 
+    from autopar.passes.lowering import gathered_output
+
     leaves = torch.utils._pytree.tree_leaves(out_node.args)
-    return [Value(a) for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+    return [Value(a) for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+            and gathered_output(a, sharded_outputs)]

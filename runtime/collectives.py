@@ -82,8 +82,8 @@ def _reduce_scatter(x: torch.Tensor, dim: int, size: int, name: str) -> torch.Te
     return y.squeeze(0)
 
 
-def _all_reduce(x: torch.Tensor, name: str) -> torch.Tensor:
-    return _ops.wait_tensor(_ops.all_reduce(x.contiguous(), "sum", name))
+def _all_reduce(x: torch.Tensor, name: str, *, op: str = "sum") -> torch.Tensor:
+    return _ops.wait_tensor(_ops.all_reduce(x.contiguous(), op, name))
 
 
 def _chunk(x: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:

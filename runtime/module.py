@@ -207,6 +207,8 @@ def _loss_of(out):
         raise AutoparError("train_step needs the model to return a scalar loss (a tensor, a ModelOutput with "
                            ".loss, or a tuple whose first item is the loss); pass labels, or call the "
                            "module and backward yourself")
+    if hasattr(loss, "to_local"):          # a DTensor under sharded_outputs: scalars come back replicated
+        loss = loss.to_local()
     return loss
 
 
@@ -232,7 +234,7 @@ def build(model, plan: Plan, example_inputs=(), example_kwargs=None, *, check_we
     gm = normalize_pass(captured.gm)
     groups = [mesh.get_group(a).group_name for a in plan.axis_names]
     device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
-    program = generate(gm, plan, groups, device, replicate_outputs=not sharded_outputs)
+    program = generate(gm, plan, groups, device, sharded_outputs=sharded_outputs)
     params = dict(model.named_parameters())
     on_meta = any(p.is_meta for p in params.values())
     if check_weights and not on_meta:

@@ -47,3 +47,15 @@ MEGATRON = {
     "gpt": {"*.q.weight": "S(0)", "*.k.weight": "S(0)", "*.v.weight": "S(0)", "*.o.weight": "S(1)",
             "*.fc1.weight": "S(0)", "*.fc2.weight": "S(1)"},
 }
+
+# Megatron's vocab parallelism on one mesh axis: the token embedding (tied to the LM head where the model
+# ties them) split by vocabulary rows, looked up by the vocab-parallel embedding, and the loss computed
+# by the vocab-parallel cross-entropy (pinned by what it reads: logits split on the vocabulary).
+VOCAB_PARALLEL = {
+    "gpt2": {"transformer.wte.weight": "S(0)"},
+    "llama": {"model.embed_tokens.weight": "S(0)", "lm_head.weight": "S(0)"},
+    "bert": {"bert.embeddings.word_embeddings.weight": "S(0)"},
+    "gpt": {"tok_emb.weight": "S(0)"},
+}
+VOCAB_PARALLEL_NODES = {"embedding": {"inputs": [["S(0)"], ["R"]]},
+                        "cross_entropy_loss_default": {"inputs": [["S(1)"], ["R"]]}}

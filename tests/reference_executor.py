@@ -2,9 +2,14 @@
 with no process group, and reassembles the global result from the per-rank pieces.
 
 Partial inputs are split into random terms that sum to the value, so an op wrongly declared linear
-fails. Replicated outputs must be equal on every coordinate.
+fails. Replicated outputs must be equal on every coordinate. An op whose sharded form communicates by
+itself (a rule's ``local_call``, e.g. the vocab-parallel loss) runs every coordinate in its own thread,
+with the runtime's group lookup and all-reduce replaced by an exchange between those threads.
 """
 import itertools
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 import torch.fx as fx
@@ -48,6 +53,48 @@ def _local_input(full, layout, mesh_shape, coord, noise_seed):
     return x
 
 
+class _SimulatedMesh:
+    """Stands in for process groups: group ``axis<a>`` of a thread's coordinate is every coordinate that
+    differs from it only along axis ``a``."""
+
+    def __init__(self, mesh_shape):
+        self.mesh_shape = mesh_shape
+        self.local = threading.local()
+        self.cond = threading.Condition()
+        self.pending: dict = {}
+        self.calls: dict = {}
+
+    def group(self, name):
+        a = int(name[len("axis"):])
+        return self.local.coord[a], self.mesh_shape[a]
+
+    def all_reduce(self, x, name, *, op="sum"):
+        a = int(name[len("axis"):])
+        coord = self.local.coord
+        peers = coord[:a] + (None,) + coord[a + 1:]
+        n = self.calls[coord, name] = self.calls.get((coord, name), 0) + 1
+        key = (name, peers, n)
+        with self.cond:
+            self.pending.setdefault(key, {})[coord[a]] = x.clone()
+            self.cond.wait_for(lambda: len(self.pending[key]) == self.mesh_shape[a], timeout=30)
+            parts = [self.pending[key][i] for i in range(self.mesh_shape[a])]
+            self.cond.notify_all()
+        stacked = torch.stack(parts)
+        return {"sum": stacked.sum(0), "max": stacked.amax(0)}[op]
+
+
+@contextmanager
+def _simulated(mesh):
+    from autopar.runtime import collectives as C
+
+    saved = C._group, C._all_reduce
+    C._group, C._all_reduce = mesh.group, mesh.all_reduce
+    try:
+        yield
+    finally:
+        C._group, C._all_reduce = saved
+
+
 def run_strategy(node: fx.Node, strategy, mesh_shape):
     """Global outputs reassembled from every coordinate's local run of ``node`` under ``strategy``."""
     ctx = context_for(node)
@@ -55,8 +102,10 @@ def run_strategy(node: fx.Node, strategy, mesh_shape):
     full_ins = [a.meta["val"] for a in ctx.input_nodes]
     out_infos = ctx.outs
     coords = list(itertools.product(*[range(n) for n in mesh_shape]))
-    results = {}
-    for coord in coords:
+    group_names = [f"axis{a}" for a in range(len(mesh_shape))]
+    mesh = _SimulatedMesh(tuple(mesh_shape))
+
+    def local_call(coord):
         locals_ = [_local_input(x, lay, mesh_shape, coord, k) for k, (x, lay) in
                    enumerate(zip(full_ins, strategy.inputs))]
         it = iter(locals_)
@@ -66,8 +115,20 @@ def run_strategy(node: fx.Node, strategy, mesh_shape):
             lin = [local_shape(i.shape, l, mesh_shape) for i, l in zip(ctx.ins, strategy.inputs)]
             lout = [local_shape(o.shape, l, mesh_shape) for o, l in zip(out_infos, strategy.outputs)]
             args, kwargs = rule.local_args(ctx, args, kwargs, lin, lout)
-        out = node.target(*args, **kwargs)
-        results[coord] = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        call = rule.local_call(ctx, strategy.inputs, args, kwargs, group_names) if rule.local_call else None
+        return call or (node.target, args, kwargs)
+
+    def run(coord):
+        mesh.local.coord = coord
+        target, args, kwargs = local_call(coord)
+        out = target(*args, **kwargs)
+        return [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+
+    if any(local_call(c)[0] is not node.target for c in coords[:1]):
+        with _simulated(mesh), ThreadPoolExecutor(len(coords)) as pool:
+            results = dict(zip(coords, pool.map(run, coords)))
+    else:
+        results = {coord: run(coord) for coord in coords}
     assembled = []
     for k, (info, lay) in enumerate(zip(out_infos, strategy.outputs)):
         full = torch.zeros(info.shape, dtype=torch.float64)

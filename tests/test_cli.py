@@ -41,6 +41,9 @@ def test_plan_of_a_module_function_on_local_cpu(tmp_path, capsys):
     plan = Plan.load(out)
     assert plan.model["class"] == "GPT" and plan.mesh_shape == (2,) and plan.cluster["name"] == "2xcpu"
     assert "autopar plan: GPT" in capsys.readouterr().out
+    assert not plan.sharded_outputs
+    assert main(argv + ["--sharded-outputs"]) == 0
+    assert Plan.load(out).sharded_outputs
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.distributed_utils import run_distributed
-from tests.hf_models import MEGATRON, batch, build
+from tests.hf_models import MEGATRON, VOCAB_PARALLEL, VOCAB_PARALLEL_NODES, batch, build
 
 
 def _count_executed(pm, ids, labels):
@@ -22,9 +22,9 @@ def _count_executed(pm, ids, labels):
              "_all_to_all": "all_to_all"}
 
     def counting(name):
-        def run(*args):
+        def run(*args, **kwargs):
             counts[(kinds[name], axis_of[args[-1]], phase["now"])] += 1
-            return originals[name](*args)
+            return originals[name](*args, **kwargs)
         return run
 
     for name in originals:
@@ -41,6 +41,7 @@ def _count_executed(pm, ids, labels):
 
 def _graph_forward_counts(pm):
     from autopar.runtime.collectives import COLLECTIVE_KIND
+    from autopar.runtime.sharded_ops import OP_COLLECTIVES
 
     axis_of = {pm.mesh.get_group(a).group_name: a for a in pm.plan.axis_names}
     counts = collections.Counter()
@@ -49,17 +50,20 @@ def _graph_forward_counts(pm):
             kind = COLLECTIVE_KIND[n.target]
             if kind is not None:
                 counts[(kind, axis_of[n.args[-1]], "forward")] += 1
+        elif n.op == "call_function" and n.target in OP_COLLECTIVES:
+            for kind, phase in OP_COLLECTIVES[n.target]:
+                counts[(kind, axis_of[n.args[-1]], phase)] += 1
     return counts
 
 
-def _collectives_match(rank, world, model_name, mesh, pins):
+def _collectives_match(rank, world, model_name, mesh, pins, sharded_outputs):
     import autopar
 
     torch.manual_seed(0)
     model = build(model_name)
     ids, labels = batch()
     pm = autopar.compile(model, autopar.ClusterSpec.local_cpu(world), (ids,), {"labels": labels},
-                         mesh_shape=mesh, pins=pins)
+                         mesh_shape=mesh, pins=pins, sharded_outputs=sharded_outputs)
     planned = collections.Counter(pm.plan.collective_counts())
     assert planned, "the plan has no collectives to check"
     forward_planned = collections.Counter({k: v for k, v in planned.items() if k[2] == "forward"})
@@ -73,16 +77,20 @@ def _collectives_match(rank, world, model_name, mesh, pins):
     ("llama", 2, (2,), "megatron"),
     ("gpt2", 2, (2,), "zero"),
     ("bert", 4, (2, 2), "megatron x data"),
+    ("llama", 2, (2,), "vocab parallel"),
 ])
 def test_collective_counts_match_the_plan(model_name, world, mesh, kind):
     axes = len(mesh)
     if kind == "zero":
         pins = {"*.weight": ["S(0)"], "input_ids": ["S(0)"], "labels": ["S(0)"]}
+    elif kind == "vocab parallel":
+        pins = {k: [v] for k, v in {**MEGATRON[model_name], **VOCAB_PARALLEL[model_name]}.items()}
+        pins.update(VOCAB_PARALLEL_NODES)
     else:
         pins = {k: ["R"] * (axes - 1) + [v] for k, v in MEGATRON[model_name].items()}
         if axes == 2:
             pins.update({"input_ids": ["S(0)", "R"], "labels": ["S(0)", "R"]})
-    run_distributed(_collectives_match, world, model_name, mesh, pins, timeout=300)
+    run_distributed(_collectives_match, world, model_name, mesh, pins, kind == "vocab parallel", timeout=300)
 
 
 def _bad_inputs(rank, world):

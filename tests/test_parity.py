@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.distributed_utils import run_distributed
-from tests.hf_models import MEGATRON, batch, build
+from tests.hf_models import MEGATRON, VOCAB_PARALLEL, VOCAB_PARALLEL_NODES, batch, build
 
 STEPS, LR = 3, 1e-3
 
@@ -26,6 +26,10 @@ def _plans(model_name, world, mesh_axes):
     tp = {k: ["R"] * (mesh_axes - 1) + [v] for k, v in MEGATRON[model_name].items()}
     plans = [("data parallel", {"pins": {**data, **params}}),
              ("megatron", {"pins": tp})]
+    if mesh_axes == 1:
+        vocab = {k: [v] for k, v in VOCAB_PARALLEL[model_name].items()}
+        plans.append(("megatron + vocab parallel, sharded outputs",
+                      {"pins": {**tp, **vocab, **VOCAB_PARALLEL_NODES}, "sharded_outputs": True}))
     if mesh_axes == 2:
         plans.append(("2-D mesh, solver's choice", {}))
         plans.append(("2-D mesh, megatron x data", {"pins": {**tp, **data}}))
@@ -62,6 +66,8 @@ def _check_model(rank, world, model_name, mesh):
         if label == "memory budget":
             assert any(any(p != "R" for p in lay) for lay in pm.plan.params.values()), \
                 f"{where}: a tight budget left every parameter replicated"
+        if "vocab parallel" in label:
+            assert "vocab_parallel_cross_entropy" in pm.code and "vocab_parallel_embedding" in pm.code, where
         _train_and_compare(pm, copy.deepcopy(ref), ids, labels, where)
 
 

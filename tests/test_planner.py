@@ -176,3 +176,50 @@ def test_pipeline_axis_is_refused_clearly():
     x = torch.randn(8, 64, 256, dtype=torch.bfloat16)
     with pytest.raises(autopar.AutoparError, match="pipeline parallelism is not implemented"):
         autopar.plan(model, autopar.ClusterSpec.preset("16xH100"), (x,), mesh_shape=(2, 2, 2, 2), progress=False)
+
+
+@pytest.fixture(scope="module")
+def large_vocab_llama():
+    """LLaMA with a 32000-token vocabulary on the meta device: the logits dwarf every activation."""
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=512, vocab_size=32000, max_position_embeddings=512, use_cache=False,
+                         tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    ids = torch.randint(0, 32000, (8, 512), device="meta")
+    return model, ids
+
+
+def test_solver_picks_the_vocab_parallel_loss_and_sharded_outputs_skip_the_logits_gather(large_vocab_llama):
+    model, ids = large_vocab_llama
+    cluster = autopar.ClusterSpec.preset("8xH100")
+    plans = {so: autopar.plan(model, cluster, (ids,), {"labels": ids.clone()}, mesh_shape=(8,),
+                              sharded_outputs=so, progress=False) for so in (False, True)}
+    logits_bytes = 8 * 512 * 32000 * 2
+    for so, p in plans.items():
+        loss = next(n for n in p.nodes if n["op"] == "cross_entropy_loss.default")
+        # Megatron's layout: the LM head split by vocabulary rows, the loss reduced across the axis.
+        assert p.params["lm_head.weight"] == ["S(0)"] and loss["inputs"] == [["S(1)"], ["R"]], (so, loss)
+        assert sorted(c["bytes"] for c in p.collectives if c["node"] == loss["name"]) == [4 * 4096, 8 * 4096]
+        gathered = [c["bytes"] for c in p.collectives if c["node"] == "output"]
+        assert gathered == ([] if so else [logits_bytes]), (so, gathered)
+    assert plans[True].step_time < plans[False].step_time
+    again = autopar.Plan.from_dict(json.loads(plans[True].to_json()))
+    assert again.sharded_outputs is True and plans[False].sharded_outputs is False
+
+
+def test_pins_can_name_what_a_node_reads(large_vocab_llama):
+    model, ids = large_vocab_llama
+    cluster = autopar.ClusterSpec.preset("8xH100")
+    gathered = {"cross_entropy_loss_default": {"inputs": [["R"], ["R"]]}}
+    p = autopar.plan(model, cluster, (ids,), {"labels": ids.clone()}, mesh_shape=(8,), pins=gathered,
+                     progress=False)
+    assert next(n for n in p.nodes if n["op"] == "cross_entropy_loss.default")["inputs"] == [["R"], ["R"]]
+    with pytest.raises(ShardingError, match=r"cannot do here; it can take \(inputs -> output\)"):
+        autopar.plan(model, cluster, (ids,), {"labels": ids.clone()}, mesh_shape=(8,), progress=False,
+                     pins={"cross_entropy_loss_default": {"inputs": [["S(0)"], ["R"]]}})
+    with pytest.raises(ShardingError, match="unknown keys"):
+        autopar.plan(model, cluster, (ids,), {"labels": ids.clone()}, mesh_shape=(8,), progress=False,
+                     pins={"cross_entropy_loss_default": {"input": [["R"], ["R"]]}})

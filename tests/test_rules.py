@@ -33,6 +33,12 @@ def _check_all(node, mesh):
     return strategies
 
 
+def _some_ignored(rows, classes):
+    target = torch.randint(0, classes, (rows,))
+    target[::3] = -100
+    return target
+
+
 # Each case: a function from drawn sizes to (op, args, kwargs). Sizes are drawn independently.
 CASES = {
     "mm": lambda m, k, n, b: (aten.mm.default, (rand(m, k), rand(k, n)), {}),
@@ -87,6 +93,12 @@ CASES = {
                                        (rand(b, 2, m, k), rand(b, 2, m, k), rand(b, 2, m, k)), {"is_causal": True}),
     "cross_entropy_sum": lambda m, k, n, b: (aten.cross_entropy_loss.default,
                                              (rand(b * m, k + 1), torch.randint(0, k + 1, (b * m,)), None, 2), {}),
+    "embedding_padding": lambda m, k, n, b: (aten.embedding.default,
+                                             (rand(n + 1, k), torch.randint(0, n + 1, (b, m)), n), {}),
+    "cross_entropy_ignored": lambda m, k, n, b: (aten.cross_entropy_loss.default,
+                                                 (rand(b * m, 2 * k), _some_ignored(b * m, 2 * k), None, 2), {}),
+    "cross_entropy_mean": lambda m, k, n, b: (aten.cross_entropy_loss.default,
+                                              (rand(b * m, 2 * k), torch.randint(0, 2 * k, (b * m,)), None, 1), {}),
     "cross_entropy_none": lambda m, k, n, b: (aten.cross_entropy_loss.default,
                                               (rand(b, k + 1), torch.randint(0, k + 1, (b,)), None, 0), {}),
 }

@@ -26,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bytes per device, in GB (1e9 bytes); default: the device's capacity less its reserve")
     p.add_argument("--mesh", default=None, metavar="A,B,...", help="fix the mesh shape, e.g. 8,8")
     p.add_argument("--time-limit", type=float, default=60.0, metavar="S", help="ILP time limit per mesh (s)")
+    p.add_argument("--sharded-outputs", action="store_true",
+                   help="plan for compile(..., sharded_outputs=True): logits stay sharded, only the loss is "
+                        "gathered (what a training loop needs)")
     p.add_argument("--out", default=None, metavar="PLAN.json", help="save the plan as JSON")
     p.add_argument("--html", default=None, metavar="REPORT.html", help="write an HTML report of the plan")
 
@@ -72,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     budget = args.memory_budget * 1e9 if args.memory_budget is not None else None
     try:
         plan = autopar.plan(model, cluster, ex_args, ex_kwargs, memory_budget=budget, mesh_shape=mesh,
-                            time_limit=args.time_limit)
+                            time_limit=args.time_limit, sharded_outputs=args.sharded_outputs)
     except autopar.AutoparError as e:         # raised on purpose, with what to change; a bug keeps its traceback
         return _fail(e)
     print(plan.summary())

@@ -111,6 +111,7 @@ def _arg(node, i, name, default):
 def _library_call(node):
     """(kernel function, its arguments, library module) for a norm or a loss the library covers."""
     from autopar.codegen import kernels
+    from autopar.runtime.sharded_ops import vocab_parallel_cross_entropy
 
     if node.op != "call_function":
         return None
@@ -136,6 +137,10 @@ def _library_call(node):
             return None
         args = (node.args[0], node.args[1], _arg(node, 4, "ignore_index", -100), "none" if reduction == 0 else "sum")
         return kernels.cross_entropy, args, "_cross_entropy"
+    if t is vocab_parallel_cross_entropy:
+        logits, target, ignore_index, reduction, group = node.args
+        args = (logits, target, group, ignore_index, ("none", "mean", "sum")[reduction])
+        return kernels.vocab_parallel_cross_entropy, args, "_cross_entropy"
     return None
 
 

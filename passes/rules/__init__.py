@@ -98,15 +98,31 @@ class OpRule:
     # from what the planning machine's kernel saves.
     saved_on_gpu: Callable[[OpContext], object] | None = None
     replicate_only: bool = False
+    # For an op whose sharded form communicates by itself (Megatron's vocab-parallel loss): the
+    # collectives it runs under a strategy, (ctx, input layouts, mesh shape) -> list[OpCollective],
+    # and the runtime function that runs it, (ctx, input layouts, args, kwargs, group names per axis)
+    # -> (target, args, kwargs), or None where the strategy needs no such function.
+    collectives: Callable | None = None
+    local_call: Callable | None = None
+
+
+@dataclass(frozen=True)
+class OpCollective:
+    """A collective that an op's local computation runs itself, on one mesh axis."""
+
+    axis: int
+    kind: str          # all_reduce, all_gather, reduce_scatter or all_to_all
+    phase: str         # forward or backward
+    nbytes: float      # per device, as in passes.resharding.Step.collectives
 
 
 _RULES: dict = {}
 _warned: set = set()
 
 
-def register_rule(*targets, flops=None, local_args=None, saved_on_gpu=None):
+def register_rule(*targets, flops=None, local_args=None, saved_on_gpu=None, collectives=None, local_call=None):
     def deco(fn):
-        rule = OpRule(fn, flops, local_args, saved_on_gpu)
+        rule = OpRule(fn, flops, local_args, saved_on_gpu, collectives=collectives, local_call=local_call)
         for t in targets:
             _RULES[t] = rule
         return fn
@@ -180,6 +196,6 @@ def _load_builtin_rules():
         from autopar.passes.rules import matmul, nn, pointwise, shape  # noqa: F401  (register on import)
 
 
-__all__ = ["AxisOption", "OpContext", "OpRule", "TensorInfo", "register_rule", "register_replicated",
+__all__ = ["AxisOption", "OpCollective", "OpContext", "OpRule", "TensorInfo", "register_rule", "register_replicated",
            "get_rule", "rule_for", "axis_options", "context_for", "tensor_inputs", "output_infos",
            "P", "R", "S"]

@@ -3,8 +3,8 @@ import math
 
 import torch
 
-from autopar.layout import P, R, S
-from autopar.passes.rules import register_rule
+from autopar.layout import P, R, S, local_shape
+from autopar.passes.rules import OpCollective, register_rule
 from autopar.passes.rules.helpers import dim_map_options, norm_dim
 
 aten = torch.ops.aten
@@ -65,13 +65,31 @@ def norm_rule(ctx):
             for d in range(x.ndim - normalized) if x.shape[d] > 1]
 
 
-@register_rule(aten.embedding.default)
+def _sharding_axis(layout, dim):
+    """The mesh axis that shards ``dim`` in ``layout``, or None."""
+    return next((a for a, p in enumerate(layout) if p.is_shard and p.dim == dim), None)
+
+
+def _embedding_local_call(ctx, in_layouts, args, kwargs, group_names):
+    axis = _sharding_axis(in_layouts[0], 0)
+    if axis is None:
+        return None
+    from autopar.runtime.sharded_ops import vocab_parallel_embedding
+
+    return vocab_parallel_embedding, (args[0], args[1], ctx.arg(2, "padding_idx", -1), group_names[axis]), {}
+
+
+@register_rule(aten.embedding.default, local_call=_embedding_local_call)
 def embedding_rule(ctx):
     weight, ids = ctx.ins
     out_nd = ctx.outs[0].ndim
     opts = [ctx.option([R, S(d)], S(d)) for d in range(ids.ndim) if ids.shape[d] > 1]
     if weight.shape[1] > 1:
         opts.append(ctx.option([S(1), R], S(out_nd - 1)))      # split the hidden dim of the table
+    if weight.shape[0] > 1 and not ctx.arg(3, "scale_grad_by_freq", False) and not ctx.arg(4, "sparse", False):
+        # Megatron's vocab-parallel embedding: each rank looks up the ids in its rows of the table and
+        # gives zeros for the others, so the sum over the axis is the lookup.
+        opts.append(ctx.option([S(0), R], P))
     return opts
 
 
@@ -112,8 +130,36 @@ def sdpa_rule(ctx):
     return opts
 
 
+def _vocab_parallel_loss(ctx) -> bool:
+    logits, target = ctx.ins[:2]
+    return (ctx.node.target is aten.cross_entropy_loss.default and logits.ndim == 2 and target.ndim == 1
+            and logits.shape[1] > 1 and not ctx.arg(5, "label_smoothing", 0.0))
+
+
+def _cross_entropy_collectives(ctx, in_layouts, mesh_shape):
+    """Vocab-parallel: one MAX all-reduce of the row maxima, one SUM all-reduce of the rows' sum-exp
+    and target logit, both fp32, on the axis that shards the vocabulary; none in the backward."""
+    axis = _sharding_axis(in_layouts[0], 1)
+    if axis is None:
+        return []
+    rows = local_shape(ctx.ins[1].shape, in_layouts[1], mesh_shape)[0]
+    return [OpCollective(axis, "all_reduce", "forward", 4 * rows),
+            OpCollective(axis, "all_reduce", "forward", 8 * rows)]
+
+
+def _cross_entropy_local_call(ctx, in_layouts, args, kwargs, group_names):
+    axis = _sharding_axis(in_layouts[0], 1)
+    if axis is None:
+        return None
+    from autopar.runtime.sharded_ops import vocab_parallel_cross_entropy
+
+    return vocab_parallel_cross_entropy, (args[0], args[1], ctx.arg(4, "ignore_index", -100),
+                                          ctx.arg(3, "reduction", 1), group_names[axis]), {}
+
+
 @register_rule(aten.cross_entropy_loss.default, aten.nll_loss.default,
-               flops=lambda ctx: 5.0 * ctx.ins[0].numel)
+               flops=lambda ctx: 5.0 * ctx.ins[0].numel,
+               collectives=_cross_entropy_collectives, local_call=_cross_entropy_local_call)
 def cross_entropy_rule(ctx):
     logits, target = ctx.ins[:2]
     reduction = ctx.arg(3, "reduction", 1)
@@ -128,4 +174,8 @@ def cross_entropy_rule(ctx):
             opts.append(ctx.option([S(ld), S(d)], S(d)))
         elif reduction == 2:
             opts.append(ctx.option([S(ld), S(d)], P))
+    if _vocab_parallel_loss(ctx):
+        # Megatron's vocab-parallel cross-entropy: the logits stay sharded on the vocabulary, and the
+        # row max, sum-exp and target logit are reduced across the axis; every rank gets the loss.
+        opts.append(ctx.option([S(1), R], R))
     return opts

@@ -1,6 +1,7 @@
-"""GPT-2 compiled with kernels="triton": its local program calls the library's norms and loss and a
-generated kernel for each GELU, and it trains with the tolerances of tests/test_parity.py on 1 and 2
-gloo ranks (the interpreter runs every kernel, forward and backward)."""
+"""GPT-2 compiled with kernels="triton": its local program calls the library's norms and loss (the
+vocab-parallel loss where the plan splits the vocabulary) and a generated kernel for each GELU, and it
+trains with the tolerances of tests/test_parity.py on 1 and 2 gloo ranks (the interpreter runs every
+kernel, forward and backward)."""
 import collections
 import copy
 
@@ -8,19 +9,22 @@ import torch
 
 import autopar.codegen.triton as generated
 from tests.distributed_utils import run_distributed
-from tests.hf_models import MEGATRON, batch, build
+from autopar.runtime.sharded_ops import vocab_parallel_cross_entropy
+from tests.hf_models import MEGATRON, VOCAB_PARALLEL, VOCAB_PARALLEL_NODES, batch, build
 from tests.test_parity import _train_and_compare
 
 aten = torch.ops.aten
 
 
-def _check_program(pm, where):
+def _check_program(pm, where, vocab_parallel):
     left = collections.Counter(n.target for n in pm.local_program.graph.nodes if n.op == "call_function")
-    for op in (aten.layer_norm.default, aten.cross_entropy_loss.default, aten.tanh.default, aten.pow.Tensor_Scalar):
+    for op in (aten.layer_norm.default, aten.cross_entropy_loss.default, aten.tanh.default, aten.pow.Tensor_Scalar,
+               vocab_parallel_cross_entropy):
         assert not left[op], f"{where}: {op} is still called as ATen:\n{pm.code}"
     names = {getattr(t, "__name__", "") for t in left}
+    loss = "vocab_parallel_cross_entropy" if vocab_parallel else "cross_entropy"
     kernels = pm.kernels
-    assert {"layer_norm", "cross_entropy"} <= set(kernels) and {"layer_norm", "cross_entropy"} <= names
+    assert {"layer_norm", loss} <= set(kernels) and {"layer_norm", loss} <= names, (names, where)
     gelu = [k for k in kernels if k.startswith("fused_") and "tanh" in k]
     assert len(gelu) == 1 and f"def {gelu[0]}_bwd(" in kernels[gelu[0]], list(kernels)
     assert left[getattr(generated, gelu[0])] == 2     # one call per layer
@@ -41,7 +45,7 @@ def _train_with_triton(rank, world, plans):
         pm = autopar.compile(model, autopar.ClusterSpec.local_cpu(world), (ids,), {"labels": labels},
                              mesh_shape=(world,), kernels="triton", progress=False, **options)
         where = f"gpt2 / {label} / kernels='triton' on {world} ranks"
-        _check_program(pm, where)
+        _check_program(pm, where, "vocab" in label)
         _train_and_compare(pm, copy.deepcopy(ref), ids, labels, where)
 
 
@@ -52,5 +56,6 @@ def test_gpt2_trains_with_triton_kernels_on_one_rank():
 def test_gpt2_trains_with_triton_kernels_on_two_ranks():
     data = {"input_ids": ["S(0)"], "labels": ["S(0)"], "*.weight": ["R"], "*.bias": ["R"]}
     megatron = {k: [v] for k, v in MEGATRON["gpt2"].items()}
-    run_distributed(_train_with_triton, 2, [("data parallel", {"pins": data}), ("megatron", {"pins": megatron})],
-                    timeout=400)
+    vocab = {**megatron, **{k: [v] for k, v in VOCAB_PARALLEL["gpt2"].items()}, **VOCAB_PARALLEL_NODES}
+    run_distributed(_train_with_triton, 2, [("data parallel", {"pins": data}), ("megatron", {"pins": megatron}),
+                                            ("megatron + vocab parallel", {"pins": vocab})], timeout=600)
