@@ -48,31 +48,46 @@ def greedy(problem: Problem) -> tuple[int, ...]:
     for c in range(n):
         a[c] = min(range(len(unary[c])), key=lambda i: local(c, i))
 
-    # Memory bookkeeping: per-choice bytes of each constraint (terms of one choice summed).
+    # Memory bookkeeping: per-choice bytes of each constraint (terms of one choice summed), and the pair
+    # terms each choice is part of.
     limit = problem.memory_limit
     members: list[dict[int, list[float]]] = [{} for _ in problem.memory]   # constraint -> choice -> bytes
+    pairs_of: list[dict[int, list]] = [{} for _ in problem.memory]         # constraint -> choice -> pairs
     for k, m in enumerate(problem.memory):
         for c, per in m.terms:
             acc = members[k].setdefault(c, [0.0] * len(per))
             for i, v in enumerate(per):
                 acc[i] += v
-    touches: list[list[tuple[int, list[float]]]] = [[] for _ in range(n)]   # choice -> (constraint, bytes)
+        for pair in m.pairs:
+            for c in {pair[0], pair[1]}:
+                pairs_of[k].setdefault(c, []).append(pair)
+                members[k].setdefault(c, [0.0] * len(problem.choices[c].costs))
+    touches: list[list[int]] = [[] for _ in range(n)]   # choice -> the constraints it changes
     for k, mem in enumerate(members):
-        for c, per in mem.items():
-            touches[c].append((k, per))
+        for c in mem:
+            touches[c].append(k)
     usage = list(problem.memory_usage(a).values())
     cap = None if limit is None else limit * (1 + 1e-9)   # the same tolerance as Problem.feasible
+
+    def delta(k: int, c: int, j: int) -> float:
+        """How much switching c to option j changes constraint k's bytes."""
+        d = members[k][c][j] - members[k][c][a[c]]
+        for s, t, per in pairs_of[k].get(c, ()):
+            was = per[a[s]][a[t]]
+            a_c, a[c] = a[c], j
+            d += per[a[s]][a[t]] - was
+            a[c] = a_c
+        return d
 
     def excess_change(c: int, j: int) -> float:
         """How much switching c to option j changes the total violation (bytes over the limit)."""
         if cap is None:
             return 0.0
-        return sum(max(0.0, usage[k] + per[j] - per[a[c]] - cap) - max(0.0, usage[k] - cap)
-                   for k, per in touches[c])
+        return sum(max(0.0, usage[k] + delta(k, c, j) - cap) - max(0.0, usage[k] - cap) for k in touches[c])
 
     def switch(c: int, j: int) -> None:
-        for k, per in touches[c]:
-            usage[k] += per[j] - per[a[c]]
+        for k in touches[c]:
+            usage[k] += delta(k, c, j)
         a[c] = j
 
     # Repair: relieve the most violated constraint at the best price in seconds per byte of violation
@@ -80,9 +95,9 @@ def greedy(problem: Problem) -> tuple[int, ...]:
     while cap is not None and usage and max(usage) > cap:
         worst = max(range(len(usage)), key=lambda k: usage[k])
         best = None
-        for c, per in members[worst].items():
-            for j in range(len(per)):
-                if per[j] >= per[a[c]]:
+        for c in members[worst]:
+            for j in range(len(problem.choices[c].costs)):
+                if delta(worst, c, j) >= 0:
                     continue
                 relief = -excess_change(c, j)
                 if relief > 0:

@@ -90,17 +90,53 @@ def one_hot(model: pulp.LpProblem, problem: Problem) -> Variables:
     return x
 
 
-def memory_rows(problem: Problem, x: Variables) -> list[tuple[float, dict[pulp.LpVariable, float]]]:
-    """Each memory constraint as (constant bytes, bytes per x variable), fixed choices folded in."""
+def pair_variables(model: pulp.LpProblem, x: Variables, s: int, d: int, cache: dict) -> list[list]:
+    """y[i][j] = x[s][i] * x[d][j] (s < d, both free), linearized exactly through its marginals; made
+    once per pair and shared by the objective and the memory constraints."""
+    if (s, d) not in cache:
+        y = [[variable(model, f"y{s}_{d}_{i}_{j}", low=0) for j in range(len(x[d]))] for i in range(len(x[s]))]
+        for i, row in enumerate(y):
+            model += pulp.lpSum(row) == x[s][i], f"row_{s}_{d}_{i}"
+        for j, col in enumerate(zip(*y)):
+            model += pulp.lpSum(col) == x[d][j], f"col_{s}_{d}_{j}"
+        cache[(s, d)] = y
+    return cache[(s, d)]
+
+
+def memory_rows(problem: Problem, x: Variables, model: pulp.LpProblem,
+                pairs: dict) -> list[tuple[float, dict[pulp.LpVariable, float]]]:
+    """Each memory constraint as (constant bytes, bytes per variable), fixed choices folded in. A pair
+    term is split like an edge: its separable part onto x, the remainder onto pair variables."""
     rows = []
     for m in problem.memory:
         constant, coef = m.constant, {}
-        for c, per in m.terms:
+
+        def add(c, per):
+            nonlocal constant
             if x[c] is None:
                 constant += per[0]
             else:
                 for v, b in zip(x[c], per):
                     coef[v] = coef.get(v, 0.0) + b
+
+        for c, per in m.terms:
+            add(c, per)
+        for a, b, per in m.pairs:
+            if a == b:
+                add(a, [row[i] for i, row in enumerate(per)])
+                continue
+            if a > b:
+                a, b, per = b, a, tuple(zip(*per))
+            add(a, [row[0] for row in per])
+            add(b, [v - per[0][0] for v in per[0]])
+            if x[a] is None or x[b] is None:       # one side fixed: the pair was linear after all
+                continue
+            y = pair_variables(model, x, a, b, pairs)
+            for i, row in enumerate(per):
+                for j, v in enumerate(row):
+                    r = v - row[0] - per[0][j] + per[0][0]
+                    if r:
+                        coef[y[i][j]] = coef.get(y[i][j], 0.0) + r
         rows.append((constant, coef))
     return rows
 
@@ -266,12 +302,9 @@ def solve(problem: Problem, *, time_limit: float = 60.0, backend: str = "auto", 
     for xs, costs in zip(x, lin):
         if xs is not None:   # one option is always taken: only differences matter, which helps the gap
             terms += [(v, c - min(costs)) for v, c in zip(xs, costs)]
+    pairs: dict = {}
     for (s, d), r in residual.items():
-        y = [[variable(model, f"y{s}_{d}_{i}_{j}", low=0) for j in range(len(row))] for i, row in enumerate(r)]
-        for i, row in enumerate(y):
-            model += pulp.lpSum(row) == x[s][i], f"row_{s}_{d}_{i}"
-        for j, col in enumerate(zip(*y)):
-            model += pulp.lpSum(col) == x[d][j], f"col_{s}_{d}_{j}"
+        y = pair_variables(model, x, s, d, pairs)
         terms += [(y[i][j], v) for i, row in enumerate(r) for j, v in enumerate(row) if v]
         if warm_start:
             y[fallback[s]][fallback[d]].setInitialValue(1)
@@ -289,7 +322,7 @@ def solve(problem: Problem, *, time_limit: float = 60.0, backend: str = "auto", 
     model += pulp.LpAffineExpression([(v, c / scale) for v, c in coef.items() if c])
 
     if problem.memory_limit is not None:
-        for k, (constant, coef) in enumerate(memory_rows(problem, x)):
+        for k, (constant, coef) in enumerate(memory_rows(problem, x, model, pairs)):
             rhs = problem.memory_limit - constant
             if not coef:   # nothing to decide: the Problem.feasible test settles it
                 known_infeasible |= constant > problem.memory_limit * (1 + 1e-9)

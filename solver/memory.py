@@ -28,7 +28,7 @@ def minimum_feasible_budget(problem: Problem, *, time_limit: float = 60.0,
 
     model = pulp.LpProblem("autopar_min_budget", pulp.LpMinimize)
     x = one_hot(model, problem)
-    rows = memory_rows(problem, x)
+    rows = memory_rows(problem, x, model, {})
     # Bytes are ~1e10: scale to O(1) for the solvers' tolerances; the answer is recomputed exactly below.
     scale = max((abs(b) for c, coef in rows for b in (c, *coef.values())), default=0.0) or 1.0
     t = variable(model, "t")

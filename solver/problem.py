@@ -4,7 +4,9 @@ Every decision is a ``Choice`` among ``len(costs)`` options. Identical repeated 
 decision: the caller folds them together and sets ``count`` to the number of copies, so the problem's
 size does not grow with depth. An ``Edge`` charges ``cost[i][j]`` seconds when its source takes option
 ``i`` and its destination option ``j`` (resharding), times ``count``. A ``MemoryConstraint`` is one
-moment of the training step: ``constant + sum(terms[d][choice_d]) <= limit`` bytes per device.
+moment of the training step: ``constant + sum(terms[d][choice_d]) + sum(pairs[a, b][choice_a][choice_b])
+<= limit`` bytes per device; a pair term is memory that depends on two decisions at once (how many
+copies of a layer recompute their activations, and the layout that sizes them).
 A ``SharedEdge`` is one value read by several decisions: each reader's option names the *request*
 it makes of the value (a target layout), and every distinct request is paid once, whatever the number
 of readers making it, at ``cost[request][source option]`` seconds, times ``count``.
@@ -67,6 +69,7 @@ class MemoryConstraint:
     name: str
     terms: tuple[tuple[int, tuple[float, ...]], ...]   # (choice index, bytes per option)
     constant: float = 0.0
+    pairs: tuple[tuple[int, int, tuple[tuple[float, ...], ...]], ...] = ()   # (a, b, bytes[a option][b option])
 
 
 @dataclass
@@ -112,6 +115,14 @@ class Problem:
                 if len(per_option) != len(self.choices[idx].costs):
                     raise ValueError(f"memory constraint {m.name!r}: term for {self.choices[idx].name!r} "
                                      f"has {len(per_option)} entries for {len(self.choices[idx].costs)} options")
+            for a, b, per in m.pairs:
+                if not (0 <= a < n and 0 <= b < n):
+                    raise ValueError(f"memory constraint {m.name!r} pairs choices {a} and {b}, out of range "
+                                     f"0..{n - 1}")
+                rows, cols = len(self.choices[a].costs), len(self.choices[b].costs)
+                if len(per) != rows or any(len(r) != cols for r in per):
+                    raise ValueError(f"memory constraint {m.name!r}: pair term {self.choices[a].name!r} x "
+                                     f"{self.choices[b].name!r} must be {rows}x{cols}")
 
     def objective(self, assignment: Sequence[int]) -> float:
         """Total seconds of an assignment: the function every solver minimizes."""
@@ -121,7 +132,8 @@ class Problem:
         return total
 
     def memory_usage(self, assignment: Sequence[int]) -> dict[str, float]:
-        return {m.name: m.constant + sum(per[assignment[i]] for i, per in m.terms) for m in self.memory}
+        return {m.name: m.constant + sum(per[assignment[i]] for i, per in m.terms)
+                + sum(per[assignment[a]][assignment[b]] for a, b, per in m.pairs) for m in self.memory}
 
     def feasible(self, assignment: Sequence[int]) -> bool:
         if self.memory_limit is None:

@@ -50,10 +50,17 @@ def problems(draw, max_choices=8, memory=None):
         for k in range(draw(st.integers(1, 3))):
             idx = draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=n))   # repeats allowed
             terms = tuple((c, tuple(MB * draw(st.integers(0, 50)) for _ in range(sizes[c]))) for c in idx)
-            p.memory.append(MemoryConstraint(f"m{k}", terms, constant=MB * draw(st.integers(0, 20))))
+            # Pair terms, negative entries included: recomputation takes bytes away from a layout's.
+            pairs = tuple((a, b, tuple(tuple(MB * draw(st.integers(-10, 40)) for _ in range(sizes[b]))
+                                       for _ in range(sizes[a])))
+                          for a, b in draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)),
+                                                    max_size=2)))
+            p.memory.append(MemoryConstraint(f"m{k}", terms, constant=MB * draw(st.integers(0, 20)), pairs=pairs))
         # A limit between the least and the most any constraint could need: some fit, some do not.
-        lo = min(m.constant + sum(min(per) for _, per in m.terms) for m in p.memory)
-        hi = max(m.constant + sum(max(per) for _, per in m.terms) for m in p.memory)
+        lo = min(m.constant + sum(min(per) for _, per in m.terms) + sum(min(map(min, per)) for *_, per in m.pairs)
+                 for m in p.memory)
+        hi = max(m.constant + sum(max(per) for _, per in m.terms) + sum(max(map(max, per)) for *_, per in m.pairs)
+                 for m in p.memory)
         p.memory_limit = MB * draw(st.integers(int(lo / MB), int(hi / MB)))
     return p
 
