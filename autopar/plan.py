@@ -35,6 +35,9 @@ class Plan:
     # the collectives each would cause with its neighbours (see docs/plan-format.md)
     alternatives: dict = field(default_factory=dict)
     sharded_outputs: bool = False    # non-scalar outputs are returned as computed, not gathered
+    # layer instances whose activations are recomputed in backward: {"classes": {class: {"count",
+    # "of", "layers"}}, "layers": [instance, ...]}
+    recompute: dict = field(default_factory=lambda: {"classes": {}, "layers": []})
     version: int = PLAN_VERSION
     extra: dict = field(default_factory=dict)
 
@@ -116,7 +119,7 @@ def _validate(d: Any) -> None:
         raise PlanFormatError(f"plan format version {version!r} is not supported (this autopar reads "
                               f"version {PLAN_VERSION}); plan the model again with this version")
     required = [k for k, f in Plan.__dataclass_fields__.items() if k not in ("version", "extra", "alternatives",
-                                                                                   "sharded_outputs")]
+                                                                                   "sharded_outputs", "recompute")]
     missing = [k for k in required if k not in d]
     if missing:
         raise PlanFormatError(f"plan is missing fields {missing}")
@@ -153,6 +156,10 @@ def _validate(d: Any) -> None:
                                   f"axis one of {mesh['axes']}")
     if not isinstance(d["memory"], dict) or any(k not in d["memory"] for k in MEMORY_KEYS):
         raise PlanFormatError(f"plan memory must give {MEMORY_KEYS}")
+    rc = d.get("recompute", {"classes": {}, "layers": []})
+    if not (isinstance(rc, dict) and isinstance(rc.get("layers"), list) and isinstance(rc.get("classes"), dict)
+            and all(isinstance(x, str) for x in rc["layers"])):
+        raise PlanFormatError(f"plan recompute must be {{'classes': {{...}}, 'layers': [layer names]}}, got {rc!r}")
     if not isinstance(d.get("sharded_outputs", False), bool):
         raise PlanFormatError(f"plan sharded_outputs must be true or false, got {d['sharded_outputs']!r}")
     if not isinstance(d["step_time"], (int, float)) or d["step_time"] < 0:

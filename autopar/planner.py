@@ -23,7 +23,7 @@ from autopar.passes.meta import meta_of, op_name
 from autopar.passes.normalize import normalize_pass
 from autopar.passes.problem import ProblemIndex, build_problem
 from autopar.passes.runner import PassRunner
-from autopar.passes.strategies import root_of, strategies_pass
+from autopar.passes.strategies import requires_grad, root_of, strategies_pass
 from autopar.plan import Plan
 from autopar.solver import minimum_feasible_budget, solve
 
@@ -71,7 +71,8 @@ def default_optimizer(model) -> OptimizerSpec:
 def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), example_kwargs=None, *,
          memory_budget: float | None = None, mesh_shape=None, axis_names=None, time_limit: float = 60.0,
          optimizer: OptimizerSpec | None = None, progress: bool | None = None, skip_passes=(),
-         pins: dict | None = None, kernels: str = "aten", sharded_outputs: bool = False) -> Plan:
+         pins: dict | None = None, kernels: str = "aten", sharded_outputs: bool = False,
+         recompute: bool | dict = True) -> Plan:
     """Find the fastest layout of ``model`` on ``cluster`` that fits ``memory_budget`` bytes per device.
 
     ``pins`` forces layouts by hand: ``{"*.mlp.c_fc.weight": ["R", "S(1)"], "input_ids": ["S(0)", "R"]}``
@@ -81,6 +82,9 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     ``sharded_outputs=True`` plans for a program that returns non-scalar outputs (logits) in the layout
     they are computed in, as ``compile(..., sharded_outputs=True)`` runs it, so they are never gathered;
     scalar outputs (the loss) are still returned whole.
+    ``recompute=True`` lets the solver checkpoint the first instances of a repeated layer (their
+    activations are recomputed in backward) where memory is short; ``False`` keeps every activation;
+    ``{"model.layers.*": "all"}`` (or a count) fixes it for the layer classes a glob names.
     """
     t0 = time.perf_counter()
     if mesh_shape is not None:
@@ -106,7 +110,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
             strategies_pass(prep.gm, shape)
             cm = CostModel(cluster, shape, optimizer, fused=fused)
             report(f"mesh {shape}: costs")
-            prob, idx = build_problem(prep.gm, cm, budget, pins, sharded_outputs)
+            prob, idx = build_problem(prep.gm, cm, budget, pins, sharded_outputs, recompute)
             report(f"mesh {shape}: solving {len(prob.choices)} decisions, {len(prob.edges) + len(prob.shared)} edges")
             sol = solve(prob, time_limit=time_limit)
             entry = {"mesh": list(shape), "status": sol.status, "objective": sol.objective,
@@ -181,6 +185,15 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
             chosen[n] = meta_of(n).strategies.strategies[idx.option_of(n, assignment)]
     low = lower(gm, chosen, cm, sharded_outputs)
     colls = collectives(low, cm, axis_names)
+    recompute = recomputed_layers(gm, idx.recompute_counts(assignment))
+    instance_of = {n: meta_of(n).layer.layer for n in chosen
+                   if n.op == "call_function" and meta_of(n).layer and meta_of(n).layer.layer in recompute["layers"]}
+    # Recomputed layers run their forward again in backward, with the collectives inside them.
+    rerun = [{**c, "phase": "backward", "recompute": True} for c in colls
+             if c["phase"] == "forward" and c["node"] in {n.name for n in instance_of}]
+    recompute_compute = sum(cm.compute_seconds(n, chosen[n]) / (3.0 if requires_grad(n) else 1.0)
+                            for n in instance_of)
+    colls += rerun
     comm_by_node: dict = {}
     for c in colls:
         comm_by_node[c["node"]] = comm_by_node.get(c["node"], 0.0) + c["seconds"]
@@ -222,10 +235,15 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
     comm_axis = {name: 0.0 for name in axis_names}
     for c in colls:
         comm_axis[c["axis"]] += c["seconds"]
-    mem["activations"] = sum(a for _, a in acts)
-    timeline, peak = _timeline(gm, chosen, acts, mem, cm)
+    boundary = _boundary_bytes(instance_of, chosen, cm)
+    full = {}
+    for n, a in acts:
+        if n in instance_of:
+            full[instance_of[n]] = full.get(instance_of[n], 0.0) + a
+    mem["activations"] = sum(a for n, a in acts if n not in instance_of) + sum(boundary.values())
+    timeline, peak = _timeline(gm, chosen, acts, mem, cm, instance_of, boundary, full)
     mem.update(peak=peak, budget=budget, timeline=timeline, by_param=param_bytes)
-    step = compute + sum(comm_axis.values()) + optim
+    step = compute + recompute_compute + sum(comm_axis.values()) + optim
     return Plan(
         model={"class": cap.model_class, "fingerprint": prep.fingerprint,
                "num_params": sum(int(n.meta["val"].numel()) for n in gm.graph.nodes
@@ -235,8 +253,9 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
         cluster=cluster.to_dict(),
         mesh={"shape": list(mesh_shape), "axes": list(axis_names)},
         params=params, inputs=inputs, nodes=nodes, collectives=colls, memory=mem, step_time=step,
-        breakdown={"compute": compute, "communication": comm_axis, "optimizer": optim},
-        solver={}, sharded_outputs=sharded_outputs,
+        breakdown={"compute": compute, "communication": comm_axis, "optimizer": optim,
+                   "recompute": recompute_compute},
+        solver={}, sharded_outputs=sharded_outputs, recompute=recompute,
     )
 
 
@@ -318,7 +337,7 @@ def _op_collectives(cm, node, s, axis_names):
 
 def _edge_collectives(cm, v, src, dst_strategy, k, neighbor, axis_names):
     from autopar.passes.resharding import collective_seconds
-    from autopar.passes.strategies import requires_grad, value_info
+    from autopar.passes.strategies import value_info
 
     steps = cm.resharding(v, src, None, dst_strategy, k)
     if steps is None:
@@ -349,20 +368,61 @@ def _smallest_valid_budget(prob):
     return None
 
 
-def _timeline(gm, chosen, acts, mem, cm):
+def recomputed_layers(gm, counts: dict) -> dict:
+    """The plan's ``recompute`` entry: per layer class, how many of its instances recompute (the first
+    ones, in execution order), and the instances by name."""
+    order: dict = {}
+    for n in gm.graph.nodes:
+        tag = meta_of(n).layer if n.op == "call_function" else None
+        if tag is not None:
+            order.setdefault(tag.cls, {}).setdefault(tag.layer, None)
+    classes = {cls: {"count": r, "of": len(order.get(cls, ())), "layers": list(order.get(cls, ()))[:r]}
+               for cls, r in counts.items() if r}
+    return {"classes": classes, "layers": [inst for c in classes.values() for inst in c["layers"]]}
+
+
+def _boundary_bytes(instance_of: dict, chosen: dict, cm: CostModel) -> dict:
+    """Per recomputed instance: the bytes of the activations it reads from outside, which checkpointing
+    keeps instead of its own (each value counted once, at the layout it is produced in)."""
+    from autopar.layout import local_fraction
+    from autopar.passes.strategies import input_values, value_info
+
+    out, seen = {}, set()
+    for n, inst in instance_of.items():
+        for v in input_values(n):
+            role = meta_of(v.node).role
+            if v in seen or instance_of.get(v.node) == inst or (role is not None and role.kind != "input"):
+                continue
+            seen.add(v)
+            info = value_info(v)
+            if info.dtype.is_floating_point:
+                lay = chosen[v.node].outputs[v.index]
+                out[inst] = out.get(inst, 0.0) + info.nbytes * local_fraction(lay, cm.mesh_shape)
+    return out
+
+
+def _timeline(gm, chosen, acts, mem, cm, instance_of=None, boundary=None, full=None):
     """Live bytes over one step: saved activations grow through forward and are freed in backward,
-    while gradients appear; the transient is the node's own output (its gradient in backward)."""
+    while gradients appear; the transient is the node's own output (its gradient in backward). A
+    recomputed layer instance keeps only its inputs through forward and holds its whole activations
+    again while its backward runs."""
     from autopar.layout import local_fraction
     from autopar.passes.rules import output_infos
 
+    instance_of, boundary, full = instance_of or {}, boundary or {}, full or {}
     static = mem["params"] + mem["optimizer"]
     points, running = [], 0.0
-    fwd = []
+    fwd, started = [], set()
     for n, a in acts:
         s = chosen[n]
         out = 0.0 if n.target in VIEW_OPS else sum(
             o.nbytes * local_fraction(l, cm.mesh_shape) for o, l in zip(output_infos(n), s.outputs))
-        running += a
+        inst = instance_of.get(n)
+        if inst is None:
+            running += a
+        elif inst not in started:
+            started.add(inst)
+            running += boundary.get(inst, 0.0)
         fwd.append((n, running, out))
         points.append(("forward", n.name, static, 0.0, running, out))
     grads = 0.0
@@ -370,7 +430,8 @@ def _timeline(gm, chosen, acts, mem, cm):
     nf = max(len(fwd), 1)
     for i, (n, running, out) in enumerate(reversed(fwd)):
         grads = total_grads * (i + 1) / nf
-        points.append(("backward", n.name, static, grads, running, out))
+        again = full.get(instance_of[n], 0.0) if n in instance_of else 0.0
+        points.append(("backward", n.name, static, grads, running + again, out))
     peak = max((p[2] + p[3] + p[4] + p[5] for p in points), default=static)
     peak = max(peak, static + total_grads)
     # At most ~200 points, always keeping the highest one of each window so the peak stays visible.

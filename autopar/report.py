@@ -61,9 +61,14 @@ def summary(plan) -> str:
                  f"(params {_b(m['params'])}, grads {_b(m['grads'])}, optimizer {_b(m['optimizer'])}, "
                  f"activations {_b(m['activations'])})")
     comm = plan.breakdown["communication"]
+    recompute = plan.breakdown.get("recompute", 0.0)
     lines.append(f"step time: {_s(plan.step_time)} predicted = compute {_s(plan.breakdown['compute'])} + "
+                 + (f"recompute {_s(recompute)} + " if recompute else "")
                  + " + ".join(f"comm[{a}] {_s(t)}" for a, t in comm.items())
                  + f" + optimizer {_s(plan.breakdown['optimizer'])}")
+    for cls, r in plan.recompute["classes"].items():
+        lines.append(f"recomputed in backward: {r['count']} of {r['of']} {cls} ({', '.join(r['layers'][:4])}"
+                     f"{', ...' if r['count'] > 4 else ''})")
     sv = plan.solver
     if sv:
         lines.append(f"solver: {sv.get('status')} in {sv.get('seconds', 0):.2f}s ({sv.get('backend')}, "

@@ -4,8 +4,10 @@
 
 For each model, the Megatron layout (tensor parallel inside a node: attention split by heads, MLP
 split column then row; data parallel across nodes) is forced with pins and priced by the same cost
-model that autopar optimizes; autopar's own plan searches every layout and mesh. Prints predicted step
-time and peak memory per device, and the ratios.
+model that autopar optimizes; autopar's own plan searches every layout and mesh. Both are training
+plans (sharded outputs: the logits are never gathered), the grid has Megatron's vocab-parallel
+embedding and LM head, and both may recompute layers where memory is short. Prints predicted step
+time, peak memory per device, the recomputed layers, and the ratios.
 """
 import logging
 
@@ -16,7 +18,7 @@ from autopar import zoo
 
 LLAMA_TP = {"*.q_proj.weight": "S(0)", "*.k_proj.weight": "S(0)", "*.v_proj.weight": "S(0)",
             "*.o_proj.weight": "S(1)", "*.gate_proj.weight": "S(0)", "*.up_proj.weight": "S(0)",
-            "*.down_proj.weight": "S(1)"}
+            "*.down_proj.weight": "S(1)", "model.embed_tokens.weight": "S(0)", "lm_head.weight": "S(0)"}
 CASES = [("llama3-8b", "64xH100", 8, (8, 8)), ("llama3-8b", "16xH100", 8, (2, 8)),
          ("llama2-70b", "512xH100", 64, (64, 8))]
 
@@ -31,15 +33,15 @@ def megatron_pins(mesh):
 def main():
     logging.getLogger("autopar.rules").setLevel(logging.ERROR)
     print(f"{'model':<11} {'cluster':<9} {'plan':<22} {'mesh':<8} {'step (ms)':>10} {'peak GiB':>9} "
-          f"{'step ratio':>11} {'memory ratio':>13}")
+          f"{'recomputed':>10} {'step ratio':>11} {'memory ratio':>13}")
     for name, cluster_name, batch, grid in CASES:
         model, args, kwargs = zoo.build(name, batch=batch, dtype=torch.bfloat16)
         cluster = autopar.ClusterSpec.preset(cluster_name)
         label = f"Megatron tp={grid[-1]} dp={grid[0]}"
-        auto = autopar.plan(model, cluster, args, kwargs, progress=False)
+        auto = autopar.plan(model, cluster, args, kwargs, progress=False, sharded_outputs=True)
         try:
             meg = autopar.plan(model, cluster, args, kwargs, mesh_shape=grid, pins=megatron_pins(grid),
-                               progress=False)
+                               progress=False, sharded_outputs=True)
         except autopar.InfeasiblePlanError as e:
             print(f"{name:<11} {cluster_name:<9} {label:<22} {str(grid):<8} does not fit: needs "
                   f"{e.min_feasible_budget / 2**30:.1f} GiB per device of {cluster.usable_memory / 2**30:.1f}")
@@ -49,6 +51,7 @@ def main():
                 continue
             print(f"{name:<11} {cluster_name:<9} {label:<22} {str(tuple(p.mesh['shape'])):<8} "
                   f"{p.step_time * 1e3:>10.1f} {p.memory['peak'] / 2**30:>9.2f} "
+                  f"{len(p.recompute['layers']):>10} "
                   f"{p.step_time / auto.step_time:>10.2f}x {p.memory['peak'] / auto.memory['peak']:>12.2f}x",
                   flush=True)
 

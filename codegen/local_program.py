@@ -15,6 +15,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from autopar.cluster import ClusterSpec
+from autopar.codegen.recompute import LAYER_KEY, recompute_pass
 from autopar.errors import PlanFormatError
 from autopar.layout import local_shape, parse_layout
 from autopar.passes.costs import CostModel
@@ -89,6 +90,7 @@ def generate(gm: fx.GraphModule, plan: Plan, group_names: list[str], device=None
     env: dict = {}
     resharded: dict = {}
     placeholders, output_layouts = [], []
+    current = {"layer": None}          # the layer instance of the node being emitted
 
     def reshard(key):
         if key in resharded:
@@ -108,6 +110,8 @@ def generate(gm: fx.GraphModule, plan: Plan, group_names: list[str], device=None
             else:
                 x = g.call_function(fn, (x, group))
             x.meta["autopar_step"] = st
+            if current["layer"] is not None:
+                x.meta[LAYER_KEY] = current["layer"]
         resharded[key] = x
         return x
 
@@ -119,7 +123,12 @@ def generate(gm: fx.GraphModule, plan: Plan, group_names: list[str], device=None
         elif node.op == "get_attr":
             env[node] = g.get_attr(node.target)
         elif node.op == "call_function":
+            tag = meta_of(node).layer
+            current["layer"] = tag.layer if tag is not None else None
             env[node] = _emit(g, node, strategy[node], low, env, reshard, mesh_shape, group_names)
+            if tag is not None:
+                env[node].meta[LAYER_KEY] = tag.layer
+            current["layer"] = None
         elif node.op == "output":
             leaves, spec = pytree.tree_flatten(node.args[0])
             outs, k = [], 0
@@ -135,6 +144,8 @@ def generate(gm: fx.GraphModule, plan: Plan, group_names: list[str], device=None
                     outs.append(env[a] if isinstance(a, fx.Node) else a)
             g.output(pytree.tree_unflatten(outs, spec))
     local = fx.GraphModule(gm, g, class_name="LocalProgram")
+    if plan.recompute["layers"]:
+        recompute_pass(local, plan.recompute["layers"])
     if device is not None:
         _retarget_devices(local, torch.device(device))
     return LocalProgram(local, low, placeholders, output_layouts)

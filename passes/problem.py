@@ -38,7 +38,13 @@ class ProblemIndex:
 
     choice_of_key: dict = field(default_factory=dict)
     keys: list = field(default_factory=list)
+    # layer class -> (choice index, the recompute counts its options stand for)
+    recompute: dict = field(default_factory=dict)
     roots_of_key: dict = field(default_factory=lambda: defaultdict(list))
+
+    def recompute_counts(self, assignment) -> dict:
+        """Layer class -> how many of its instances recompute their activations in backward."""
+        return {cls: counts[assignment[ci]] for cls, (ci, counts) in self.recompute.items()}
 
     def option_of(self, node: fx.Node, assignment) -> int:
         """The strategy index ``node`` takes under an assignment of the problem's choices."""
@@ -100,10 +106,13 @@ def _pinned_options(rep: fx.Node, pins: dict, mesh_axes: int):
 
 
 def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
-                  pins: dict | None = None, sharded_outputs: bool = False) -> tuple[Problem, ProblemIndex]:
+                  pins: dict | None = None, sharded_outputs: bool = False,
+                  recompute: bool | dict = True) -> tuple[Problem, ProblemIndex]:
     """``pins`` maps a glob over decision names (parameter FQNs, input names, node names) to a layout
     that decision must take. A pin on one copy of a repeated layer applies to every copy. With
-    ``sharded_outputs`` only scalar user outputs are priced as gathered (passes.lowering)."""
+    ``sharded_outputs`` only scalar user outputs are priced as gathered (passes.lowering). With
+    ``recompute``, each layer class gets a decision of how many of its instances recompute their
+    activations in backward (``_recompute_choices``); a dict fixes it for the classes it names."""
     nodes = _decided_nodes(gm)
     idx = ProblemIndex()
     members = defaultdict(list)
@@ -115,15 +124,17 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
 
     prob = Problem(memory_limit=memory_limit)
     fwd_terms, bwd_terms = [], []
+    per_copy = {}        # choice -> (activation bytes, forward seconds) of one copy, per option
     for key, roots in idx.roots_of_key.items():
         rep = roots[0]
         opts = meta_of(rep).strategies.strategies
-        costs, act, state, state_bwd = [], [], [], []
+        costs, act, state, state_bwd, fwd = [], [], [], [], []
         for o in range(len(opts)):
-            c, a, st, stb = 0.0, 0.0, 0.0, 0.0
+            c, a, st, stb, f = 0.0, 0.0, 0.0, 0.0, 0.0
             for m in members[rep]:
                 s = strategy_of(m, o)
                 c += cm.compute_seconds(m, s) + cm.op_comm_seconds(m, s)
+                f += cm.forward_seconds(m, s)
                 a += cm.activation_bytes(m, s)
                 if m.op == "placeholder" and meta_of(m).role.kind == "param":
                     p, g, opt = cm.param_bytes(m, s.outputs[0])
@@ -131,6 +142,7 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
                     st += p + opt
                     stb += p + g + opt
             costs.append(c)
+            fwd.append(f)
             act.append(a * len(roots))
             state.append(st * len(roots))
             state_bwd.append(stb * len(roots))
@@ -145,8 +157,10 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
                                     labels=tuple(s.label() for s in opts)))
         idx.choice_of_key[key] = ci
         idx.keys.append(key)
+        per_copy[ci] = (tuple(a / len(roots) for a in act), tuple(fwd))
         fwd_terms.append((ci, tuple(x + y for x, y in zip(act, state))))
         bwd_terms.append((ci, tuple(state_bwd)))
+    fwd_pairs = _recompute_choices(gm, prob, idx, per_copy, cm, recompute) if recompute else ()
 
     # A value read outside its own decision by one reader is a plain edge (a tight formulation); a value
     # read by several is a shared edge, where each distinct way its readers ask for it (target layout,
@@ -181,10 +195,94 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
                                                               for r1, r2 in zip(acc, mat)]
     for (s, d), mat in matrices.items():
         prob.edges.append(Edge(s, d, tuple(tuple(r) for r in mat)))
-    prob.memory = [MemoryConstraint("end of forward", tuple(fwd_terms)),
+    prob.memory = [MemoryConstraint("end of forward", tuple(fwd_terms), pairs=tuple(fwd_pairs)),
                    MemoryConstraint("end of backward", tuple(bwd_terms))]
     prob.validate()
     return prob, idx
+
+
+def recompute_counts_for(n: int) -> tuple[int, ...]:
+    """The recompute counts offered for a class of ``n`` layers: none, all, and eighths in between."""
+    return tuple(sorted({0, n, *(round(n * k / 8) for k in range(1, 8))}))
+
+
+def layer_input(gm: fx.GraphModule, cls: str) -> Value | None:
+    """The value one instance of ``cls`` hands the next (the residual stream), or None for one instance."""
+    instances = defaultdict(list)
+    for n in gm.graph.nodes:
+        tag = meta_of(n).layer if n.op == "call_function" else None
+        if tag is not None and tag.cls == cls:
+            instances[tag.layer].append(n)
+    if len(instances) < 2:
+        return None
+    first, second = list(instances)[:2]
+    for n in instances[second]:
+        for v in input_values(n):
+            tag = meta_of(v.node).layer
+            if tag is not None and tag.layer == first:
+                return v
+    return None
+
+
+def forced_recompute(cls: str, n: int, recompute) -> int | None:
+    """The count ``recompute`` fixes for layer class ``cls`` of ``n`` instances: a dict maps a glob over
+    class names (``model.layers.*``; the ``#k`` suffix that tells apart classes of one pattern is
+    optional) to a count or "all"."""
+    import fnmatch
+
+    from autopar.errors import AutoparError
+
+    if not isinstance(recompute, dict):
+        return None
+    for pattern, count in recompute.items():
+        if fnmatch.fnmatchcase(cls, pattern) or fnmatch.fnmatchcase(cls.split("#")[0], pattern):
+            count = n if count == "all" else count
+            if not isinstance(count, int) or not 0 <= count <= n:
+                raise AutoparError(f"recompute {pattern!r} -> {count!r}: give a count from 0 to {n} (the "
+                                   f"instances of {cls}) or 'all'")
+            return count
+    return None
+
+
+def _recompute_choices(gm, prob: Problem, idx: ProblemIndex, per_copy: dict, cm: CostModel, recompute):
+    """One decision per layer class: how many instances (the first ones) run under activation
+    checkpointing. Recomputing ``r`` instances costs ``r`` times the layer's forward seconds (an edge to
+    each of the layer's layout decisions) and, at the end of forward, frees ``r`` times its activations
+    less the input each keeps, but re-materializes one instance's activations while its backward runs
+    (pair terms of the memory constraint). Reshardings inside the layer run again too; the ILP leaves
+    them out, and the plan's step time counts them."""
+    from autopar.passes.layers import layer_counts
+    from autopar.passes.strategies import value_info
+    from autopar.layout import local_fraction
+
+    by_class = defaultdict(list)
+    for key, ci in idx.choice_of_key.items():
+        if key[0] == "L":
+            by_class[key[1]].append(ci)
+    pairs = []
+    for cls, n in layer_counts(gm).items():
+        forced = forced_recompute(cls, n, recompute)
+        counts = recompute_counts_for(n) if forced is None else (forced,)
+        if cls not in by_class or counts == (0,):
+            continue
+        ri = prob.add_choice(Choice(f"recompute {cls}", (0.0,) * len(counts),
+                                    labels=tuple(f"recompute {r} of {n}" for r in counts)))
+        idx.recompute[cls] = (ri, counts)
+        for ci in by_class[cls]:
+            act, fwd = per_copy[ci]
+            if any(fwd):
+                prob.edges.append(Edge(ci, ri, tuple(tuple(r * f for r in counts) for f in fwd)))
+            if any(act):
+                pairs.append((ci, ri, tuple(tuple((a if r else 0.0) - r * a for r in counts) for a in act)))
+        v = layer_input(gm, cls)
+        if v is None:
+            continue
+        producer = root_of(v.node)
+        info = value_info(v)
+        kept = [info.nbytes * local_fraction(strategy_of(v.node, o).outputs[v.index], cm.mesh_shape)
+                for o in range(len(prob.choices[idx.choice_of_key[key_of(producer)]].costs))]
+        pairs.append((idx.choice_of_key[key_of(producer)], ri, tuple(tuple(r * b for r in counts) for b in kept)))
+    return pairs
 
 
 def _shared_edge(v: Value, rs, count: int, idx: ProblemIndex, cm: CostModel) -> SharedEdge:

@@ -60,8 +60,12 @@ class ParallelModule(nn.Module):
     # --- the user's view ---------------------------------------------------------------------
     @property
     def code(self) -> str:
-        """The generated per-rank program, as Python."""
-        return self.local_program.code
+        """The generated per-rank program, as Python, followed by the body of each recomputed layer."""
+        parts = [self.local_program.code]
+        for name, mod in self.local_program.named_children():
+            if isinstance(mod, torch.fx.GraphModule):
+                parts.append(f"\n# self.{name}, run under activation checkpointing:{mod.code}")
+        return "".join(parts)
 
     @property
     def kernels(self) -> dict:
@@ -224,6 +228,7 @@ def build(model, plan: Plan, example_inputs=(), example_kwargs=None, *, check_we
     from autopar.codegen.local_program import generate
     from autopar.codegen.triton import fuse_pass, resolve_backend
     from autopar.passes.capture import capture
+    from autopar.passes.layers import layers_pass
     from autopar.passes.normalize import normalize_pass
     from autopar.runtime.collectives import same_on_all_ranks
 
@@ -231,7 +236,7 @@ def build(model, plan: Plan, example_inputs=(), example_kwargs=None, *, check_we
     kernels = resolve_backend(kernels, kind)
     mesh = init_device_mesh(kind, plan.mesh_shape, mesh_dim_names=plan.axis_names)
     captured = capture(model, example_inputs, example_kwargs)
-    gm = normalize_pass(captured.gm)
+    gm = layers_pass(normalize_pass(captured.gm))     # layer tags: which nodes a recomputed layer holds
     groups = [mesh.get_group(a).group_name for a in plan.axis_names]
     device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
     program = generate(gm, plan, groups, device, sharded_outputs=sharded_outputs)

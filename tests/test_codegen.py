@@ -45,7 +45,8 @@ def _graph_forward_counts(pm):
 
     axis_of = {pm.mesh.get_group(a).group_name: a for a in pm.plan.axis_names}
     counts = collections.Counter()
-    for n in pm.local_program.graph.nodes:
+    graphs = [m.graph for m in pm.local_program.modules() if isinstance(m, torch.fx.GraphModule)]  # recomputed layers too
+    for n in (n for g in graphs for n in g.nodes):
         if n.op == "call_function" and n.target in COLLECTIVE_KIND and n.target.__name__ != "grad_all_reduce":
             kind = COLLECTIVE_KIND[n.target]
             if kind is not None:
@@ -56,14 +57,14 @@ def _graph_forward_counts(pm):
     return counts
 
 
-def _collectives_match(rank, world, model_name, mesh, pins, sharded_outputs):
+def _collectives_match(rank, world, model_name, mesh, pins, options):
     import autopar
 
     torch.manual_seed(0)
     model = build(model_name)
     ids, labels = batch()
     pm = autopar.compile(model, autopar.ClusterSpec.local_cpu(world), (ids,), {"labels": labels},
-                         mesh_shape=mesh, pins=pins, sharded_outputs=sharded_outputs)
+                         mesh_shape=mesh, pins=pins, **options)
     planned = collections.Counter(pm.plan.collective_counts())
     assert planned, "the plan has no collectives to check"
     forward_planned = collections.Counter({k: v for k, v in planned.items() if k[2] == "forward"})
@@ -78,6 +79,7 @@ def _collectives_match(rank, world, model_name, mesh, pins, sharded_outputs):
     ("gpt2", 2, (2,), "zero"),
     ("bert", 4, (2, 2), "megatron x data"),
     ("llama", 2, (2,), "vocab parallel"),
+    ("gpt2", 2, (2,), "megatron, recomputed layers"),
 ])
 def test_collective_counts_match_the_plan(model_name, world, mesh, kind):
     axes = len(mesh)
@@ -90,7 +92,11 @@ def test_collective_counts_match_the_plan(model_name, world, mesh, kind):
         pins = {k: ["R"] * (axes - 1) + [v] for k, v in MEGATRON[model_name].items()}
         if axes == 2:
             pins.update({"input_ids": ["S(0)", "R"], "labels": ["S(0)", "R"]})
-    run_distributed(_collectives_match, world, model_name, mesh, pins, kind == "vocab parallel", timeout=300)
+    options = {"sharded_outputs": kind == "vocab parallel"}
+    if "recomputed" in kind:
+        # Every layer runs its forward again in backward, with its collectives (plan.recompute).
+        options["recompute"] = {"*": "all"}
+    run_distributed(_collectives_match, world, model_name, mesh, pins, options, timeout=300)
 
 
 def _bad_inputs(rank, world):

@@ -30,6 +30,7 @@ def _plans(model_name, world, mesh_axes):
         vocab = {k: [v] for k, v in VOCAB_PARALLEL[model_name].items()}
         plans.append(("megatron + vocab parallel, sharded outputs",
                       {"pins": {**tp, **vocab, **VOCAB_PARALLEL_NODES}, "sharded_outputs": True}))
+        plans.append(("megatron, every layer recomputed", {"pins": tp, "recompute": {"*": "all"}}))
     if mesh_axes == 2:
         plans.append(("2-D mesh, solver's choice", {}))
         plans.append(("2-D mesh, megatron x data", {"pins": {**tp, **data}}))
@@ -66,6 +67,8 @@ def _check_model(rank, world, model_name, mesh):
         if label == "memory budget":
             assert any(any(p != "R" for p in lay) for lay in pm.plan.params.values()), \
                 f"{where}: a tight budget left every parameter replicated"
+        if "recomputed" in label:
+            assert pm.plan.recompute["layers"] and "checkpointed" in pm.code, where
         if "vocab parallel" in label:
             assert "vocab_parallel_cross_entropy" in pm.code and "vocab_parallel_embedding" in pm.code, where
         _train_and_compare(pm, copy.deepcopy(ref), ids, labels, where)

@@ -223,3 +223,35 @@ def test_pins_can_name_what_a_node_reads(large_vocab_llama):
     with pytest.raises(ShardingError, match="unknown keys"):
         autopar.plan(model, cluster, (ids,), {"labels": ids.clone()}, mesh_shape=(8,), progress=False,
                      pins={"cross_entropy_loss_default": {"input": [["R"], ["R"]]}})
+
+
+def test_recompute_lowers_the_smallest_budget_and_is_priced():
+    """GPT-2 on 2 CPU ranks: checkpointing layers fits budgets that no layout alone fits, at the price
+    of their forward run again (compute and collectives) in backward."""
+    from tests.hf_models import batch, build
+
+    model, (ids, labels) = build("gpt2"), batch()
+    cluster = autopar.ClusterSpec.local_cpu(2)
+
+    def smallest(**options):
+        with pytest.raises(InfeasiblePlanError) as e:
+            autopar.plan(model, cluster, (ids,), {"labels": labels}, memory_budget=1.0, progress=False, **options)
+        return e.value.min_feasible_budget
+
+    without, with_recompute = smallest(recompute=False), smallest()
+    assert with_recompute < 0.9 * without, (with_recompute, without)
+    free = autopar.plan(model, cluster, (ids,), {"labels": labels}, progress=False)
+    assert free.recompute["layers"] == [] and free.breakdown["recompute"] == 0.0
+    tight = autopar.plan(model, cluster, (ids,), {"labels": labels}, memory_budget=(with_recompute + without) / 2,
+                         progress=False)
+    assert tight.recompute["layers"] and set(tight.recompute["layers"]) <= {"transformer.h.0", "transformer.h.1"}
+    assert tight.breakdown["recompute"] > 0 and tight.memory["activations"] < free.memory["activations"]
+    rerun = [c for c in tight.collectives if c.get("recompute")]
+    layer_nodes = {n["name"] for n in tight.nodes if n["layer"] in tight.recompute["layers"]}
+    forward_in_layers = [c for c in tight.collectives if c["phase"] == "forward" and c["node"] in layer_nodes]
+    assert len(rerun) == len(forward_in_layers) and all(c["phase"] == "backward" for c in rerun)
+    forced = autopar.plan(model, cluster, (ids,), {"labels": labels}, progress=False,
+                          recompute={"transformer.h.*": 1})
+    assert forced.recompute["layers"] == ["transformer.h.0"] and forced.step_time > free.step_time
+    with pytest.raises(autopar.AutoparError, match="give a count from 0 to 2"):
+        autopar.plan(model, cluster, (ids,), {"labels": labels}, progress=False, recompute={"*": 3})

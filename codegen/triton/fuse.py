@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import collections
-import heapq
 import importlib
 import inspect
 import logging
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from autopar.codegen.graph_order import stable_toposort
 from autopar.codegen.triton.kernel import kernel_for
 from autopar.codegen.triton.ops import FLOAT_DTYPES, ROW_KINDS, Lowered, lower
 from autopar.codegen.triton.source import Input, Op, Output, RegionSpec
@@ -60,7 +60,7 @@ def fuse_pass(gm: fx.GraphModule, *, backend: str = "triton", example_inputs=Non
         sources[kernel.name] = kernel.source.text
         _replace(graph, region.nodes, outputs, kernel.fn, inputs)
         fused += 1
-    _stable_toposort(graph)
+    stable_toposort(graph)
     graph.lint()
     gm.recompile()
     if log.isEnabledFor(logging.DEBUG):
@@ -299,24 +299,3 @@ def _replace(graph: fx.Graph, nodes: list, outputs: list, fn, args) -> None:
             o.replace_all_uses_with(item, delete_user_cb=lambda u: u not in members)
     for n in reversed(nodes):
         graph.erase_node(n)
-
-
-def _stable_toposort(graph: fx.Graph) -> None:
-    """Reorder so every node follows its inputs, moving as little as possible: a region's call sits
-    where its last op was, and a reader of an earlier output of the region moves after it."""
-    nodes = list(graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    waiting = {n: len(n.all_input_nodes) for n in nodes}
-    ready = [(pos[n], n) for n in nodes if waiting[n] == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        _, n = heapq.heappop(ready)
-        order.append(n)
-        for u in n.users:
-            waiting[u] -= 1
-            if waiting[u] == 0:
-                heapq.heappush(ready, (pos[u], u))
-    if order != nodes:
-        for prev, n in zip(order, order[1:]):
-            prev.append(n)

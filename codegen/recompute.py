@@ -1,0 +1,66 @@
+"""Activation checkpointing in a rank's local program: each layer instance the plan recomputes
+becomes one call of ``runtime.recompute.checkpointed`` on a submodule that holds the instance's nodes
+(its ops and the collectives codegen emitted for them)."""
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from autopar.codegen.graph_order import stable_toposort
+from autopar.errors import AutoparError
+
+LAYER_KEY = "autopar_layer"      # node.meta key: the layer instance a local-program node belongs to
+
+
+def recompute_pass(gm: fx.GraphModule, layers) -> fx.GraphModule:
+    """Wrap the nodes of every layer instance in ``layers`` (``meta["autopar_layer"]``) in a checkpoint."""
+    from autopar.runtime.recompute import checkpointed
+
+    graph = gm.graph
+    for inst in layers:
+        region = [n for n in graph.nodes if n.meta.get(LAYER_KEY) == inst]
+        if not region:
+            raise AutoparError(f"the plan recomputes layer {inst!r}, which this program does not have; "
+                               f"plan this model again")
+        inside = set(region)
+        _check_convex(graph, inside, inst)
+        inputs = list(dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in inside))
+        outputs = [n for n in region if any(u not in inside for u in n.users)]
+        body = fx.Graph()
+        env = {a: body.placeholder(a.name) for a in inputs}
+        for n in region:
+            env[n] = body.node_copy(n, lambda a: env[a])
+        body.output(tuple(env[o] for o in outputs))
+        name = "recompute_" + inst.replace(".", "_")
+        gm.add_submodule(name, fx.GraphModule(gm, body, class_name="Recomputed"))
+        with graph.inserting_after(region[-1]):
+            module = graph.get_attr(name)
+        with graph.inserting_after(module):
+            call = graph.call_function(checkpointed, (module, *inputs))
+        cursor = call
+        for k, o in enumerate(outputs):
+            with graph.inserting_after(cursor):
+                cursor = graph.call_function(operator.getitem, (call, k))
+            cursor.meta.update({key: o.meta[key] for key in ("val", LAYER_KEY) if key in o.meta})
+            o.replace_all_uses_with(cursor, delete_user_cb=lambda u: u not in inside)
+        for n in reversed(region):
+            graph.erase_node(n)
+        stable_toposort(graph)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _check_convex(graph: fx.Graph, inside: set, inst: str) -> None:
+    """One call can replace the region only if no path leaves it and comes back in."""
+    tainted = set()          # nodes outside the region that depend on it
+    for n in graph.nodes:
+        if n in inside:
+            back = [a for a in n.all_input_nodes if a in tainted]
+            if back:
+                raise AutoparError(f"layer {inst!r} cannot be recomputed as one region: {n.name} reads "
+                                   f"{back[0].name}, computed outside the layer from its own values; "
+                                   f"plan with recompute=False")
+        elif any(a in inside or a in tainted for a in n.all_input_nodes):
+            tainted.add(n)
