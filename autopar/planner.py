@@ -16,7 +16,7 @@ from autopar.errors import AutoparError, InfeasiblePlanError
 from autopar.layout import format_layout
 from autopar.passes.capture import CapturedProgram, capture
 from autopar.passes.costs import INFEASIBLE, CostModel, OptimizerSpec, VIEW_OPS, count_saving_consumers
-from autopar.passes.layers import layer_counts, layers_pass
+from autopar.passes.layers import layer_counts, layer_instances, layers_pass
 from autopar.passes.lowering import collectives, lower
 from autopar.passes.memory import saved_activations_pass
 from autopar.passes.meta import meta_of, op_name
@@ -189,10 +189,10 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
     instance_of = {n: meta_of(n).layer.layer for n in chosen
                    if n.op == "call_function" and meta_of(n).layer and meta_of(n).layer.layer in recompute["layers"]}
     # Recomputed layers run their forward again in backward, with the collectives inside them.
+    recomputed_nodes = {n.name for n in instance_of}
     rerun = [{**c, "phase": "backward", "recompute": True} for c in colls
-             if c["phase"] == "forward" and c["node"] in {n.name for n in instance_of}]
-    recompute_compute = sum(cm.compute_seconds(n, chosen[n]) / (3.0 if requires_grad(n) else 1.0)
-                            for n in instance_of)
+             if c["phase"] == "forward" and c["node"] in recomputed_nodes]
+    recompute_compute = sum(cm.forward_compute_seconds(n, chosen[n]) for n in instance_of)
     colls += rerun
     comm_by_node: dict = {}
     for c in colls:
@@ -324,15 +324,9 @@ def alternatives(gm, prob, idx: ProblemIndex, assignment, cm: CostModel, axis_na
 
 
 def _op_collectives(cm, node, s, axis_names):
-    from autopar.passes.resharding import collective_seconds
-
-    out = []
-    for oc in cm.op_collectives(node, s):
-        bw, lat = cm.links[oc.axis]
-        out.append({"kind": oc.kind, "axis": axis_names[oc.axis], "phase": oc.phase, "bytes": int(oc.nbytes),
-                    "seconds": collective_seconds(oc.kind, oc.nbytes, cm.mesh_shape[oc.axis], bw, lat),
-                    "neighbor": node.name, "value": node.name})
-    return out
+    return [{"kind": oc.kind, "axis": axis_names[oc.axis], "phase": oc.phase, "bytes": int(oc.nbytes),
+             "seconds": cm.op_collective_seconds(oc), "neighbor": node.name, "value": node.name}
+            for oc in cm.op_collectives(node, s)]
 
 
 def _edge_collectives(cm, v, src, dst_strategy, k, neighbor, axis_names):
@@ -371,12 +365,8 @@ def _smallest_valid_budget(prob):
 def recomputed_layers(gm, counts: dict) -> dict:
     """The plan's ``recompute`` entry: per layer class, how many of its instances recompute (the first
     ones, in execution order), and the instances by name."""
-    order: dict = {}
-    for n in gm.graph.nodes:
-        tag = meta_of(n).layer if n.op == "call_function" else None
-        if tag is not None:
-            order.setdefault(tag.cls, {}).setdefault(tag.layer, None)
-    classes = {cls: {"count": r, "of": len(order.get(cls, ())), "layers": list(order.get(cls, ()))[:r]}
+    order = layer_instances(gm)
+    classes = {cls: {"count": r, "of": len(order[cls]), "layers": list(order[cls])[:r]}
                for cls, r in counts.items() if r}
     return {"classes": classes, "layers": [inst for c in classes.values() for inst in c["layers"]]}
 

@@ -73,13 +73,14 @@ class CostModel:
             self._compute_cache[key] = self._compute_seconds(node, s, in_registers)
         return self._compute_cache[key]
 
+    def forward_compute_seconds(self, node: fx.Node, s: Strategy) -> float:
+        """The forward part of ``compute_seconds``."""
+        return self.compute_seconds(node, s) / (3.0 if requires_grad(node) else 1.0)
+
     def forward_seconds(self, node: fx.Node, s: Strategy) -> float:
         """The forward part of ``node``'s compute and own collectives: what recomputing it costs."""
-        if node.op != "call_function":
-            return 0.0
-        compute = self.compute_seconds(node, s) / (3.0 if requires_grad(node) else 1.0)
-        return compute + sum(self._op_collective_seconds(oc) for oc in self.op_collectives(node, s)
-                             if oc.phase == "forward")
+        return self.forward_compute_seconds(node, s) + sum(
+            self.op_collective_seconds(oc) for oc in self.op_collectives(node, s) if oc.phase == "forward")
 
     def work_split(self, s: Strategy) -> int:
         """Into how many pieces the op's work is divided: the product of the axes it splits along."""
@@ -110,12 +111,12 @@ class CostModel:
             return []
         return rule.collectives(context_for(node), s.inputs, self.mesh_shape)
 
-    def _op_collective_seconds(self, oc) -> float:
+    def op_collective_seconds(self, oc) -> float:
         bw, lat = self.links[oc.axis]
         return collective_seconds(oc.kind, oc.nbytes, self.mesh_shape[oc.axis], bw, lat)
 
     def op_comm_seconds(self, node: fx.Node, s: Strategy) -> float:
-        return sum(self._op_collective_seconds(oc) for oc in self.op_collectives(node, s))
+        return sum(self.op_collective_seconds(oc) for oc in self.op_collectives(node, s))
 
     def steps_seconds(self, steps: list[Step], itemsize: int, needs_grad: bool) -> float:
         total = 0.0

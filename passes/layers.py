@@ -79,6 +79,16 @@ def layers_pass(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+def layer_instances(gm: fx.GraphModule) -> dict[str, dict[str, list[fx.Node]]]:
+    """Layer class -> instance name -> its op nodes, both in execution order."""
+    out: dict = {}
+    for n in gm.graph.nodes:
+        tag = meta_of(n).layer if n.op == "call_function" else None
+        if tag is not None:
+            out.setdefault(tag.cls, {}).setdefault(tag.layer, []).append(n)
+    return out
+
+
 def layer_counts(gm: fx.GraphModule) -> dict[str, int]:
     """Number of instances of each layer class."""
     seen = defaultdict(set)

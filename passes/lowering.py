@@ -94,8 +94,7 @@ def collectives(low: Lowered, cm: CostModel, axis_names) -> list[dict]:
                             "node": low.first_consumer[key], "value": key.value.node.name, "step": st.op})
     for node, s in low.strategy.items():
         for oc in cm.op_collectives(node, s):
-            bw, lat = cm.links[oc.axis]
             out.append({"kind": oc.kind, "axis": axis_names[oc.axis], "bytes": int(oc.nbytes), "phase": oc.phase,
-                        "seconds": collective_seconds(oc.kind, oc.nbytes, cm.mesh_shape[oc.axis], bw, lat),
-                        "node": node.name, "value": node.name, "step": op_name(node)})
+                        "seconds": cm.op_collective_seconds(oc), "node": node.name, "value": node.name,
+                        "step": op_name(node)})
     return out

@@ -206,13 +206,9 @@ def recompute_counts_for(n: int) -> tuple[int, ...]:
     return tuple(sorted({0, n, *(round(n * k / 8) for k in range(1, 8))}))
 
 
-def layer_input(gm: fx.GraphModule, cls: str) -> Value | None:
-    """The value one instance of ``cls`` hands the next (the residual stream), or None for one instance."""
-    instances = defaultdict(list)
-    for n in gm.graph.nodes:
-        tag = meta_of(n).layer if n.op == "call_function" else None
-        if tag is not None and tag.cls == cls:
-            instances[tag.layer].append(n)
+def layer_input(instances: dict[str, list[fx.Node]]) -> Value | None:
+    """The value one instance of a layer class hands the next (the residual stream), or None for a class
+    of one instance. ``instances``: instance name -> its nodes (passes.layers.layer_instances)."""
     if len(instances) < 2:
         return None
     first, second = list(instances)[:2]
@@ -251,16 +247,17 @@ def _recompute_choices(gm, prob: Problem, idx: ProblemIndex, per_copy: dict, cm:
     less the input each keeps, but re-materializes one instance's activations while its backward runs
     (pair terms of the memory constraint). Reshardings inside the layer run again too; the ILP leaves
     them out, and the plan's step time counts them."""
-    from autopar.passes.layers import layer_counts
-    from autopar.passes.strategies import value_info
     from autopar.layout import local_fraction
+    from autopar.passes.layers import layer_instances
+    from autopar.passes.strategies import value_info
 
     by_class = defaultdict(list)
     for key, ci in idx.choice_of_key.items():
         if key[0] == "L":
             by_class[key[1]].append(ci)
     pairs = []
-    for cls, n in layer_counts(gm).items():
+    for cls, instances in layer_instances(gm).items():
+        n = len(instances)
         forced = forced_recompute(cls, n, recompute)
         counts = recompute_counts_for(n) if forced is None else (forced,)
         if cls not in by_class or counts == (0,):
@@ -274,7 +271,7 @@ def _recompute_choices(gm, prob: Problem, idx: ProblemIndex, per_copy: dict, cm:
                 prob.edges.append(Edge(ci, ri, tuple(tuple(r * f for r in counts) for f in fwd)))
             if any(act):
                 pairs.append((ci, ri, tuple(tuple((a if r else 0.0) - r * a for r in counts) for a in act)))
-        v = layer_input(gm, cls)
+        v = layer_input(instances)
         if v is None:
             continue
         producer = root_of(v.node)
