@@ -16,9 +16,12 @@ Conventions:
   gigabytes (80 GB -> 80e9 bytes): the driver reports a little more (an H100 80GB shows ~85.5e9 bytes),
   so planning with the datasheet figure errs on the safe side. Latencies are rough small-message NCCL
   figures. ``profile()`` measures all of these on a live process group.
-- ``memory_reserve`` is what the planner must leave free per device, for the CUDA context, NCCL
-  buffers and allocator fragmentation (GPUs), or the interpreter and the OS (CPU). It defaults to 10%
-  of capacity for CUDA and 20% for CPU; ``usable_memory`` is what remains.
+- ``memory_reserve`` is what the planner must leave free per device, for what live tensors do not
+  show: the CUDA context and cuBLAS workspaces (about 0.5-1 GB), NCCL buffers (about 0.5-1 GB on 8
+  GPUs) and the caching allocator's fragmentation (it typically reserves 5-10% more than the peak of
+  live tensors) on GPUs, or the interpreter and the OS on CPU. It defaults to 10% of capacity for
+  CUDA (8 GB of an 80 GB H100) and 20% for CPU; ``usable_memory`` is what remains, and the budget
+  the planner solves for when none is given (docs/cost-model.md, "Allocator headroom").
 
 torch is imported only inside the functions that need it, so importing this module is cheap.
 """

@@ -15,17 +15,16 @@ from autopar.cluster import ClusterSpec, default_axis_names
 from autopar.errors import AutoparError, InfeasiblePlanError
 from autopar.layout import format_layout
 from autopar.passes.capture import CapturedProgram, capture
-from autopar.passes.costs import INFEASIBLE, CostModel, OptimizerSpec, VIEW_OPS, count_saving_consumers
+from autopar.passes.costs import INFEASIBLE, CostModel, OptimizerSpec, count_saving_consumers
 from autopar.passes.layers import layer_counts, layer_instances, layers_pass
 from autopar.passes.lowering import collectives, lower
-from autopar.passes.memory import saved_activations_pass
+from autopar.passes.memory import StepMemory, minimum_budget, saved_activations_pass, solve_under_budget
 from autopar.passes.meta import meta_of, op_name
 from autopar.passes.normalize import normalize_pass
 from autopar.passes.problem import ProblemIndex, build_problem
 from autopar.passes.runner import PassRunner
 from autopar.passes.strategies import requires_grad, root_of, strategies_pass
 from autopar.plan import Plan
-from autopar.solver import minimum_feasible_budget, solve
 
 log = logging.getLogger("autopar")
 
@@ -111,19 +110,25 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
             cm = CostModel(cluster, shape, optimizer, fused=fused)
             report(f"mesh {shape}: costs")
             prob, idx = build_problem(prep.gm, cm, budget, pins, sharded_outputs, recompute)
+            sm = StepMemory(prep.gm, cm, idx, [len(c.costs) for c in prob.choices], sharded_outputs=sharded_outputs)
             report(f"mesh {shape}: solving {len(prob.choices)} decisions, {len(prob.edges) + len(prob.shared)} edges")
-            sol = solve(prob, time_limit=time_limit)
+            sol = solve_under_budget(prob, sm, budget, time_limit=time_limit)
             entry = {"mesh": list(shape), "status": sol.status, "objective": sol.objective,
-                     "seconds": sol.seconds, "variables": sol.num_variables, "constraints": sol.num_constraints}
+                     "seconds": sol.seconds, "variables": sol.num_variables, "constraints": sol.num_constraints,
+                     "memory_points": len(prob.memory)}
             tried.append(entry)
             if sol.status != "infeasible" and prob.objective(sol.assignment) >= INFEASIBLE:
                 sol = dataclasses.replace(sol, status="infeasible")      # only a broken pin satisfies it
             if sol.status == "infeasible":
-                infeasible.append((shape, names, prob, idx, cm))
+                infeasible.append((shape, names, prob, idx, cm, sm))
                 continue
             report(f"mesh {shape}: evaluating")
-            p = evaluate(prep, idx, sol.assignment, cm, shape, names, cluster, budget, sharded_outputs)
-            p.alternatives = alternatives(prep.gm, prob, idx, sol.assignment, cm, names)
+            p = evaluate(prep, idx, sol.assignment, cm, shape, names, cluster, budget, sm, sharded_outputs)
+            if p.memory["peak"] > budget * (1 + 1e-9):
+                raise AutoparError(f"internal error: the plan for mesh {list(shape)} peaks at {p.memory['peak']:.0f} "
+                                   f"bytes, over its budget of {budget:.0f}; please report this")
+            p.alternatives = alternatives(prep.gm, prob, idx, sol.assignment, cm, names,
+                                          sm.constraint(p.memory["peak_point"]))
             p.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
                             constraints=sol.num_constraints, backend=sol.backend)
             if best is None or p.step_time < best.step_time:
@@ -177,7 +182,7 @@ def _progress(enabled, total: int):
 
 
 def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_shape, axis_names,
-             cluster: ClusterSpec, budget: float, sharded_outputs: bool = False) -> Plan:
+             cluster: ClusterSpec, budget: float, sm: StepMemory, sharded_outputs: bool = False) -> Plan:
     gm, cap = prep.gm, prep.captured
     chosen = {}
     for n in gm.graph.nodes:
@@ -201,7 +206,6 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
     params, inputs, nodes, param_bytes = {}, {}, [], {}
     mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
     compute = optim = 0.0
-    acts = []
     for n, s in chosen.items():
         role = meta_of(n).role
         if n.op == "placeholder":
@@ -220,7 +224,6 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
         c = cm.compute_seconds(n, s)
         a = cm.activation_bytes(n, s)
         compute += c
-        acts.append((n, a))
         tag = meta_of(n).layer
         root = root_of(n)
         nodes.append({
@@ -235,14 +238,11 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
     comm_axis = {name: 0.0 for name in axis_names}
     for c in colls:
         comm_axis[c["axis"]] += c["seconds"]
-    boundary = _boundary_bytes(instance_of, chosen, cm)
-    full = {}
-    for n, a in acts:
-        if n in instance_of:
-            full[instance_of[n]] = full.get(instance_of[n], 0.0) + a
-    mem["activations"] = sum(a for n, a in acts if n not in instance_of) + sum(boundary.values())
-    timeline, peak = _timeline(gm, chosen, acts, mem, cm, instance_of, boundary, full)
-    mem.update(peak=peak, budget=budget, timeline=timeline, by_param=param_bytes)
+    timeline, peak_point = _timeline(sm.walk(assignment))
+    mem.update(activations=timeline["end_of_forward"]["activations"], peak=peak_point.total,
+               peak_point=timeline["peak_index"], peak_at={"phase": peak_point.phase, "node": peak_point.name,
+                                                           **peak_point.bytes},
+               budget=budget, timeline=timeline["points"], by_param=param_bytes)
     step = compute + recompute_compute + sum(comm_axis.values()) + optim
     return Plan(
         model={"class": cap.model_class, "fingerprint": prep.fingerprint,
@@ -259,9 +259,10 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
     )
 
 
-def alternatives(gm, prob, idx: ProblemIndex, assignment, cm: CostModel, axis_names, top: int = 3) -> dict:
+def alternatives(gm, prob, idx: ProblemIndex, assignment, cm: CostModel, axis_names, memory, top: int = 3) -> dict:
     """For every decision: the chosen option and the ``top`` cheapest others, each with its own cost,
-    the resharding it would cause with its neighbours (held at their chosen layouts) and its memory."""
+    the resharding it would cause with its neighbours (held at their chosen layouts) and its bytes at
+    the plan's peak point (``memory``, a MemoryConstraint)."""
     from autopar.passes.problem import strategy_of
     from autopar.passes.strategies import input_values
 
@@ -270,7 +271,7 @@ def alternatives(gm, prob, idx: ProblemIndex, assignment, cm: CostModel, axis_na
     members: dict = {}
     for n in chosen:
         members.setdefault(root_of(n), []).append(n)
-    fwd_mem = {ci: per for ci, per in prob.memory[0].terms} if prob.memory else {}
+    fwd_mem = dict(memory.terms)
     touching: dict = {}      # choice -> the shared values it produces or reads
     for e in prob.shared:
         for c in {e.src, *(c for c, _ in e.readers)}:
@@ -347,18 +348,17 @@ def _edge_collectives(cm, v, src, dst_strategy, k, neighbor, axis_names):
     return out
 
 
-def _smallest_valid_budget(prob):
+def _smallest_valid_budget(prob, sm: StepMemory):
     """The smallest budget with a valid plan, and that plan.
 
     The memory-only minimum ignores seconds, so it may pick a resharding that cannot happen (priced
     INFEASIBLE); starting from it, look for the least budget at which the time-aware solve avoids them.
     """
-    lower_bound, _ = minimum_feasible_budget(prob)
+    lower_bound, _ = minimum_budget(prob, sm)
     for factor in (1.0 + 1e-6, 1.01, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0, 100.0):
-        trial = dataclasses.replace(prob, memory_limit=lower_bound * factor)
-        sol = solve(trial, time_limit=30.0)
+        sol = solve_under_budget(prob, sm, lower_bound * factor, time_limit=30.0)
         if sol.status != "infeasible" and prob.objective(sol.assignment) < INFEASIBLE:
-            return max(prob.memory_usage(sol.assignment).values()), sol.assignment
+            return sm.peak(sol.assignment)[1], sol.assignment
     return None
 
 
@@ -371,79 +371,30 @@ def recomputed_layers(gm, counts: dict) -> dict:
     return {"classes": classes, "layers": [inst for c in classes.values() for inst in c["layers"]]}
 
 
-def _boundary_bytes(instance_of: dict, chosen: dict, cm: CostModel) -> dict:
-    """Per recomputed instance: the bytes of the activations it reads from outside, which checkpointing
-    keeps instead of its own (each value counted once, at the layout it is produced in)."""
-    from autopar.layout import local_fraction
-    from autopar.passes.strategies import input_values, value_info
-
-    out, seen = {}, set()
-    for n, inst in instance_of.items():
-        for v in input_values(n):
-            role = meta_of(v.node).role
-            if v in seen or instance_of.get(v.node) == inst or (role is not None and role.kind != "input"):
-                continue
-            seen.add(v)
-            info = value_info(v)
-            if info.dtype.is_floating_point:
-                lay = chosen[v.node].outputs[v.index]
-                out[inst] = out.get(inst, 0.0) + info.nbytes * local_fraction(lay, cm.mesh_shape)
-    return out
-
-
-def _timeline(gm, chosen, acts, mem, cm, instance_of=None, boundary=None, full=None):
-    """Live bytes over one step: saved activations grow through forward and are freed in backward,
-    while gradients appear; the transient is the node's own output (its gradient in backward). A
-    recomputed layer instance keeps only its inputs through forward and holds its whole activations
-    again while its backward runs."""
-    from autopar.layout import local_fraction
-    from autopar.passes.rules import output_infos
-
-    instance_of, boundary, full = instance_of or {}, boundary or {}, full or {}
-    static = mem["params"] + mem["optimizer"]
-    points, running = [], 0.0
-    fwd, started = [], set()
-    for n, a in acts:
-        s = chosen[n]
-        out = 0.0 if n.target in VIEW_OPS else sum(
-            o.nbytes * local_fraction(l, cm.mesh_shape) for o, l in zip(output_infos(n), s.outputs))
-        inst = instance_of.get(n)
-        if inst is None:
-            running += a
-        elif inst not in started:
-            started.add(inst)
-            running += boundary.get(inst, 0.0)
-        fwd.append((n, running, out))
-        points.append(("forward", n.name, static, 0.0, running, out))
-    grads = 0.0
-    total_grads = mem["grads"]
-    nf = max(len(fwd), 1)
-    for i, (n, running, out) in enumerate(reversed(fwd)):
-        grads = total_grads * (i + 1) / nf
-        again = full.get(instance_of[n], 0.0) if n in instance_of else 0.0
-        points.append(("backward", n.name, static, grads, running + again, out))
-    peak = max((p[2] + p[3] + p[4] + p[5] for p in points), default=static)
-    peak = max(peak, static + total_grads)
-    # At most ~200 points, always keeping the highest one of each window so the peak stays visible.
-    stride = max(1, len(points) // 200)
-    keep = [max(points[i:i + stride], key=lambda p: p[2] + p[3] + p[4] + p[5]) for i in range(0, len(points), stride)]
-    timeline = [{"phase": ph, "node": nm, "params": mem["params"], "optimizer": mem["optimizer"], "grads": g,
-                 "activations": a, "transient": t} for ph, nm, _s, g, a, t in keep]
-    return timeline, peak
+def _timeline(walk) -> tuple[dict, object]:
+    """The plan's memory timeline from the step's points: at most ~200 of them, always keeping the
+    highest of each window so that the peak stays visible."""
+    totals = [p.total for p in walk]
+    k = max(range(len(walk)), key=totals.__getitem__)
+    stride = max(1, len(walk) // 200)
+    keep = [max(range(i, min(i + stride, len(walk))), key=totals.__getitem__) for i in range(0, len(walk), stride)]
+    fwd = [p for p in walk if p.phase == "forward"]
+    points = [{"phase": walk[i].phase, "node": walk[i].name, **walk[i].bytes} for i in keep]
+    return {"points": points, "peak_index": k, "end_of_forward": (fwd[-1] if fwd else walk[0]).bytes}, walk[k]
 
 
 def _raise_infeasible(prep, infeasible, cluster, budget):
     best = None
-    for shape, names, prob, idx, cm in infeasible:
-        found = _smallest_valid_budget(prob)
+    for shape, names, prob, idx, cm, sm in infeasible:
+        found = _smallest_valid_budget(prob, sm)
         if found is not None and (best is None or found[0] < best[0]):
-            best = (*found, shape, names, idx, cm)
+            best = (*found, shape, names, idx, cm, sm)
     if best is None:
         raise InfeasiblePlanError(f"no valid plan exists on {cluster.name or cluster.num_devices} devices at any "
                                   f"budget: the pinned layouts cannot be reached; relax the pins", budget=budget)
-    need, assignment, shape, names, idx, cm = best
+    need, assignment, shape, names, idx, cm, sm = best
     strategies_pass(prep.gm, shape)        # the graph holds the last candidate mesh's strategies
-    p = evaluate(prep, idx, assignment, cm, shape, names, cluster, budget)
+    p = evaluate(prep, idx, assignment, cm, shape, names, cluster, budget, sm)
     consumers = [(f"param {k} (+grad, optimizer)", v) for k, v in p.memory["by_param"].items()]
     consumers += [(f"activations of {n['name']}", n["activation_bytes"]) for n in p.nodes]
     consumers = sorted(consumers, key=lambda x: -x[1])[:5]

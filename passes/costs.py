@@ -183,10 +183,15 @@ class CostModel:
         # work, not with its output: a loss summed over sharded tokens has a Partial scalar output.
         total += saved.internal / self.work_split(s)
         for k, keep in enumerate(saved.inputs):
-            if keep and k < len(ctx.ins):
+            if keep and k < len(ctx.ins) and not _is_param(ctx.input_nodes[k]):
                 sharers = meta_of(ctx.input_nodes[k]).extra.get("saved_by", 1)
                 total += ctx.ins[k].nbytes * local_fraction(s.inputs[k], self.mesh_shape) / sharers
         return total
+
+
+def _is_param(node: fx.Node) -> bool:
+    role = meta_of(node).role
+    return node.op == "placeholder" and role is not None and role.kind == "param"
 
 
 def _pointwise(node: fx.Node) -> bool:
@@ -228,7 +233,7 @@ def count_saving_consumers(gm: fx.GraphModule) -> None:
             continue
         ins = context_for(node).input_nodes
         for k, keep in enumerate(saved.inputs):
-            if keep and k < len(ins):
+            if keep and k < len(ins) and not _is_param(ins[k]):
                 counts[ins[k]] += 1
     for n, c in counts.items():
         meta_of(n).extra["saved_by"] = c

@@ -4,15 +4,21 @@
 Saved tensors are attributed at full size; the cost model scales them by each strategy's layout.
 Ops whose target-GPU kernel saves something else than the planning machine's kernel (flash attention
 keeps a logsumexp, never the s x s scores) declare ``saved_on_gpu`` in their rule, which wins when the
-cluster is CUDA.
+cluster is CUDA (and for attention on CPU too, whose kernel is a flash kernel as well).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import operator
+import weakref
 
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 from autopar.passes.meta import SavedForBackward, meta_of
 from autopar.passes.rules import rule_for, tensor_inputs
@@ -26,6 +32,11 @@ def _to_meta(v):
     if isinstance(v, torch.Tensor):
         return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
     return v
+
+
+# Ops whose CPU kernel saves what the GPU kernel does rather than what the meta run's reference kernel
+# saves: attention runs a flash kernel on CPU too (out and a logsumexp, never the s x s scores).
+_FUSED_ON_CPU = {torch.ops.aten.scaled_dot_product_attention.default}
 
 
 def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda") -> fx.GraphModule:
@@ -77,18 +88,75 @@ def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda") -
             if node.target is not operator.getitem:
                 for o in outs:
                     owner.setdefault(_storage_key(o), (node, False))
-            meta_of(node).saved = _attribute(node, current["saved"], outs, owner, target_device)
+            saved = _attribute(node, current["saved"], outs, owner, target_device)
+            if node.target not in _FUSED_ON_CPU and node.target is not operator.getitem:
+                saved = dataclasses.replace(saved, backward=_backward_transient(node.target, args, kwargs))
+            meta_of(node).saved = saved
     return gm
+
+
+class _NewBytes(TorchDispatchMode):
+    """Bytes of the storages that ops allocate while it is active, live and at their peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._refs: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                key = st._cdata
+                if key not in self._refs:
+                    n = st.nbytes()
+                    self.live += n
+                    self._refs[key] = weakref.ref(st, functools.partial(self._free, key, n))
+        self.peak = max(self.peak, self.live)
+        return out
+
+    def _free(self, key, n, _ref):
+        self.live -= n
+        self._refs.pop(key, None)
+
+
+def _backward_transient(target, args, kwargs) -> int:
+    """Bytes an op's backward holds at its peak beyond the gradients it returns (the loss's backward
+    keeps a gradient of the log-probabilities while it makes the logits'), on meta tensors at full size.
+    The op runs again on leaf copies of its inputs, so that only its own backward runs."""
+    def leaf(a):
+        return a.detach().requires_grad_(True) if isinstance(a, torch.Tensor) and a.requires_grad else a
+
+    args, kwargs = pytree.tree_map(leaf, (args, kwargs))
+    ins = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and a.requires_grad]
+    if not ins:
+        return 0
+    try:
+        with torch.enable_grad():
+            out = target(*args, **kwargs)
+        outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+        if not outs:
+            return 0
+        grads = [torch.empty_like(o) for o in outs]
+        with _NewBytes() as mode:
+            result = torch.autograd.grad(outs, ins, grads, retain_graph=True, allow_unused=True)
+            end = mode.live
+    except (NotImplementedError, RuntimeError):
+        return 0
+    del result
+    return max(0, mode.peak - end)
 
 
 def _attribute(node, saved, outs, owner, target_device) -> SavedForBackward:
     rule = rule_for(node)
     ins = tensor_inputs(node)
-    if target_device == "cuda" and rule.saved_on_gpu is not None and saved:
+    if rule.saved_on_gpu is not None and saved and (target_device == "cuda" or node.target in _FUSED_ON_CPU):
         from autopar.passes.rules import context_for
 
         return rule.saved_on_gpu(context_for(node))
     own_keys = {_storage_key(o) for o in outs}
+    saved_keys = set()
     saved_inputs = [False] * len(ins)
     out_bytes, internal, seen = 0, 0, set()
     for t in saved:
@@ -96,6 +164,7 @@ def _attribute(node, saved, outs, owner, target_device) -> SavedForBackward:
         if key in seen:
             continue
         seen.add(key)
+        saved_keys.add(key)
         if key in own_keys:
             out_bytes += t.untyped_storage().nbytes()
             continue
@@ -103,13 +172,12 @@ def _attribute(node, saved, outs, owner, target_device) -> SavedForBackward:
         if src is None:
             internal += t.untyped_storage().nbytes()
             continue
-        producer, is_param = src
-        if is_param:
-            continue
+        producer, _is_param = src
         for k, a in enumerate(ins):
             if a is producer or _views_of(a, producer):
                 saved_inputs[k] = True
-    return SavedForBackward(out_bytes, tuple(saved_inputs), internal)
+    held = tuple(_storage_key(o) in saved_keys for o in outs)
+    return SavedForBackward(out_bytes, tuple(saved_inputs), internal, held)
 
 
 def _views_of(node: fx.Node, producer: fx.Node) -> bool:
@@ -122,3 +190,598 @@ def _views_of(node: fx.Node, producer: fx.Node) -> bool:
         node = ins[0]
         seen += 1
     return node is producer
+
+
+# --- The step's memory: one event list for the plan's timeline and the solver's constraints ---------
+
+CATEGORIES = ("params", "optimizer", "grads", "activations", "transient")
+_P, _O, _G, _A, _T = range(5)
+_ALLOCATING_STEPS = {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"}
+
+
+@dataclass(frozen=True)
+class Bytes:
+    """Bytes that depend on at most two decisions: a constant (``a`` is None), ``table[option of a]``
+    (``b`` is None), or ``table[option of a][option of b]``."""
+
+    a: int | None
+    b: int | None
+    table: Any
+
+    def at(self, assignment) -> float:
+        if self.a is None:
+            return self.table
+        if self.b is None:
+            return self.table[assignment[self.a]]
+        return self.table[assignment[self.a]][assignment[self.b]]
+
+    def zero(self) -> bool:
+        if self.a is None:
+            return not self.table
+        if self.b is None:
+            return not any(self.table)
+        return not any(any(r) for r in self.table)
+
+    def map(self, f) -> "Bytes":
+        if self.a is None:
+            return Bytes(None, None, f(self.table))
+        if self.b is None:
+            return Bytes(self.a, None, tuple(f(v) for v in self.table))
+        return Bytes(self.a, self.b, tuple(tuple(f(v) for v in r) for r in self.table))
+
+
+def _one(c, table) -> Bytes:
+    return Bytes(None, None, float(table[0])) if c is None else Bytes(c, None, tuple(float(v) for v in table))
+
+
+def _pair(a, b, table) -> Bytes:
+    """``table[i][j]`` over the options of ``a`` and ``b``; ``None`` for a decision with one option."""
+    if a is None:
+        return _one(b, table[0])
+    if b is None:
+        return _one(a, [row[0] for row in table])
+    if a == b:
+        return _one(a, [row[i] for i, row in enumerate(table)])
+    return Bytes(a, b, tuple(tuple(float(v) for v in row) for row in table))
+
+
+def _times(q: Bytes, r: int, ind: Sequence[float]) -> Bytes:
+    """``q`` (bytes of at most one decision) times an indicator over the options of decision ``r``."""
+    if q.a is None:
+        return Bytes(r, None, tuple(q.table * f for f in ind))
+    assert q.b is None, "a product with a recompute count takes bytes of one decision"
+    return Bytes(q.a, r, tuple(tuple(v * f for f in ind) for v in q.table))
+
+
+@dataclass
+class StepPoint:
+    phase: str            # forward, recompute, backward, optimizer
+    name: str             # the node, layer instance or parameter at that point
+    bytes: dict           # category -> bytes per device
+
+    @property
+    def total(self) -> float:
+        return sum(self.bytes.values())
+
+
+class StepMemory:
+    """The live bytes of one training step on one device, as events over the plan's decisions.
+
+    The step modelled is any after the first: optimizer states exist from the start, gradients are
+    None (``zero_grad(set_to_none=True)``) until backward makes them, and the caller holds the inputs
+    and the returned outputs until the step ends. (The first step makes the optimizer states in its
+    optimizer step, so its peak is at most a later step's.) Forward runs the graph in order: each op
+    allocates its outputs (views allocate nothing) and the resharded copies it reads; a value is freed
+    after its last reader unless backward keeps it: a saved input at the layout its reader reads it in,
+    a saved output or an op's internal buffer until that op's backward. Backward runs in reverse: each
+    op allocates the gradients of its inputs (at the layout read when a resharding's backward then
+    converts them), then frees its outputs' gradients and what it kept; parameter gradients stay until
+    the optimizer step, which adds the optimizer's transient buffers. A recomputed layer instance keeps
+    only its inputs through forward and re-materializes what it keeps when its backward starts.
+
+    Every allocation is ``Bytes`` of at most two decisions (two layouts, or a layout and a recompute
+    count), so the live bytes at any point are exactly a linear memory constraint with pair terms:
+    ``walk`` evaluates every point under one assignment (the plan's timeline and peak) and
+    ``constraint`` hands one point to the solver. Both sum the same events.
+    """
+
+    def __init__(self, gm, cm, idx, num_options: Sequence[int], *, sharded_outputs: bool = False):
+        from autopar.passes.layers import layer_instances
+
+        self.cm, self.idx, self.num_options = cm, idx, tuple(num_options)
+        self.sharded_outputs = sharded_outputs
+        self.events: list[tuple[int, int, Bytes]] = []     # (category, +1 or -1, bytes)
+        self.points: list[tuple[int, str, str]] = []       # (number of events before it, phase, name)
+        self._values: dict = {}
+        self._copies: dict = {}
+        instances = {}
+        for cls, insts in layer_instances(gm).items():
+            if cls in idx.recompute:
+                ri, counts = idx.recompute[cls]
+                for j, (inst, nodes) in enumerate(insts.items()):
+                    ind = tuple(1.0 if r > j else 0.0 for r in counts)
+                    if any(ind):
+                        instances[inst] = (ri, ind, nodes)
+        self._build(gm, instances)
+
+    # --- bytes of values under the decisions -------------------------------------------------------
+    def _choice(self, node):
+        from autopar.passes.problem import key_of
+        from autopar.passes.strategies import root_of
+
+        if meta_of(node).strategies is None:
+            return None
+        c = self.idx.choice_of_key[key_of(root_of(node))]
+        return c if self.num_options[c] > 1 else None
+
+    def _options(self, c):
+        return range(1 if c is None else self.num_options[c])
+
+    @staticmethod
+    def _strategy(node, o):
+        from autopar.passes.problem import strategy_of
+
+        return None if meta_of(node).strategies is None else strategy_of(node, o)
+
+    def value(self, v) -> Bytes:
+        """Bytes of value ``v`` at the layout its producer makes it in."""
+        from autopar.layout import local_fraction
+        from autopar.passes.strategies import value_info
+
+        if v not in self._values:
+            nbytes = value_info(v).nbytes
+            c = self._choice(v.node)
+            table = []
+            for o in self._options(c):
+                s = self._strategy(v.node, o)
+                table.append(nbytes * (1.0 if s is None else local_fraction(s.outputs[v.index], self.cm.mesh_shape)))
+            self._values[v] = _one(c, table)
+        return self._values[v]
+
+    def copy(self, v, node, k):
+        """(bytes of the resharded copy that ``node`` reads input ``k`` through, bytes of that input's
+        gradient at the layout read when a resharding's backward converts it); None where there is none."""
+        from autopar.layout import local_fraction
+        from autopar.passes.strategies import value_info
+
+        key = (v, node, k)
+        if key not in self._copies:
+            nbytes = value_info(v).nbytes
+            ca, cb = self._choice(v.node), self._choice(node)
+            fwd, bwd = [], []
+            for i in self._options(ca):
+                src = self._strategy(v.node, i)
+                frow, brow = [], []
+                for j in self._options(cb):
+                    s = self._strategy(node, j)
+                    steps = self.cm.resharding(v, src.outputs[v.index] if src else s.inputs[k], node, s, k) or []
+                    b = nbytes * local_fraction(s.inputs[k], self.cm.mesh_shape)
+                    frow.append(b if any(st.op in _ALLOCATING_STEPS for st in steps) else 0.0)
+                    brow.append(b if steps else 0.0)
+                fwd.append(frow)
+                bwd.append(brow)
+            f, b = _pair(ca, cb, fwd), _pair(ca, cb, bwd)
+            self._copies[key] = (None if f.zero() else f, None if b.zero() else b)
+        return self._copies[key]
+
+    def _output_copy(self, node, gathered: bool):
+        """Bytes of the replicated copy a gathered user output is returned as, or None."""
+        from autopar.layout import R
+        from autopar.passes.strategies import Value, value_info
+
+        if not gathered:
+            return None
+        v, c = Value(node), self._choice(node)
+        rep = tuple(R for _ in self.cm.mesh_shape)
+        table = []
+        for o in self._options(c):
+            s = self._strategy(node, o)
+            steps = self.cm.resharding(v, s.outputs[0], None, None, 0, dst_layout=rep) if s else []
+            table.append(value_info(v).nbytes if steps else 0.0)
+        q = _one(c, table)
+        return None if q.zero() else q
+
+    def _per_work(self, node, nbytes: float) -> Bytes:
+        """Bytes private to an op (norm statistics, a log-softmax): they scale with its share of the
+        work, not with its output (a loss over sharded tokens has a Partial scalar output)."""
+        c = self._choice(node)
+        return _one(c, [nbytes / self.cm.work_split(self._strategy(node, o)) for o in self._options(c)])
+
+    # --- the events ---------------------------------------------------------------------------------
+    def _build(self, gm, instances):
+        from autopar.passes.costs import VIEW_OPS
+        from autopar.passes.lowering import gathered_output
+        from autopar.passes.strategies import Value, input_values, requires_grad
+
+        calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+        pos = {n: t for t, n in enumerate(calls)}
+        add = self.events.append
+
+        def base(v):
+            """The value whose storage ``v`` shares (views and getitems lead back to it)."""
+            while v.node.op == "call_function" and v.node.target in VIEW_OPS:
+                ins = input_values(v.node)
+                if not ins:
+                    break
+                v = ins[0]
+            return v
+
+        def is_param(n):
+            role = meta_of(n).role
+            return n.op == "placeholder" and role is not None and role.kind == "param"
+
+        inst_of = {n: inst for inst, (_, _, nodes) in instances.items() for n in nodes}
+
+        # Static for the whole step: parameters, optimizer states, inputs, buffers.
+        grads_of = {}
+        for n in gm.graph.nodes:
+            val = n.meta.get("val")
+            if n.op != "placeholder" or not isinstance(val, torch.Tensor):
+                continue
+            if is_param(n):
+                c = self._choice(n)
+                p, g, o = zip(*(self.cm.param_bytes(n, self._strategy(n, i).outputs[0]) for i in self._options(c)))
+                add((_P, 1, _one(c, p)))
+                add((_O, 1, _one(c, o)))
+                grads_of[n] = _one(c, g)
+            else:
+                add((_T, 1, Bytes(None, None, float(val.numel() * val.element_size()))))
+
+        # When each storage is freed: after its last forward reader, or when a backward releases it.
+        last_use = {}
+        for n in calls:
+            if n.target not in VIEW_OPS:
+                for o in output_values(n):
+                    last_use[o] = pos[n]
+            for v in input_values(n):
+                last_use[base(v)] = pos[n]
+        out_node = next(n for n in gm.graph.nodes if n.op == "output")
+        outputs = [a for a in pytree.tree_leaves(out_node.args)
+                   if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+        frees = {}            # ("F" forward | "B" backward, position) -> [(category, sign, Bytes)]
+        # The caller holds the outputs until the step ends: a gathered output's copy, else the value.
+        to_end, output_copies = set(), []
+        for a in outputs:
+            cp = self._output_copy(a, gathered_output(a, self.sharded_outputs))
+            if cp is not None:
+                output_copies.append(cp)
+            if cp is None or self._choice(base(Value(a)).node) != self._choice(a):
+                to_end.add(base(Value(a)))
+            else:       # the value itself is held only where no copy is made
+                vb = self.value(base(Value(a)))
+                frees.setdefault(("F", last_use.get(base(Value(a)), pos.get(a, 0))), []).append(
+                    (_T, 1, _one(self._choice(a), [vb.at({self._choice(a): i}) * (0.0 if cp.at({self._choice(a): i}) else 1.0)
+                                                  for i in self._options(self._choice(a))])))
+        holders = {}          # storage -> [(saving node, None or Bytes kept only where no copy is read)]
+        kept = {}             # node -> [Bytes] allocated in its forward, freed after its backward
+        held_copy = set()     # (node, input position) whose copy backward keeps
+        for n in calls:
+            saved = meta_of(n).saved
+            if saved is None or not requires_grad(n):
+                continue
+            ins = input_values(n)
+            for k, keep in enumerate(saved.inputs):
+                if not keep or k >= len(ins):
+                    continue
+                v = ins[k]
+                cp, _ = self.copy(v, n, k)
+                if cp is not None:
+                    kept.setdefault(n, []).append(cp)
+                    held_copy.add((n, k))
+                if v.node.op == "placeholder":
+                    continue
+                b, cond = base(v), None
+                # Kept only where no copy is read, unless the reader may be recomputed: that would
+                # depend on three decisions, so it is kept whatever the copy (the safe side).
+                if cp is not None and self._choice(b.node) == self._choice(v.node) and n not in inst_of:
+                    vb = self.value(b)
+                    ca, cb = self._choice(v.node), self._choice(n)
+                    cond = _pair(ca, cb, [[vb.at({ca: i}) * (0.0 if cp.at({ca: i, cb: j}) else 1.0)
+                                           for j in self._options(cb)] for i in self._options(ca)])
+                holders.setdefault(b, []).append((n, cond))
+            outs = output_values(n)
+            flags = saved.held or _held_by_bytes(saved.outputs, outs)
+            for i, keep in enumerate(flags):
+                if keep and i < len(outs):
+                    holders.setdefault(base(outs[i]), []).append((n, None))
+            covered = sum(value_info_nbytes(o) for o, f in zip(outs, flags) if f)
+            if not saved.held and outs and saved.outputs > covered:     # declared for a GPU kernel
+                f = (saved.outputs - covered) / max(value_info_nbytes(outs[0]), 1)
+                kept.setdefault(n, []).append(self.value(outs[0]).map(lambda x, f=f: x * f))
+            if saved.internal:
+                kept.setdefault(n, []).append(self._per_work(n, saved.internal))
+
+        held = set()          # storages a backward keeps whatever the layouts
+        remat = {}            # instance -> [Bytes] re-materialized when its backward starts
+        for s, hs in holders.items():
+            if s in to_end:
+                continue
+            h0 = min((h for h, _ in hs), key=pos.__getitem__)
+            conds = [c for _, c in hs]
+            vb = self.value(s)
+            t = last_use.get(s, pos.get(s.node, 0))
+            if any(c is None for c in conds):
+                held.add(s)
+                frees.setdefault(("B", pos[h0]), []).append((_A, -1, vb))
+                inst = inst_of.get(s.node)
+                if inst is not None and all(inst_of.get(h) == inst for h, _ in hs):
+                    ri, ind, _ = instances[inst]
+                    frees.setdefault(("F", t), []).append((_A, -1, _times(vb, ri, ind)))
+                    remat.setdefault(inst, []).append(_times(vb, ri, ind))
+            else:
+                cond = next(c for h, c in hs if h is h0)
+                frees.setdefault(("F", t), []).extend([(_T, -1, vb), (_A, 1, cond)])
+                frees.setdefault(("B", pos[h0]), []).append((_A, -1, cond))
+        for s, t in last_use.items():
+            if s not in held and s not in holders and s not in to_end and s.node.op == "call_function":
+                frees.setdefault(("F", t), []).append((_T, -1, self.value(s)))
+
+        # A recomputed instance keeps the inputs it reads from outside until its backward ends.
+        for inst, (ri, ind, nodes) in instances.items():
+            first, seen = pos[nodes[0]], set()
+            for n in nodes:
+                for v in input_values(n):
+                    s = base(v)
+                    if s in seen or s.node.op != "call_function" or inst_of.get(s.node) == inst \
+                            or s in to_end or s in holders:
+                        continue
+                    seen.add(s)
+                    q = _times(self.value(s), ri, ind)
+                    frees.setdefault(("F", last_use[s]), []).append((_A, 1, q))
+                    frees.setdefault(("B", first), []).append((_A, -1, q))
+
+        # Forward.
+        for t, n in enumerate(calls):
+            transient = []
+            for k, v in enumerate(input_values(n)):
+                cp, _ = self.copy(v, n, k)
+                if cp is not None and (n, k) not in held_copy:
+                    add((_T, 1, cp))
+                    transient.append(cp)
+            if n.target not in VIEW_OPS:
+                for o in output_values(n):
+                    add((_A if o in held else _T, 1, self.value(o)))
+            for q in kept.get(n, ()):
+                add((_A, 1, q))
+            self.points.append((len(self.events), "forward", n.name))
+            for q in transient:
+                add((_T, -1, q))
+            for cat, sign, q in frees.get(("F", t), ()):
+                add((cat, sign, q))
+            inst = inst_of.get(n)
+            if inst is not None:
+                # A recomputed op drops what it keeps until its instance's backward starts. A kept
+                # resharded copy depends on two layouts already: it stays (the safe side), as the
+                # product with the recompute count would depend on three decisions.
+                ri, ind, _ = instances[inst]
+                for q in kept.get(n, ()):
+                    if q.b is None:
+                        q = _times(q, ri, ind)
+                        add((_A, -1, q))
+                        remat.setdefault(inst, []).append(q)
+
+        for cp in output_copies:
+            add((_T, 1, cp))
+        self.points.append((len(self.events), "forward", "outputs"))
+
+        # Backward, seeded by the gradient of the scalar outputs (the loss).
+        grads = {_canonical(Value(a)): self.value(Value(a)) for a in outputs
+                 if requires_grad(a) and a.meta["val"].dim() == 0}
+        started = set()
+        for t in range(len(calls) - 1, -1, -1):
+            n = calls[t]
+            inst = inst_of.get(n)
+            if inst is not None and inst not in started:
+                started.add(inst)
+                for q in remat.get(inst, ()):
+                    add((_A, 1, q))
+                self.points.append((len(self.events), "recompute", inst))
+            outs = output_values(n)
+            if n.target is not operator.getitem and requires_grad(n) and any(o in grads for o in outs):
+                view = n.target in VIEW_OPS
+                after = []
+                if view:            # a view's gradient becomes its input's: free one, make the other
+                    for o in outs:
+                        if o in grads:
+                            add((_T, -1, grads.pop(o)))
+                for k, v in enumerate(input_values(n)):
+                    if not requires_grad(v.node):
+                        continue
+                    if not view:
+                        _, gcp = self.copy(v, n, k)
+                        if gcp is not None:
+                            add((_T, 1, gcp))
+                            after.append((_T, gcp))
+                    key = _canonical(v)
+                    q, cat = (grads_of[v.node], _G) if is_param(v.node) else (self.value(key), _T)
+                    add((cat, 1, q))
+                    if key in grads:
+                        after.append((cat, q))       # accumulated into the gradient already there
+                    else:
+                        grads[key] = q
+                saved = meta_of(n).saved
+                if saved is not None and saved.backward:
+                    q = self._per_work(n, saved.backward)
+                    add((_T, 1, q))
+                    after.append((_T, q))
+                self.points.append((len(self.events), "backward", n.name))
+                for cat, q in after:
+                    add((cat, -1, q))
+                for o in outs:
+                    if o in grads:
+                        add((_T, -1, grads.pop(o)))
+            for q in kept.get(n, ()):
+                add((_A, -1, q))
+            for cat, sign, q in frees.get(("B", t), ()):
+                add((cat, sign, q))
+
+        # The optimizer step and its transient buffers, as torch's Adam makes them by default (states
+        # in the parameter's dtype). The foreach path on CUDA makes one buffer as large as all the
+        # states (the square roots of the second moments). The per-parameter loop on CPU makes two per parameter (the square root and
+        # its quotient, the denominator) and keeps the denominator until the next one replaces it.
+        if self.cm.cluster.device_type == "cuda":
+            for g in grads_of.values():
+                add((_T, 1, g))
+            self.points.append((len(self.events), "optimizer", "step"))
+        else:
+            previous = None
+            for n, g in grads_of.items():
+                add((_T, 1, g))
+                add((_T, 1, g))
+                self.points.append((len(self.events), "optimizer", meta_of(n).role.target))
+                add((_T, -1, g))
+                if previous is not None:
+                    add((_T, -1, previous))
+                previous = g
+            if previous is not None:
+                add((_T, -1, previous))
+
+    # --- evaluation ---------------------------------------------------------------------------------
+    def walk(self, assignment: Sequence[int]) -> list[StepPoint]:
+        """Every point of the step under ``assignment``, with its live bytes per category."""
+        running = [0.0] * len(CATEGORIES)
+        out, e = [], 0
+        for upto, phase, name in self.points:
+            while e < upto:
+                cat, sign, q = self.events[e]
+                running[cat] += sign * q.at(assignment)
+                e += 1
+            out.append(StepPoint(phase, name, dict(zip(CATEGORIES, running))))
+        return out
+
+    def peak(self, assignment: Sequence[int]) -> tuple[int, float]:
+        """(index of the highest point, its bytes) under ``assignment``."""
+        totals = [p.total for p in self.walk(assignment)]
+        k = max(range(len(totals)), key=totals.__getitem__)
+        return k, totals[k]
+
+    def constraint(self, k: int):
+        """Point ``k`` as a memory constraint of the solver: its live bytes as terms of the decisions."""
+        from autopar.solver import MemoryConstraint
+
+        upto, phase, name = self.points[k]
+        constant, terms, pairs = 0.0, {}, {}
+        for _cat, sign, q in self.events[:upto]:
+            if q.a is None:
+                constant += sign * q.table
+            elif q.b is None:
+                acc = terms.setdefault(q.a, [0.0] * len(q.table))
+                for i, v in enumerate(q.table):
+                    acc[i] += sign * v
+            else:
+                a, b, table = q.a, q.b, q.table
+                if a > b:
+                    a, b, table = b, a, tuple(zip(*table))
+                acc = pairs.setdefault((a, b), [[0.0] * len(table[0]) for _ in table])
+                for i, row in enumerate(table):
+                    for j, v in enumerate(row):
+                        acc[i][j] += sign * v
+        return MemoryConstraint(f"{phase} {name} (point {k})", tuple((c, tuple(v)) for c, v in terms.items()),
+                                constant, tuple((a, b, tuple(map(tuple, m))) for (a, b), m in pairs.items()))
+
+
+def output_values(n) -> list:
+    from autopar.passes.rules import output_infos
+    from autopar.passes.strategies import Value
+
+    return [Value(n, i) for i in range(len(output_infos(n)))]
+
+
+def value_info_nbytes(v) -> int:
+    from autopar.passes.strategies import value_info
+
+    return value_info(v).nbytes
+
+
+def _canonical(v):
+    """A getitem's value is its producer's output."""
+    from autopar.passes.strategies import Value
+
+    while v.node.op == "call_function" and v.node.target is operator.getitem:
+        v = Value(v.node.args[0], v.node.args[1])
+    return v
+
+
+def _held_by_bytes(nbytes: int, outs) -> tuple[bool, ...]:
+    """Which outputs ``nbytes`` of saved outputs stand for, when a rule gives only the byte count."""
+    flags, total = [], 0
+    for o in outs:
+        total += value_info_nbytes(o)
+        flags.append(total <= nbytes)
+    return tuple(flags)
+
+
+# --- Solving under the step's true peak ----------------------------------------------------------
+
+_MAX_ROUNDS = 50
+
+
+def _initial_points(sm: StepMemory, problem) -> list[int]:
+    """Where the peak usually is: the end of forward, the first backward op, the largest optimizer
+    point, and the peak of the greedy layout that ignores memory."""
+    from autopar.solver.greedy import greedy
+    import dataclasses
+
+    phases = [p[1] for p in sm.points]
+    picks = set()
+    fwd = [k for k, ph in enumerate(phases) if ph == "forward"]
+    bwd = [k for k, ph in enumerate(phases) if ph == "backward"]
+    if fwd:
+        picks.add(fwd[-1])
+    if bwd:
+        picks.add(bwd[0])
+    free = dataclasses.replace(problem, memory=[], memory_limit=None)
+    walk = sm.walk(greedy(free))
+    picks.add(max(range(len(walk)), key=lambda k: walk[k].total))
+    opt = [k for k, ph in enumerate(phases) if ph == "optimizer"]
+    if opt:
+        picks.add(max(opt, key=lambda k: walk[k].total))
+    return sorted(picks)
+
+
+def solve_under_budget(problem, sm: StepMemory, budget: float, *, time_limit: float = 60.0):
+    """The fastest assignment whose step peak (``sm.peak``) fits ``budget``: solve with the memory
+    constraints of a few candidate points, walk the step, add the point over the budget, solve again.
+    Every returned feasible solution's walked peak is within the budget."""
+    from autopar.errors import AutoparError
+    from autopar.solver import solve
+
+    problem.memory_limit = budget
+    problem.memory = [sm.constraint(k) for k in _initial_points(sm, problem)]
+    have = {c.name for c in problem.memory}
+    for _ in range(_MAX_ROUNDS):
+        sol = solve(problem, time_limit=time_limit)
+        if sol.status == "infeasible":
+            return sol
+        k, peak = sm.peak(sol.assignment)
+        if peak <= budget * (1 + 1e-9):
+            return sol
+        c = sm.constraint(k)
+        if c.name in have:
+            raise AutoparError(f"memory point {c.name!r} is over the budget although the solver was held to "
+                               f"it ({peak:.0f} > {budget:.0f} bytes); please report this")
+        have.add(c.name)
+        problem.memory.append(c)
+    raise AutoparError(f"no layout within {budget:.0f} bytes was proven after {_MAX_ROUNDS} rounds of memory "
+                       f"points; raise the budget")
+
+
+def minimum_budget(problem, sm: StepMemory, *, time_limit: float = 60.0) -> tuple[float, tuple[int, ...]]:
+    """(the least step peak any assignment reaches, that assignment), by the same rounds as
+    ``solve_under_budget``: minimize the largest point held so far, walk, add the highest point."""
+    from autopar.solver import minimum_feasible_budget
+
+    problem.memory = [sm.constraint(k) for k in _initial_points(sm, problem)]
+    have = {c.name for c in problem.memory}
+    best = None
+    for _ in range(_MAX_ROUNDS):
+        bound, a = minimum_feasible_budget(problem, time_limit=time_limit)
+        k, peak = sm.peak(a)
+        if best is None or peak < best[0]:
+            best = (peak, a)
+        c = sm.constraint(k)
+        if peak <= bound * (1 + 1e-9) or c.name in have:
+            break
+        have.add(c.name)
+        problem.memory.append(c)
+    return best

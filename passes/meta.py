@@ -36,12 +36,16 @@ class SavedForBackward:
 
     ``outputs`` are bytes of its own outputs that backward needs; ``inputs`` maps an input's position
     among the node's tensor inputs to whether backward keeps it; ``internal`` is what the op saves that
-    is no graph value (norm statistics, dropout masks, logsumexp).
+    is no graph value (norm statistics, dropout masks, logsumexp). ``held`` says which of its own
+    outputs those bytes are (empty: the first outputs, as far as ``outputs`` bytes go). ``backward``
+    is what the op's backward holds at its peak beyond the input gradients it returns.
     """
 
     outputs: int
     inputs: tuple[bool, ...]
     internal: int
+    held: tuple[bool, ...] = ()
+    backward: int = 0
 
 
 @dataclass

@@ -15,7 +15,7 @@ from autopar.layout import R
 from autopar.passes.costs import INFEASIBLE, CostModel
 from autopar.passes.meta import meta_of
 from autopar.passes.strategies import Value, input_values, requires_grad, root_of, strategy_under_root
-from autopar.solver import Choice, Edge, MemoryConstraint, Problem, SharedEdge
+from autopar.solver import Choice, Edge, Problem, SharedEdge
 
 
 def key_of(node: fx.Node):
@@ -123,29 +123,21 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
             idx.roots_of_key[key_of(n)].append(n)
 
     prob = Problem(memory_limit=memory_limit)
-    fwd_terms, bwd_terms = [], []
-    per_copy = {}        # choice -> (activation bytes, forward seconds) of one copy, per option
+    forward = {}         # choice -> forward seconds of one copy, per option (what recomputing costs)
     for key, roots in idx.roots_of_key.items():
         rep = roots[0]
         opts = meta_of(rep).strategies.strategies
-        costs, act, state, state_bwd, fwd = [], [], [], [], []
+        costs, fwd = [], []
         for o in range(len(opts)):
-            c, a, st, stb, f = 0.0, 0.0, 0.0, 0.0, 0.0
+            c, f = 0.0, 0.0
             for m in members[rep]:
                 s = strategy_of(m, o)
                 c += cm.compute_seconds(m, s) + cm.op_comm_seconds(m, s)
                 f += cm.forward_seconds(m, s)
-                a += cm.activation_bytes(m, s)
                 if m.op == "placeholder" and meta_of(m).role.kind == "param":
-                    p, g, opt = cm.param_bytes(m, s.outputs[0])
                     c += cm.optimizer_seconds(m, s.outputs[0])
-                    st += p + opt
-                    stb += p + g + opt
             costs.append(c)
             fwd.append(f)
-            act.append(a * len(roots))
-            state.append(st * len(roots))
-            state_bwd.append(stb * len(roots))
         allowed = None
         for r in roots:
             allowed = _pinned_options(r, pins or {}, len(cm.mesh_shape))
@@ -157,10 +149,9 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
                                     labels=tuple(s.label() for s in opts)))
         idx.choice_of_key[key] = ci
         idx.keys.append(key)
-        per_copy[ci] = (tuple(a / len(roots) for a in act), tuple(fwd))
-        fwd_terms.append((ci, tuple(x + y for x, y in zip(act, state))))
-        bwd_terms.append((ci, tuple(state_bwd)))
-    fwd_pairs = _recompute_choices(gm, prob, idx, per_copy, cm, recompute) if recompute else ()
+        forward[ci] = tuple(fwd)
+    if recompute:
+        _recompute_choices(gm, prob, idx, forward, recompute)
 
     # A value read outside its own decision by one reader is a plain edge (a tight formulation); a value
     # read by several is a shared edge, where each distinct way its readers ask for it (target layout,
@@ -195,8 +186,6 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
                                                               for r1, r2 in zip(acc, mat)]
     for (s, d), mat in matrices.items():
         prob.edges.append(Edge(s, d, tuple(tuple(r) for r in mat)))
-    prob.memory = [MemoryConstraint("end of forward", tuple(fwd_terms), pairs=tuple(fwd_pairs)),
-                   MemoryConstraint("end of backward", tuple(bwd_terms))]
     prob.validate()
     return prob, idx
 
@@ -204,20 +193,6 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
 def recompute_counts_for(n: int) -> tuple[int, ...]:
     """The recompute counts offered for a class of ``n`` layers: none, all, and eighths in between."""
     return tuple(sorted({0, n, *(round(n * k / 8) for k in range(1, 8))}))
-
-
-def layer_input(instances: dict[str, list[fx.Node]]) -> Value | None:
-    """The value one instance of a layer class hands the next (the residual stream), or None for a class
-    of one instance. ``instances``: instance name -> its nodes (passes.layers.layer_instances)."""
-    if len(instances) < 2:
-        return None
-    first, second = list(instances)[:2]
-    for n in instances[second]:
-        for v in input_values(n):
-            tag = meta_of(v.node).layer
-            if tag is not None and tag.layer == first:
-                return v
-    return None
 
 
 def forced_recompute(cls: str, n: int, recompute) -> int | None:
@@ -240,22 +215,18 @@ def forced_recompute(cls: str, n: int, recompute) -> int | None:
     return None
 
 
-def _recompute_choices(gm, prob: Problem, idx: ProblemIndex, per_copy: dict, cm: CostModel, recompute):
+def _recompute_choices(gm, prob: Problem, idx: ProblemIndex, forward: dict, recompute) -> None:
     """One decision per layer class: how many instances (the first ones) run under activation
     checkpointing. Recomputing ``r`` instances costs ``r`` times the layer's forward seconds (an edge to
-    each of the layer's layout decisions) and, at the end of forward, frees ``r`` times its activations
-    less the input each keeps, but re-materializes one instance's activations while its backward runs
-    (pair terms of the memory constraint). Reshardings inside the layer run again too; the ILP leaves
-    them out, and the plan's step time counts them."""
-    from autopar.layout import local_fraction
+    each of the layer's layout decisions); what it saves in memory is in the step's memory model
+    (passes.memory.StepMemory). Reshardings inside the layer run again too; the ILP leaves them out, and
+    the plan's step time counts them."""
     from autopar.passes.layers import layer_instances
-    from autopar.passes.strategies import value_info
 
     by_class = defaultdict(list)
     for key, ci in idx.choice_of_key.items():
         if key[0] == "L":
             by_class[key[1]].append(ci)
-    pairs = []
     for cls, instances in layer_instances(gm).items():
         n = len(instances)
         forced = forced_recompute(cls, n, recompute)
@@ -266,20 +237,9 @@ def _recompute_choices(gm, prob: Problem, idx: ProblemIndex, per_copy: dict, cm:
                                     labels=tuple(f"recompute {r} of {n}" for r in counts)))
         idx.recompute[cls] = (ri, counts)
         for ci in by_class[cls]:
-            act, fwd = per_copy[ci]
+            fwd = forward[ci]
             if any(fwd):
                 prob.edges.append(Edge(ci, ri, tuple(tuple(r * f for r in counts) for f in fwd)))
-            if any(act):
-                pairs.append((ci, ri, tuple(tuple((a if r else 0.0) - r * a for r in counts) for a in act)))
-        v = layer_input(instances)
-        if v is None:
-            continue
-        producer = root_of(v.node)
-        info = value_info(v)
-        kept = [info.nbytes * local_fraction(strategy_of(v.node, o).outputs[v.index], cm.mesh_shape)
-                for o in range(len(prob.choices[idx.choice_of_key[key_of(producer)]].costs))]
-        pairs.append((idx.choice_of_key[key_of(producer)], ri, tuple(tuple(r * b for r in counts) for b in kept)))
-    return pairs
 
 
 def _shared_edge(v: Value, rs, count: int, idx: ProblemIndex, cm: CostModel) -> SharedEdge:

@@ -1,0 +1,75 @@
+"""Models and plan options for the memory-fidelity tests and bench/memory_fidelity.py: each plan kind
+forced with pins on small configs of the architectures the tests cover."""
+from __future__ import annotations
+
+import torch
+
+ARCHS = ("gpt2", "llama", "bert", "gpt", "gpt-probe")
+KINDS = ("auto", "dp", "megatron", "zero3", "vocab", "recompute", "sharded-outputs", "2d")
+
+
+def build(arch: str, seq: int, batch: int, device):
+    """A small model of ``arch`` (random weights, on CPU: compile moves each rank's shards to its device)
+    and its inputs (ids, labels) on ``device``."""
+    import transformers as tf
+
+    vocab = 512
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=vocab, n_positions=seq,
+                                                 use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    elif arch == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
+                                                   num_key_value_heads=2, intermediate_size=256, vocab_size=vocab,
+                                                   max_position_embeddings=seq, use_cache=False))
+    elif arch == "bert":
+        model = tf.BertForMaskedLM(tf.BertConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
+                                                 intermediate_size=256, vocab_size=vocab, max_position_embeddings=seq,
+                                                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    elif arch == "gpt":
+        from autopar.models import GPT, GPTConfig
+
+        model = GPT(GPTConfig(vocab_size=vocab, n_layer=2, n_head=4, d_model=128, d_ff=256, max_seq=seq))
+    elif arch == "gpt-probe":      # bench/train_cpu.py's family at a size two CPU cores train quickly
+        from autopar.models import GPT, GPTConfig
+
+        vocab = 2048
+        model = GPT(GPTConfig(vocab_size=vocab, n_layer=4, n_head=8, d_model=256, d_ff=1024, max_seq=seq))
+    else:
+        raise SystemExit(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
+    if arch in ("gpt", "gpt-probe"):
+        return model, (ids, ids.clone()), {}
+    return model, (ids,), {"labels": ids.clone()}
+
+
+def options(arch: str, kind: str, ranks: int, model) -> dict | None:
+    """plan() options that force ``kind``, or None where it does not apply."""
+    from tests.hf_models import MEGATRON, VOCAB_PARALLEL, VOCAB_PARALLEL_NODES
+
+    key = "gpt" if arch == "gpt-probe" else arch
+    params_r = {name: ["R"] for name, _ in model.named_parameters()}
+    if kind == "auto":
+        return {}
+    if kind == "dp":
+        return {"mesh_shape": (ranks,), "pins": params_r, "recompute": False}
+    if kind == "megatron":
+        return {"mesh_shape": (ranks,), "pins": {k: [v] for k, v in MEGATRON[key].items()}, "recompute": False}
+    if kind == "zero3":
+        pins = {name: ["S(0)"] if p.shape[0] % ranks == 0 else ["R"] for name, p in model.named_parameters()}
+        return {"mesh_shape": (ranks,), "pins": pins, "recompute": False}
+    if kind == "vocab":
+        if key == "bert":
+            return None
+        pins = {**{k: [v] for k, v in VOCAB_PARALLEL[key].items()}, **VOCAB_PARALLEL_NODES}
+        return {"mesh_shape": (ranks,), "pins": pins, "recompute": False}
+    if kind == "recompute":
+        return {"mesh_shape": (ranks,), "pins": params_r, "recompute": {"*": "all"}}
+    if kind == "sharded-outputs":
+        return {"sharded_outputs": True, "recompute": False}
+    if kind == "2d":
+        if ranks != 4:
+            return None
+        pins = {k: ["R", v] for k, v in MEGATRON[key].items()}
+        return {"mesh_shape": (2, 2), "axis_names": ("dp", "tp"), "pins": pins, "recompute": False}
+    raise SystemExit(f"unknown plan kind {kind!r}; choose from {', '.join(KINDS)}")

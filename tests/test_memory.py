@@ -1,0 +1,97 @@
+"""The memory budget is a promise: the predicted peak per device matches the measured peak of live
+tensors on real gloo ranks within 10%, and no returned plan's predicted peak exceeds its budget."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import autopar
+from autopar.errors import InfeasiblePlanError
+from tests.distributed_utils import run_distributed
+
+TOLERANCE = 0.10
+
+
+def _smallest(model, cluster, args, kwargs, opts) -> float:
+    with pytest.raises(InfeasiblePlanError) as e:
+        autopar.plan(model, cluster, args, kwargs, memory_budget=1.0, progress=False, kernels="aten", **opts)
+    return e.value.min_feasible_budget
+
+
+def _measure(rank, world, cases):
+    from tests.live_memory import step_peak
+    from tests.memory_cases import build, options
+
+    cluster = autopar.ClusterSpec.local_cpu(world)
+    failures = []
+    for arch, kind, factor in cases:
+        model, args, kwargs = build(arch, 32, 4, "cpu")
+        opts = options(arch, kind, world, model)
+        budget = [None]
+        if factor is not None and rank == 0:
+            budget = [factor * _smallest(model, cluster, args, kwargs, opts)]
+        dist.broadcast_object_list(budget, src=0)
+        pm = autopar.compile(model, cluster, args, kwargs, memory_budget=budget[0], kernels="aten", **opts)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+
+        def step():
+            out = pm(*args, **kwargs)
+            (out if isinstance(out, torch.Tensor) else out.loss).backward()
+            opt.step()
+            opt.zero_grad()
+
+        step()
+        peak = torch.tensor([float(step_peak(pm, opt, step, inputs=(args, kwargs)))])
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        predicted = pm.plan.memory["peak"]
+        if budget[0] is not None:
+            assert predicted <= budget[0], (arch, kind, predicted, budget[0])
+        if abs(peak.item() / predicted - 1) > TOLERANCE:
+            failures.append(f"{arch} {kind} budget {budget[0]}: predicted {predicted:.0f} B, measured "
+                            f"{peak.item():.0f} B ({peak.item() / predicted:.3f}x)")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("cases", [
+    [("gpt2", "dp", None), ("llama", "megatron", None), ("bert", "zero3", None)],
+    [("gpt", "vocab", None), ("gpt2", "recompute", None), ("llama", "sharded-outputs", None)],
+    [("gpt2", "auto", 1.05), ("llama", "zero3", 1.05), ("gpt", "auto", 1.5)],
+], ids=["no-budget-a", "no-budget-b", "tight-budget"])
+def test_predicted_peak_matches_measured_on_two_ranks(cases):
+    run_distributed(_measure, 2, cases, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def gpt2_bounds():
+    """A small GPT-2 on 4 CPU ranks: its smallest feasible budget and its peak with no budget."""
+    from tests.memory_cases import build
+
+    model, args, kwargs = build("gpt2", 64, 8, "cpu")
+    cluster = autopar.ClusterSpec.local_cpu(4)
+    smallest = _smallest(model, cluster, args, kwargs, {})
+    free = autopar.plan(model, cluster, args, kwargs, progress=False, kernels="aten")
+    return model, args, kwargs, cluster, smallest, free.memory["peak"]
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fraction=st.floats(0.0, 1.0))
+def test_every_plan_under_a_budget_predicts_a_peak_within_it(gpt2_bounds, fraction):
+    model, args, kwargs, cluster, smallest, free_peak = gpt2_bounds
+    assert smallest <= free_peak
+    budget = smallest * (1 + 1e-6) + fraction * (free_peak - smallest)
+    p = autopar.plan(model, cluster, args, kwargs, memory_budget=budget, progress=False, kernels="aten")
+    assert p.memory["peak"] <= budget
+    # The timeline is the same walk: its highest point is the peak.
+    top = max(sum(v for k, v in pt.items() if isinstance(v, float)) for pt in p.memory["timeline"])
+    assert top == pytest.approx(p.memory["peak"], rel=1e-9)
+
+
+def test_a_budget_below_the_smallest_feasible_one_is_refused(gpt2_bounds):
+    model, args, kwargs, cluster, smallest, _ = gpt2_bounds
+    with pytest.raises(InfeasiblePlanError) as e:
+        autopar.plan(model, cluster, args, kwargs, memory_budget=smallest * 0.98, progress=False, kernels="aten")
+    assert e.value.min_feasible_budget == pytest.approx(smallest, rel=1e-6)
+    assert e.value.largest_consumers
