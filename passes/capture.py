@@ -39,8 +39,8 @@ class CapturedProgram:
         raise KeyError(name)
 
 
-def _example_on_meta(x):
-    return x.to("meta") if isinstance(x, torch.Tensor) else x
+def _model_device(model: torch.nn.Module) -> torch.device | None:
+    return next((t.device for t in (*model.parameters(), *model.buffers())), None)
 
 
 def capture(model: torch.nn.Module, example_inputs=(), example_kwargs=None) -> CapturedProgram:
@@ -49,10 +49,12 @@ def capture(model: torch.nn.Module, example_inputs=(), example_kwargs=None) -> C
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     _refuse_aliased_inputs(example_inputs, example_kwargs)
-    on_meta = any(p.is_meta for p in model.parameters())
-    if on_meta:
-        example_inputs = tuple(_example_on_meta(x) for x in example_inputs)
-        example_kwargs = {k: _example_on_meta(v) for k, v in example_kwargs.items()}
+    # Example inputs only describe shapes: they follow the model's device (meta included), so a
+    # model still on the CPU or the meta device captures with a batch already on the GPU.
+    device = torch.device("meta") if any(p.is_meta for p in model.parameters()) else _model_device(model)
+    if device is not None:
+        example_inputs, example_kwargs = torch.utils._pytree.tree_map_only(
+            torch.Tensor, lambda x: x.to(device), (tuple(example_inputs), example_kwargs))
     try:
         ep = torch.export.export(model, tuple(example_inputs), example_kwargs, strict=False)
     except Exception as e:
