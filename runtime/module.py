@@ -244,7 +244,7 @@ def build(model, plan: Plan, example_inputs=(), example_kwargs=None, *, check_we
     on_meta = any(p.is_meta for p in params.values())
     if check_weights and not on_meta:
         world = dist.group.WORLD.group_name
-        if not same_on_all_ranks([p.detach() for p in params.values()], world):
+        if not same_on_all_ranks([p.detach() for p in params.values()], world, device):
             raise AutoparError("the model's weights differ between ranks; seed every rank the same "
                                "(torch.manual_seed) before building the model, or load one checkpoint on all")
     full = {fqn: (p if p.is_meta else p.to(device)) for fqn, p in params.items() if fqn in plan.params}
