@@ -248,8 +248,10 @@ def build(model, plan: Plan, example_inputs=(), example_kwargs=None, *, check_we
             raise AutoparError("the model's weights differ between ranks; seed every rank the same "
                                "(torch.manual_seed) before building the model, or load one checkpoint on all")
     full = {fqn: (p if p.is_meta else p.to(device)) for fqn, p in params.items() if fqn in plan.params}
-    buffers = {name: b for name, b in model.named_buffers()}
-    constants = {k: v for k, v in captured.constant_values.items()}
+    # Buffers (rotary frequencies, position ids) and lifted constants run on the program's device too.
+    buffers = {name: (b if b.is_meta else b.to(device)) for name, b in model.named_buffers()}
+    constants = {k: (v.to(device) if isinstance(v, torch.Tensor) and not v.is_meta else v)
+                 for k, v in captured.constant_values.items()}
     pm = ParallelModule(program, plan, captured, mesh, full, buffers, constants, sharded_outputs=sharded_outputs)
     if kernels == "triton":
         local_args = pm._local_args(pytree.tree_leaves((tuple(example_inputs), dict(example_kwargs or {}))))
