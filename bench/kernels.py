@@ -309,6 +309,7 @@ def main() -> int:
         for backward, work in ((False, fwd_work), (True, fwdbwd_work)):
             grad_inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
             times = {}
+            _timed(impls["triton"], grad_inputs, backward, do_bench)  # warm-up: clocks and caches settle
             for impl, fn in impls.items():
                 try:
                     times[impl] = _timed(fn, grad_inputs, backward, do_bench)

@@ -106,7 +106,7 @@ def main() -> int:
                 seconds, peak = measure(model, ids, args.steps)
             except Exception as exc:  # one failing system must not hide the others' figures
                 print(f"{name:6} {system:15} failed: {type(exc).__name__}: {str(exc)[:300]}")
-                traceback.print_exc(limit=4)
+                traceback.print_exc()
                 continue
             eager_s = seconds if system == "eager" else eager_s
             plan = getattr(model, "plan", None)

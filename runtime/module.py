@@ -7,6 +7,7 @@ capture, planning or code generation.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -231,11 +232,15 @@ def build(model, program: Program, plan: Plan, mesh, *, check_weights=True,
     on_meta = any(p.is_meta for p in params.values())
     if check_weights and not on_meta:
         world = dist.group.WORLD.group_name
-        if not same_on_all_ranks([p.detach() for p in params.values()], world):
+        if not same_on_all_ranks([p.detach() for p in params.values()], world, device):
             raise AutoparError("the model's weights differ between ranks; seed every rank the same "
                                "(torch.manual_seed) before building the model, or load one checkpoint on all")
     full = {fqn: (p if p.is_meta else p.to(device)) for fqn, p in params.items() if fqn in plan.params}
-    buffers = {name: b for name, b in model.named_buffers()}
+    # Buffers (rotary frequencies, position ids) and lifted constants run on the program's device too.
+    buffers = {name: (b if b.is_meta else b.to(device)) for name, b in model.named_buffers()}
+    constants = {k: (v.to(device) if isinstance(v, torch.Tensor) and not v.is_meta else v)
+                 for k, v in program.constants.items()}
+    program = dataclasses.replace(program, constants=constants)
     return ParallelModule(program, plan, mesh, full, buffers, sharded_outputs=sharded_outputs)
 
 
