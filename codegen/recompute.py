@@ -9,11 +9,13 @@ import torch.fx as fx
 
 from autopar.codegen.graph_order import stable_toposort
 from autopar.errors import AutoparError
+from autopar.passes.runner import requires
 
 LAYER_KEY = "autopar_layer"      # node.meta key: the layer instance a local-program node belongs to
 
 
-def recompute_pass(gm: fx.GraphModule, layers) -> fx.GraphModule:
+@requires("local_program_pass", "layers_pass")
+def recompute_pass(gm: fx.GraphModule, *, layers) -> fx.GraphModule:
     """Wrap the nodes of every layer instance in ``layers`` (``meta["autopar_layer"]``) in a checkpoint."""
     from autopar.runtime.recompute import checkpointed
 

@@ -23,6 +23,7 @@ from autopar.layout import local_fraction, local_shape
 from autopar.passes.meta import meta_of
 from autopar.passes.resharding import Step, collective_seconds, transition
 from autopar.passes.rules import context_for, rule_for, tensor_inputs
+from autopar.passes.runner import requires
 from autopar.passes.strategies import Strategy, Value, requires_grad, signature, value_info
 
 aten = torch.ops.aten
@@ -217,7 +218,8 @@ def _transition_cached(src, dst, shape, mesh_shape, partial_axes):
     return transition(src, dst, local, mesh_shape, grad_partial=partial_axes)
 
 
-def count_saving_consumers(gm: fx.GraphModule) -> None:
+@requires("saved_activations_pass")
+def count_saving_consumers_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """How many nodes save each value for backward (``extra["saved_by"]``)."""
     from collections import Counter
 
@@ -232,3 +234,4 @@ def count_saving_consumers(gm: fx.GraphModule) -> None:
                 counts[ins[k]] += 1
     for n, c in counts.items():
         meta_of(n).extra["saved_by"] = c
+    return gm

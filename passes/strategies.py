@@ -20,6 +20,7 @@ import torch.fx as fx
 from autopar.layout import R, S, divides
 from autopar.passes.meta import meta_of
 from autopar.passes.rules import (AxisOption, TensorInfo, axis_options, context_for, output_infos)
+from autopar.passes.runner import requires
 
 Layout = tuple  # tuple[Placement, ...]
 
@@ -67,7 +68,7 @@ def requires_grad(node: fx.Node) -> bool:
     return bool(meta_of(node).extra.get("requires_grad", False))
 
 
-def mark_requires_grad(gm: fx.GraphModule) -> None:
+def mark_requires_grad_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """Which values carry a gradient: floating values computed from parameters, outside no-grad regions."""
     for node in gm.graph.nodes:
         m = meta_of(node)
@@ -81,6 +82,7 @@ def mark_requires_grad(gm: fx.GraphModule) -> None:
             m.extra["requires_grad"] = floating and not no_grad and any(requires_grad(a) for a in ins)
         else:
             m.extra["requires_grad"] = False
+    return gm
 
 
 def _placeholder_strategies(node: fx.Node, mesh_shape) -> list[Strategy]:
@@ -190,10 +192,10 @@ def _try_follow(node: fx.Node, own: list[Strategy], producer_set: StrategySet, v
     return StrategySet(tuple(own), v.node, tuple(follow))
 
 
+@requires("mark_requires_grad_pass")
 def strategies_pass(gm: fx.GraphModule, mesh_shape) -> fx.GraphModule:
     """Write a ``StrategySet`` on every placeholder and call_function node."""
     mesh_shape = tuple(mesh_shape)
-    mark_requires_grad(gm)
     cache: dict = {}
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", "call_function"):

@@ -33,16 +33,17 @@ aten = torch.ops.aten
 MAX_ROW = 65536     # a row kernel holds one row in registers; longer rows stay ATen
 
 
-def fuse_pass(gm: fx.GraphModule, *, backend: str = "triton", example_inputs=None) -> fx.GraphModule:
+def fuse_pass(gm: fx.GraphModule, *, backend: str = "triton", example_inputs=None, device=None) -> fx.GraphModule:
     """Replace fusible regions of ``gm`` by Triton kernels (``backend="triton"``; ``"aten"`` leaves
-    ``gm`` as it is). Nodes need ``meta["val"]``; give ``example_inputs`` (one per placeholder, real or
-    fake) to have it recorded first. The generated sources are in ``gm.meta["autopar_kernels"]``."""
+    ``gm`` as it is). Nodes need ``meta["val"]``; give ``example_inputs`` (one per placeholder, real,
+    fake or meta; meta ones stand for tensors on ``device``) to have it recorded first. The generated
+    sources are in ``gm.meta["autopar_kernels"]``."""
     if backend == "aten":
         return gm
     if backend != "triton":
         raise ValueError(f"fuse_pass: backend must be 'triton' or 'aten', got {backend!r}")
     if example_inputs is not None:
-        record_meta(gm, example_inputs)
+        record_meta(gm, example_inputs, device=device)
     graph = gm.graph
     sources = gm.meta.setdefault("autopar_kernels", {})
     for node in list(graph.nodes):
@@ -70,14 +71,15 @@ def fuse_pass(gm: fx.GraphModule, *, backend: str = "triton", example_inputs=Non
     return gm
 
 
-def record_meta(gm: fx.GraphModule, example_inputs) -> None:
+def record_meta(gm: fx.GraphModule, example_inputs, *, device=None) -> None:
     """Run ``gm`` on fake copies of ``example_inputs`` and keep every node's value in ``meta["val"]``.
-    Meta tensors become fake tensors on the device of the other inputs."""
+    Meta tensors become fake tensors on ``device`` (default: the device of the other inputs)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
-    device = next((x.device for x in tensors if not x.is_meta), torch.device("cpu"))
+    if device is None:
+        device = next((x.device for x in tensors if not x.is_meta), torch.device("cpu"))
 
     def fake(x):
         if not isinstance(x, torch.Tensor):
