@@ -161,9 +161,9 @@ def tune_attention(kernels, do_bench):
               ", ".join(f"{tile} {ms:.3f}" for ms, tile in results[:5]))
 
 
-def tune_memory_bound(cases, do_bench):
+def tune_memory_bound(cases, only):
     """Times the memory-bound kernels' launch choices (warps, blocks) at the benchmark's shapes,
-    forward and forward+backward, and prints the fastest few of each."""
+    forward and forward+backward, in GPU kernel time, and prints the fastest few of each."""
     import itertools
 
     from autopar.codegen.kernels import _cross_entropy, _norms, _rotary
@@ -173,13 +173,15 @@ def tune_memory_bound(cases, do_bench):
             "_launch": [lambda block, backward, b=b, st=st: dict(num_warps=b if backward else 8,
                                                                num_stages=st if backward else 1)
                         for b, st in itertools.product((8, 16, 32), (1, 2))],
-            "_BWD_PROGRAMS_PER_SM": (1, 2, 4, 8)}),
+            "_BWD_PROGRAMS_PER_SM": (1, 2, 4, 8, 16)}),
         "cross_entropy": (_cross_entropy, {"_block": [lambda v, k=k: k for k in (1024, 2048, 4096, 8192, 16384)],
                                            "_warps": [lambda block, w=w: w for w in (4, 8, 16, 32)]}),
         "rotary": (_rotary, {"_block_s": [lambda half, k=k: k for k in (1, 2, 4, 8, 16, 32, 64, 128)]}),
     }
     sweeps["layer_norm"] = sweeps["rms_norm"]
     for name, (module, choices) in sweeps.items():
+        if only and name not in only:
+            continue
         make, impls, *_ = cases[name]
         inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in make()]
         saved = {attr: getattr(module, attr) for attr in choices}
@@ -189,8 +191,8 @@ def tune_memory_bound(cases, do_bench):
                 setattr(module, attr, fn)
             label = ", ".join(_describe(attr, fn) for attr, fn in zip(choices, combo))
             try:
-                fwd = _timed(impls["triton"], inputs, False, do_bench)
-                both = _timed(impls["triton"], inputs, True, do_bench)
+                fwd = _gpu_ms(impls["triton"], inputs, False)
+                both = _gpu_ms(impls["triton"], inputs, True)
             except Exception as exc:  # a launch the device cannot run
                 print(f"  {name} {label}: {type(exc).__name__}")
                 continue
@@ -322,7 +324,7 @@ def main() -> int:
         for name in [n for n in args.profile.split(",") if n]:
             profile(cases, name)
         if args.tune_memory:
-            tune_memory_bound(cases, do_bench)
+            tune_memory_bound(cases, [name for name in args.only.split(",") if name])
         return 0
     # The flash backend takes no fp32: the fp32 reference lets SDPA pick its backend.
     references = {"attention": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
