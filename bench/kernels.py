@@ -8,7 +8,10 @@ Memory-bound kernels report GB/s of compulsory traffic (each input read once, ea
 written once), attention reports TFLOP/s of model FLOPs (causal half of 4*B*H*S^2*D forward,
 2.5x that backward); both also as a fraction of this device's peaks, measured at the start of the
 run (a device-to-device copy counting bytes read and written, and an 8192^3 bf16 matmul). The last
-column is each implementation's time over the Triton kernel's (above 1: Triton is faster). Before
+column is each implementation's time over the Triton kernel's (above 1: Triton is faster). The
+columns are given twice: wall-clock time per call (Triton's do_bench: what a lone call costs, host
+launch and autograd overhead included) and GPU kernel time per call (torch.profiler's device times:
+what the call costs inside a training step, where the host runs ahead of the GPU). Before
 timing, each kernel's output and input gradients are checked against eager in fp32 on the same
 bf16 inputs. Without a GPU it says so and exits 0.
 """
@@ -158,9 +161,9 @@ def tune_attention(kernels, do_bench):
               ", ".join(f"{tile} {ms:.3f}" for ms, tile in results[:5]))
 
 
-def tune_memory_bound(cases, do_bench):
+def tune_memory_bound(cases, only):
     """Times the memory-bound kernels' launch choices (warps, blocks) at the benchmark's shapes,
-    forward and forward+backward, and prints the fastest few of each."""
+    forward and forward+backward, in GPU kernel time, and prints the fastest few of each."""
     import itertools
 
     from autopar.codegen.kernels import _cross_entropy, _norms, _rotary
@@ -169,7 +172,7 @@ def tune_memory_bound(cases, do_bench):
         "rms_norm": (_norms, {
             "_launch": [lambda block, backward, b=b, st=st: dict(num_warps=b if backward else 8,
                                                                num_stages=st if backward else 1)
-                        for b, st in itertools.product((8, 16, 32), (1, 2))],
+                        for b, st in itertools.product((8, 16, 32), (1, 2, 3))],
             "_BWD_PROGRAMS_PER_SM": (1, 2, 4, 8)}),
         "cross_entropy": (_cross_entropy, {"_block": [lambda v, k=k: k for k in (1024, 2048, 4096, 8192, 16384)],
                                            "_warps": [lambda block, w=w: w for w in (4, 8, 16, 32)]}),
@@ -177,6 +180,8 @@ def tune_memory_bound(cases, do_bench):
     }
     sweeps["layer_norm"] = sweeps["rms_norm"]
     for name, (module, choices) in sweeps.items():
+        if only and name not in only:
+            continue
         make, impls, *_ = cases[name]
         inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in make()]
         saved = {attr: getattr(module, attr) for attr in choices}
@@ -186,8 +191,8 @@ def tune_memory_bound(cases, do_bench):
                 setattr(module, attr, fn)
             label = ", ".join(_describe(attr, fn) for attr, fn in zip(choices, combo))
             try:
-                fwd = _timed(impls["triton"], inputs, False, do_bench)
-                both = _timed(impls["triton"], inputs, True, do_bench)
+                fwd = _gpu_ms(impls["triton"], inputs, False)
+                both = _gpu_ms(impls["triton"], inputs, True)
             except Exception as exc:  # a launch the device cannot run
                 print(f"  {name} {label}: {type(exc).__name__}")
                 continue
@@ -251,6 +256,33 @@ def measure_peaks(do_bench):
     return 2 * 2**31 / (copy_ms * 1e-3), 2 * 8192**3 / (mm_ms * 1e-3)
 
 
+def _gpu_ms(fn, inputs, backward, iters=10):
+    """Milliseconds the GPU spends in kernels per call (torch.profiler's device times), which leaves
+    out the host's launch and autograd overhead that a wall-clock timing of small kernels includes."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    leaves = [t for t in inputs if t.is_floating_point() and t.requires_grad]
+    grad = torch.randn_like(fn(*inputs)) if backward else None
+
+    def call():
+        for t in leaves:
+            t.grad = None
+        if backward:
+            fn(*inputs).backward(grad)
+        else:
+            with torch.no_grad():
+                fn(*inputs)
+
+    call()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            call()
+        torch.cuda.synchronize()
+    total_us = sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages())
+    return total_us / 1e3 / iters
+
+
 def _rate(work, ms, unit, peaks):
     per_s = work / (ms * 1e-3)
     peak = peaks[0] if unit == "B" else peaks[1]
@@ -292,12 +324,13 @@ def main() -> int:
         for name in [n for n in args.profile.split(",") if n]:
             profile(cases, name)
         if args.tune_memory:
-            tune_memory_bound(cases, do_bench)
+            tune_memory_bound(cases, [name for name in args.only.split(",") if name])
         return 0
     # The flash backend takes no fp32: the fp32 reference lets SDPA pick its backend.
     references = {"attention": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
     only = [name for name in args.only.split(",") if name] or list(cases)
-    header = f"{'kernel':14} {'pass':8} {'impl':8} {'ms':>9} {'rate':>16} {'of peak':>8} {'x triton':>9}"
+    header = (f"{'kernel':14} {'pass':8} {'impl':8} {'ms':>9} {'rate':>16} {'of peak':>8} {'x triton':>9} "
+              f"{'gpu ms':>9} {'gpu rate':>16} {'of peak':>8} {'x triton':>9}")
     print(header)
     print("-" * len(header))
     for name in only:
@@ -312,15 +345,17 @@ def main() -> int:
             _timed(impls["triton"], grad_inputs, backward, do_bench)  # warm-up: clocks and caches settle
             for impl, fn in impls.items():
                 try:
-                    times[impl] = _timed(fn, grad_inputs, backward, do_bench)
+                    times[impl] = _timed(fn, grad_inputs, backward, do_bench), _gpu_ms(fn, grad_inputs, backward)
                 except Exception as exc:  # one failing baseline (e.g. a compile error) must not stop the run
                     print(f"  {impl} {'fwd+bwd' if backward else 'fwd'} failed: {type(exc).__name__}: {exc}")
-            for impl, ms in times.items():
+            for impl, (ms, gpu_ms) in times.items():
                 shown, frac = _rate(work, ms, unit, peaks)
-                ratio = ms / times["triton"] if "triton" in times else math.nan
+                gpu_shown, gpu_frac = _rate(work, gpu_ms, unit, peaks)
+                ratio = ms / times["triton"][0] if "triton" in times else math.nan
+                gpu_ratio = gpu_ms / times["triton"][1] if "triton" in times else math.nan
                 print(
                     f"{name:14} {'fwd+bwd' if backward else 'fwd':8} {impl:8} {ms:9.3f} {shown:>16} "
-                    f"{frac:8.1%} {ratio:9.2f}"
+                    f"{frac:8.1%} {ratio:9.2f} {gpu_ms:9.3f} {gpu_shown:>16} {gpu_frac:8.1%} {gpu_ratio:9.2f}"
                 )
         del inputs, grad_inputs
         torch.cuda.empty_cache()
