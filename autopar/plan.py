@@ -92,13 +92,13 @@ class Plan:
 
     def explain(self, name: str) -> str:
         """Why ``name`` (a node or a parameter FQN) has its layout: the alternatives and their costs."""
-        from autopar.inspect import explain
+        from autopar.inspection import explain
 
         return explain(self, name)
 
     def to_html(self, path) -> None:
         """Write a self-contained HTML report of this plan."""
-        from autopar.inspect import to_html
+        from autopar.inspection import to_html
 
         to_html(self, path)
 
