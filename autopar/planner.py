@@ -17,7 +17,7 @@ from autopar.layout import format_layout
 from autopar.passes.capture import CapturedProgram
 from autopar.passes.costs import INFEASIBLE, CostModel, OptimizerSpec, VIEW_OPS
 from autopar.passes.layers import layer_counts, layer_instances
-from autopar.passes.lowering import collectives, lower
+from autopar.passes.reshard_plan import collectives, plan_reshards
 from autopar.passes.meta import meta_of, op_name
 from autopar.passes.problem import ProblemIndex, build_problem
 from autopar.passes.runner import PassRunner
@@ -181,7 +181,7 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "call_function") and meta_of(n).strategies is not None:
             chosen[n] = meta_of(n).strategies.strategies[idx.option_of(n, assignment)]
-    low = lower(gm, chosen, cm.mesh_shape, sharded_outputs)
+    low = plan_reshards(gm, chosen, cm.mesh_shape, sharded_outputs)
     colls = collectives(low, cm, axis_names)
     recompute = recomputed_layers(gm, idx.recompute_counts(assignment))
     instance_of = {n: meta_of(n).layer.layer for n in chosen
