@@ -64,8 +64,8 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
          memory_budget: float | None = None, mesh_shape=None, axis_names=None, time_limit: float = 60.0,
          optimizer: OptimizerSpec | None = None, progress: bool | None = None, skip_passes=(),
          insert_passes=(), pins: dict | None = None, kernels: str = "aten", sharded_outputs: bool = False,
-         recompute: bool | dict = True, front: FrontEnd | None = None, microbatches: int | None = None,
-         schedule: str | None = None) -> Plan:
+         recompute: bool | dict = True, cost_model: type[CostModel] = CostModel,
+         front: FrontEnd | None = None, microbatches: int | None = None, schedule: str | None = None) -> Plan:
     """Find the fastest layout of ``model`` on ``cluster`` that fits ``memory_budget`` bytes per device.
 
     ``pins`` forces layouts by hand: ``{"*.mlp.c_fc.weight": ["R", "S(1)"], "input_ids": ["S(0)", "R"]}``
@@ -80,6 +80,8 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     ``{"model.layers.*": "all"}`` (or a count) fixes it for the layer classes a glob names.
     ``skip_passes`` names passes not to run; ``insert_passes`` is a sequence of (name of a pass, a pass
     to run right after it) (autopar/pipeline.py lists the passes; docs/extending.md).
+    ``cost_model`` is the class that prices every candidate, ``CostModel`` or a subclass of it (e.g.
+    one that looks op times up in a measured table; docs/extending.md).
     A mesh axis named ``pp`` makes a pipeline plan (autopar/pipelining.py, docs/pipeline.md):
     ``microbatches`` and ``schedule`` (one of ``pipelining.SCHEDULES``) fix what is otherwise chosen by
     predicted step time.
@@ -104,13 +106,13 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
             if "pp" in names:
                 p = _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget, optimizer,
                                    fused, pins, sharded_outputs, recompute, time_limit, skip_passes, insert_passes,
-                                   microbatches, schedule, tried, report)
+                                   microbatches, schedule, tried, report, cost_model)
                 if p is not None and (best is None or p.step_time < best.step_time):
                     best = p
                 continue
             report(f"mesh {shape}: strategies")
             prep.runner.run(mesh_passes(shape), prep.gm, f"mesh {shape}")
-            cm = CostModel(cluster, shape, optimizer, fused=fused)
+            cm = cost_model(cluster, shape, optimizer, fused=fused)
             report(f"mesh {shape}: costs")
             prob, idx = build_problem(prep.gm, cm, budget, pins, sharded_outputs, recompute)
             report(f"mesh {shape}: solving {len(prob.choices)} decisions, {len(prob.edges) + len(prob.shared)} edges")
@@ -146,7 +148,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
 
 def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget, optimizer, fused, pins,
                    sharded_outputs, recompute, time_limit, skip_passes, insert_passes, microbatches, schedule,
-                   tried, report) -> Plan | None:
+                   tried, report, cost_model=CostModel) -> Plan | None:
     """The fastest pipeline plan on mesh ``shape`` (axis ``pp`` among ``names``), or None when none fits."""
     import math
 
@@ -183,7 +185,7 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
         PL.check_layers(prep.gm, p)
         loss_output(prep.gm)          # the last stage hands the loss to the schedule
         prep.runner.run(mesh_passes(sub_shape), prep.gm, f"mesh {shape}")
-        cm = CostModel(sub_cluster, sub_shape, optimizer, fused=fused)
+        cm = cost_model(sub_cluster, sub_shape, optimizer, fused=fused)
         # Each stage holds about 1/p of the model: the whole microbatch program gets p budgets here, and
         # every stage is checked against one budget, in-flight microbatches included, below.
         prob, idx = build_problem(prep.gm, cm, budget * p, pins, sharded_outputs, False)

@@ -20,16 +20,15 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from autopar.codegen.local_program import program_info
-from autopar.codegen.recompute import LAYER_KEY
 from autopar.errors import AutoparError
+from autopar.passes.meta import meta_of, program_meta
 from autopar.runtime.program import StageProgram
 
 
 def split_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int], num_stages: int, loss_position: int) -> tuple:
     """``gm`` (a local program of one microbatch) as ``num_stages`` StagePrograms; the loss is output
     leaf ``loss_position`` (``loss_output``)."""
-    info = program_info(gm)
+    info = program_meta(gm)
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     kind_of = {n: kt for n, kt in zip(placeholders, info.placeholders)}
@@ -42,7 +41,8 @@ def split_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int], num_stages:
             continue
         ins = n.all_input_nodes
         param_dep[n] = any(param_dep.get(a, False) for a in ins)
-        layer = n.meta.get(LAYER_KEY)
+        tag = meta_of(n).layer
+        layer = tag.layer if tag is not None else None
         earliest = max((stage[a] for a in ins if a in stage), default=0)
         if layer is not None and param_dep[n]:
             if layer not in stage_of_layer:
