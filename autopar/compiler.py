@@ -64,6 +64,12 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
                                        f"group has {world} ranks")
     if sharded_outputs is None:
         sharded_outputs = plan.sharded_outputs
+    if plan.pipeline:
+        # A pipeline runs the program of one microbatch: capture again at its shapes.
+        from autopar.pipelining import microbatch_inputs
+
+        mb_args, mb_kwargs = microbatch_inputs(example_inputs, example_kwargs, plan.pipeline["microbatches"])
+        front = front_end(model, mb_args, mb_kwargs, runner)
     mesh = init_mesh(plan)
     groups = [mesh.get_group(a).group_name for a in plan.axis_names]
     program = generate(front, plan, groups, rank_device(), sharded_outputs=sharded_outputs, kernels=kernels)
