@@ -4,8 +4,8 @@
     plan = autopar.plan(model, autopar.ClusterSpec.preset("64xH100"), example_inputs=(ids,))
 """
 from autopar.cluster import ClusterSpec, DeviceSpec
-from autopar.errors import (AutoparError, CaptureError, ClusterMismatchError, InfeasiblePlanError, MeshError,
-                            PlanFormatError, ShardingError)
+from autopar.errors import (AutoparError, AutoparWarning, CaptureError, ClusterMismatchError, InfeasiblePlanError,
+                            MeshError, PlanFormatError, ShapeMismatchError, ShardingError)
 from autopar.plan import Plan
 
 __version__ = "0.1.0"
@@ -34,5 +34,6 @@ def diff(a: Plan, b: Plan):
     return _diff(a, b)
 
 
-__all__ = ["ClusterSpec", "DeviceSpec", "Plan", "plan", "compile", "diff", "AutoparError", "CaptureError",
-           "ClusterMismatchError", "InfeasiblePlanError", "MeshError", "PlanFormatError", "ShardingError"]
+__all__ = ["ClusterSpec", "DeviceSpec", "Plan", "plan", "compile", "diff", "AutoparError", "AutoparWarning", "CaptureError",
+           "ClusterMismatchError", "InfeasiblePlanError", "MeshError", "PlanFormatError", "ShapeMismatchError",
+           "ShardingError"]

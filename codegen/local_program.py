@@ -16,13 +16,13 @@ from torch.utils import _pytree as pytree
 
 from autopar.cluster import ClusterSpec
 from autopar.codegen.recompute import LAYER_KEY, recompute_pass
-from autopar.errors import PlanFormatError
-from autopar.layout import local_shape, parse_layout
+from autopar.errors import PlanFormatError, ShardingError
+from autopar.layout import format_layout, local_shape, parse_layout
 from autopar.passes.costs import CostModel
 from autopar.passes.lowering import Lowered, gathered_output, lower
 from autopar.passes.meta import meta_of, op_name
 from autopar.passes.rules import context_for, rule_for
-from autopar.passes.strategies import Strategy, input_values, mark_requires_grad
+from autopar.passes.strategies import Strategy, input_values, mark_requires_grad, node_strategies
 from autopar.plan import Plan
 from autopar.runtime import collectives as C
 
@@ -46,7 +46,7 @@ def strategies_from_plan(gm: fx.GraphModule, plan: Plan) -> dict:
     nax = len(axes)
     by_name = {n["name"]: n for n in plan.nodes}
     rep = tuple(parse_layout(["R"] * nax))
-    out = {}
+    out, legal = {}, {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             role = meta_of(node).role
@@ -58,7 +58,14 @@ def strategies_from_plan(gm: fx.GraphModule, plan: Plan) -> dict:
                 lay = parse_layout(plan.params[role.target])
             elif role.kind == "input" and role.target in plan.inputs:
                 lay = parse_layout(plan.inputs[role.target])
-            outs = (lay,) if isinstance(node.meta.get("val"), torch.Tensor) else ()
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                field = f"params[{role.target!r}]" if role.kind == "param" else f"inputs[{role.target!r}]"
+                try:
+                    local_shape(tuple(val.shape), lay, plan.mesh_shape, what=f"plan {field} {format_layout(lay)}")
+                except ShardingError as e:
+                    raise PlanFormatError(str(e)) from e
+            outs = (lay,) if isinstance(val, torch.Tensor) else ()
             out[node] = Strategy((), outs, (False,) * nax)
         elif node.op == "call_function":
             entry = by_name.get(node.name)
@@ -68,9 +75,15 @@ def strategies_from_plan(gm: fx.GraphModule, plan: Plan) -> dict:
                 raise PlanFormatError(f"the plan does not match this model at node {node.name!r} "
                                       f"({op_name(node)}): it was made for another model or another "
                                       f"version of it ({plan.model.get('class')}); plan this model again")
-            out[node] = Strategy(tuple(parse_layout(l) for l in entry["inputs"]),
-                                 tuple(parse_layout(l) for l in entry["outputs"]),
-                                 tuple(a in entry["split_axes"] for a in axes))
+            s = Strategy(tuple(parse_layout(l) for l in entry["inputs"]),
+                         tuple(parse_layout(l) for l in entry["outputs"]),
+                         tuple(a in entry.get("split_axes", ()) for a in axes))
+            if node.target is not operator.getitem and s not in node_strategies(node, plan.mesh_shape, legal):
+                raise PlanFormatError(f"plan node {node.name!r} ({op_name(node)}): inputs {entry['inputs']} -> "
+                                      f"outputs {entry['outputs']} splitting work on {entry.get('split_axes')} is "
+                                      f"not a strategy of its op for shape {shape} on mesh {list(plan.mesh_shape)}; "
+                                      f"the plan was edited or made by another version: plan this model again")
+            out[node] = s
     return out
 
 
