@@ -7,6 +7,7 @@ from autopar.cluster import ClusterSpec, DeviceSpec
 from autopar.errors import (AutoparError, AutoparWarning, CaptureError, ClusterMismatchError, InfeasiblePlanError,
                             MeshError, PlanFormatError, ShapeMismatchError, ShardingError)
 from autopar.plan import Plan
+from autopar import checkpoint
 
 __version__ = "0.1.0"
 
@@ -34,6 +35,6 @@ def diff(a: Plan, b: Plan):
     return _diff(a, b)
 
 
-__all__ = ["ClusterSpec", "DeviceSpec", "Plan", "plan", "compile", "diff", "AutoparError", "AutoparWarning", "CaptureError",
+__all__ = ["ClusterSpec", "DeviceSpec", "Plan", "plan", "compile", "diff", "checkpoint", "AutoparError", "AutoparWarning", "CaptureError",
            "ClusterMismatchError", "InfeasiblePlanError", "MeshError", "PlanFormatError", "ShapeMismatchError",
            "ShardingError"]

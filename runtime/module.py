@@ -165,6 +165,11 @@ class ParallelModule(nn.Module):
     def _full_shape(self, fqn):
         return torch.Size(global_shape(self.local_parameter(fqn).shape, self._layouts[fqn], self.plan.mesh_shape))
 
+    @property
+    def aliases(self) -> dict:
+        """State-dict names of tied parameters -> the planned name whose tensor they share."""
+        return dict(self._aliases)
+
     def full_state_dict(self) -> dict:
         """The original model's state dict as full plain tensors, equal on every rank: every parameter
         under each of its names (tied ones too) and the persistent buffers, so that
