@@ -1,12 +1,17 @@
-"""``autopar.compile``: plan on rank 0 (or take a Plan), check it against the model and the process
-group, then build every rank's ParallelModule (runtime/module.py)."""
+"""``autopar.compile``: the stages in order, on every rank.
+
+1. capture and the front-end passes (autopar/pipeline.py), once;
+2. the plan: made on rank 0 from that front end (autopar/planner.py) and broadcast, or the one given;
+3. codegen: this rank's local program with its collectives and kernels (codegen/);
+4. the runtime gets the finished Program and the model's weights (runtime/module.py).
+"""
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import torch
-
 import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -14,18 +19,24 @@ from torch.utils import _pytree as pytree
 from autopar.cluster import ClusterSpec
 from autopar.errors import ClusterMismatchError, PlanFormatError
 from autopar.plan import Plan
-from autopar.runtime.module import build, device_type
 
 
 def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_kwargs=None, *,
             memory_budget=None, plan: Plan | None = None, check_weights: bool = True,
-            sharded_outputs: bool | None = None, kernels: str = "auto", **plan_options):
+            sharded_outputs: bool | None = None, kernels: str = "auto", skip_passes=(), insert_passes=(),
+            **plan_options):
     """Plan (or take ``plan``) and return this rank's ParallelModule.
 
     ``sharded_outputs=True`` returns outputs as DTensors and leaves non-scalar ones (logits) in the
     layouts they are computed in, so they are never gathered; the plan is made knowing that. Scalars
     (the loss) are returned whole. The default is the given plan's setting, else False.
-    ``kernels`` is "auto" (Triton on CUDA, ATen on CPU), "triton" or "aten" (docs/kernels.md)."""
+    ``kernels`` is "auto" (Triton on CUDA, ATen on CPU), "triton" or "aten" (docs/kernels.md).
+    ``skip_passes`` and ``insert_passes`` change the pass pipeline on every rank (docs/extending.md)."""
+    from autopar.codegen.triton import resolve_backend
+    from autopar.pipeline import front_end, generate, new_runner
+    from autopar.planner import model_fingerprint
+    from autopar.runtime.module import build, device_type, init_mesh, rank_device
+
     if not dist.is_available() or not dist.is_initialized():
         raise ClusterMismatchError("autopar.compile runs inside an initialized process group: start the "
                                    "program with torchrun (ClusterSpec.from_env() initializes it) or call "
@@ -35,28 +46,33 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
         raise ClusterMismatchError(f"the process group has {world} ranks but the ClusterSpec describes "
                                    f"{cluster.num_devices} devices; use ClusterSpec.from_env() or a spec of "
                                    f"{world} devices")
-    from autopar.codegen.triton import resolve_backend
-    from autopar.planner import model_fingerprint
-
     kernels = resolve_backend(kernels, device_type())
+    runner = new_runner(skip_passes, insert_passes)
+    if runner.debug_dir is not None and world > 1:
+        runner.debug_dir = Path(runner.debug_dir) / f"rank{dist.get_rank()}"
+        runner.debug_dir.mkdir(parents=True, exist_ok=True)
+    front = front_end(model, example_inputs, example_kwargs, runner)
     if plan is None:
-        plan = _plan_on_rank0(model, cluster, example_inputs, example_kwargs, memory_budget,
+        plan = _plan_on_rank0(model, cluster, example_inputs, example_kwargs, memory_budget, front,
                               {**plan_options, "kernels": kernels, "sharded_outputs": bool(sharded_outputs)})
     else:
         check_plan(plan, model, example_inputs, example_kwargs, world, memory_budget=memory_budget, **plan_options)
     if sharded_outputs is None:
         sharded_outputs = plan.sharded_outputs
-    return build(model, plan, example_inputs, example_kwargs, check_weights=check_weights,
-                 sharded_outputs=sharded_outputs, kernels=kernels)
+    mesh = init_mesh(plan)
+    groups = [mesh.get_group(a).group_name for a in plan.axis_names]
+    program = generate(front, plan, groups, rank_device(), sharded_outputs=sharded_outputs, kernels=kernels)
+    return build(model, program, plan, mesh, check_weights=check_weights, sharded_outputs=sharded_outputs)
 
 
-def _plan_on_rank0(model, cluster, example_inputs, example_kwargs, memory_budget, options):
+def _plan_on_rank0(model, cluster, example_inputs, example_kwargs, memory_budget, front, options):
     from autopar.planner import plan as make_plan
 
     payload = [None]
     if dist.get_rank() == 0:
         try:
-            p = make_plan(model, cluster, example_inputs, example_kwargs, memory_budget=memory_budget, **options)
+            p = make_plan(model, cluster, example_inputs, example_kwargs, memory_budget=memory_budget, front=front,
+                          **options)
             payload = [p.to_json()]
         except Exception as e:     # every rank must learn of the failure, not hang in the broadcast
             payload = [e]

@@ -15,16 +15,15 @@ import torch.fx as fx
 from autopar.cluster import ClusterSpec, default_axis_names
 from autopar.errors import AutoparError, AutoparWarning, InfeasiblePlanError
 from autopar.layout import format_layout
-from autopar.passes.capture import CapturedProgram, capture
-from autopar.passes.costs import INFEASIBLE, CostModel, OptimizerSpec, VIEW_OPS, count_saving_consumers
-from autopar.passes.layers import layer_counts, layer_instances, layers_pass
+from autopar.passes.capture import CapturedProgram
+from autopar.passes.costs import INFEASIBLE, CostModel, OptimizerSpec, VIEW_OPS
+from autopar.passes.layers import layer_counts, layer_instances
 from autopar.passes.lowering import collectives, lower
-from autopar.passes.memory import saved_activations_pass
 from autopar.passes.meta import meta_of, op_name
-from autopar.passes.normalize import normalize_pass
 from autopar.passes.problem import ProblemIndex, build_problem
 from autopar.passes.runner import PassRunner
-from autopar.passes.strategies import requires_grad, root_of, strategies_pass
+from autopar.passes.strategies import requires_grad, root_of
+from autopar.pipeline import FrontEnd, analysis_passes, front_end, mesh_passes, new_runner
 from autopar.plan import Plan
 from autopar.solver import minimum_feasible_budget, solve
 
@@ -39,21 +38,14 @@ class Prepared:
     fingerprint: str
 
 
-def prepare(model, example_inputs, example_kwargs, cluster: ClusterSpec, *, skip_passes=()) -> Prepared:
-    """Capture the model and run the passes that do not depend on the mesh."""
-    captured = capture(model, example_inputs, example_kwargs)
-    runner = PassRunner([normalize_pass, layers_pass, _saved_pass(cluster.device_type)],
-                        skip=frozenset(skip_passes))
-    gm = runner(captured.gm)
-    count_saving_consumers(gm)
-    return Prepared(captured, gm, runner, model_fingerprint(model))
-
-
-def _saved_pass(device_type):
-    def saved_activations_pass_for_target(gm):
-        return saved_activations_pass(gm, target_device=device_type)
-    saved_activations_pass_for_target.__name__ = "saved_activations_pass"
-    return saved_activations_pass_for_target
+def prepare(model, example_inputs, example_kwargs, cluster: ClusterSpec, *, skip_passes=(), insert_passes=(),
+            front: FrontEnd | None = None) -> Prepared:
+    """Capture the model and run the passes that do not depend on the mesh; ``front`` is a front end
+    already run (``autopar.compile`` runs it once and plans from it)."""
+    if front is None:
+        front = front_end(model, example_inputs, example_kwargs, new_runner(skip_passes, insert_passes))
+    gm = front.runner.run(analysis_passes(cluster.device_type), front.gm, "analysis")
+    return Prepared(front.captured, gm, front.runner, model_fingerprint(model))
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -72,8 +64,9 @@ def default_optimizer(model) -> OptimizerSpec:
 def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), example_kwargs=None, *,
          memory_budget: float | None = None, mesh_shape=None, axis_names=None, time_limit: float = 60.0,
          optimizer: OptimizerSpec | None = None, progress: bool | None = None, skip_passes=(),
-         pins: dict | None = None, kernels: str = "aten", sharded_outputs: bool = False,
-         recompute: bool | dict = True) -> Plan:
+         insert_passes=(), pins: dict | None = None, kernels: str = "aten", sharded_outputs: bool = False,
+         recompute: bool | dict = True, cost_model: type[CostModel] = CostModel,
+         front: FrontEnd | None = None) -> Plan:
     """Find the fastest layout of ``model`` on ``cluster`` that fits ``memory_budget`` bytes per device.
 
     ``pins`` forces layouts by hand: ``{"*.mlp.c_fc.weight": ["R", "S(1)"], "input_ids": ["S(0)", "R"]}``
@@ -86,6 +79,10 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     ``recompute=True`` lets the solver checkpoint the first instances of a repeated layer (their
     activations are recomputed in backward) where memory is short; ``False`` keeps every activation;
     ``{"model.layers.*": "all"}`` (or a count) fixes it for the layer classes a glob names.
+    ``skip_passes`` names passes not to run; ``insert_passes`` is a sequence of (name of a pass, a pass
+    to run right after it) (autopar/pipeline.py lists the passes; docs/extending.md).
+    ``cost_model`` is the class that prices every candidate, ``CostModel`` or a subclass of it (e.g.
+    one that looks op times up in a measured table; docs/extending.md).
     """
     t0 = time.perf_counter()
     if mesh_shape is not None:
@@ -98,7 +95,8 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     candidates = cluster.mesh_candidates() if cluster.mesh_shape is None else [cluster.mesh_shape]
     with _progress(progress, total=2 + 4 * len(candidates)) as report:
         report("capturing")
-        prep = prepare(model, example_inputs, example_kwargs, cluster, skip_passes=skip_passes)
+        prep = prepare(model, example_inputs, example_kwargs, cluster, skip_passes=skip_passes,
+                       insert_passes=insert_passes, front=front)
         best, tried, infeasible = None, [], []
         for shape in candidates:
             names = tuple(cluster.axis_names) if cluster.mesh_shape is not None and cluster.axis_names \
@@ -108,8 +106,8 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
                                    f"not implemented yet (docs/status.md); name the axes yourself "
                                    f"(axis_names=...) to use that axis for data or tensor sharding")
             report(f"mesh {shape}: strategies")
-            strategies_pass(prep.gm, shape)
-            cm = CostModel(cluster, shape, optimizer, fused=fused)
+            prep.runner.run(mesh_passes(shape), prep.gm, f"mesh {shape}")
+            cm = cost_model(cluster, shape, optimizer, fused=fused)
             report(f"mesh {shape}: costs")
             prob, idx = build_problem(prep.gm, cm, budget, pins, sharded_outputs, recompute)
             report(f"mesh {shape}: solving {len(prob.choices)} decisions, {len(prob.edges) + len(prob.shared)} edges")
@@ -136,7 +134,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
             warnings.warn(w, AutoparWarning, stacklevel=2)
         best.solver["candidates"] = tried
         best.solver["planning_seconds"] = time.perf_counter() - t0
-        best.solver["passes"] = [{"name": r.name, "seconds": r.seconds, "skipped": r.skipped}
+        best.solver["passes"] = [{"name": r.name, "stage": r.stage, "seconds": r.seconds, "skipped": r.skipped}
                                  for r in prep.runner.records]
         report("done")
     return best
@@ -214,7 +212,7 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "call_function") and meta_of(n).strategies is not None:
             chosen[n] = meta_of(n).strategies.strategies[idx.option_of(n, assignment)]
-    low = lower(gm, chosen, cm, sharded_outputs)
+    low = lower(gm, chosen, cm.mesh_shape, sharded_outputs)
     colls = collectives(low, cm, axis_names)
     recompute = recomputed_layers(gm, idx.recompute_counts(assignment))
     instance_of = {n: meta_of(n).layer.layer for n in chosen
@@ -473,7 +471,7 @@ def _raise_infeasible(prep, infeasible, cluster, budget):
         raise InfeasiblePlanError(f"no valid plan exists on {cluster.name or cluster.num_devices} devices at any "
                                   f"budget: the pinned layouts cannot be reached; relax the pins", budget=budget)
     need, assignment, shape, names, idx, cm = best
-    strategies_pass(prep.gm, shape)        # the graph holds the last candidate mesh's strategies
+    prep.runner.run(mesh_passes(shape), prep.gm, f"mesh {shape}")   # the graph holds the last mesh's
     p = evaluate(prep, idx, assignment, cm, shape, names, cluster, budget)
     consumers = [(f"param {k} (+grad, optimizer)", v) for k, v in p.memory["by_param"].items()]
     consumers += [(f"activations of {n['name']}", n["activation_bytes"]) for n in p.nodes]

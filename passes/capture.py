@@ -14,7 +14,7 @@ import torch.fx as fx
 from torch.export.graph_signature import InputKind, OutputKind
 
 from autopar.errors import CaptureError
-from autopar.passes.meta import Role, meta_of
+from autopar.passes.meta import Role, set_meta
 
 
 @dataclass
@@ -39,8 +39,8 @@ class CapturedProgram:
         raise KeyError(name)
 
 
-def _example_on_meta(x):
-    return x.to("meta") if isinstance(x, torch.Tensor) else x
+def _model_device(model: torch.nn.Module) -> torch.device | None:
+    return next((t.device for t in (*model.parameters(), *model.buffers())), None)
 
 
 def capture(model: torch.nn.Module, example_inputs=(), example_kwargs=None) -> CapturedProgram:
@@ -49,10 +49,12 @@ def capture(model: torch.nn.Module, example_inputs=(), example_kwargs=None) -> C
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     example_inputs, example_kwargs = _distinct_inputs(example_inputs, example_kwargs)
-    on_meta = any(p.is_meta for p in model.parameters())
-    if on_meta:
-        example_inputs = tuple(_example_on_meta(x) for x in example_inputs)
-        example_kwargs = {k: _example_on_meta(v) for k, v in example_kwargs.items()}
+    # Example inputs only describe shapes: they follow the model's device (meta included), so a
+    # model still on the CPU or the meta device captures with a batch already on the GPU.
+    device = torch.device("meta") if any(p.is_meta for p in model.parameters()) else _model_device(model)
+    if device is not None:
+        example_inputs, example_kwargs = torch.utils._pytree.tree_map_only(
+            torch.Tensor, lambda x: x.to(device), (tuple(example_inputs), example_kwargs))
     try:
         ep = torch.export.export(model, tuple(example_inputs), example_kwargs, strict=False)
     except Exception as e:
@@ -65,19 +67,18 @@ def capture(model: torch.nn.Module, example_inputs=(), example_kwargs=None) -> C
     params, buffers, constants, inputs = {}, {}, {}, []
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
     for node, spec in zip(placeholders, sig.input_specs):
-        m = meta_of(node)
         if spec.kind == InputKind.PARAMETER:
             params[node.name] = spec.target
-            m.role = Role("param", spec.target)
+            set_meta(node, role=Role("param", spec.target))
         elif spec.kind == InputKind.BUFFER:
             buffers[node.name] = spec.target
-            m.role = Role("buffer", spec.target)
+            set_meta(node, role=Role("buffer", spec.target))
         elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
             constants[node.name] = spec.target
-            m.role = Role("constant", spec.target)
+            set_meta(node, role=Role("constant", spec.target))
         else:
             inputs.append(node.name)
-            m.role = Role("input", node.name)
+            set_meta(node, role=Role("input", node.name))
     _merge_tied_parameters(model, ep.graph, params)
     for spec in sig.output_specs:
         if spec.kind != OutputKind.USER_OUTPUT:
@@ -118,7 +119,7 @@ def _merge_tied_parameters(model, graph, params):
         else:
             keep[target] = node
             params[node.name] = target
-            meta_of(node).role = Role("param", target)
+            set_meta(node, role=Role("param", target))
 
 
 def _distinct_inputs(args, kwargs):

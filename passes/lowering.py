@@ -12,9 +12,9 @@ import torch
 import torch.fx as fx
 
 from autopar.layout import R
-from autopar.passes.costs import CostModel
 from autopar.passes.meta import op_name
-from autopar.passes.strategies import Strategy, Value, input_values, requires_grad
+from autopar.passes.resharding import global_transition
+from autopar.passes.strategies import Strategy, Value, input_values, requires_grad, value_info
 
 
 @dataclass(frozen=True)
@@ -39,13 +39,14 @@ def gathered_output(node: fx.Node, sharded_outputs: bool) -> bool:
     return not sharded_outputs or node.meta["val"].dim() == 0
 
 
-def lower(gm: fx.GraphModule, strategy: dict, cm: CostModel, sharded_outputs: bool = False) -> Lowered:
+def lower(gm: fx.GraphModule, strategy: dict, mesh_shape, sharded_outputs: bool = False) -> Lowered:
+    mesh_shape = tuple(mesh_shape)
     low = Lowered(strategy)
     for node in gm.graph.nodes:
         if node.op == "call_function":
             s = strategy[node]
             for k, v in enumerate(input_values(node)):
-                key = _reshard(low, cm, v, s.inputs[k], s, node)
+                key = _reshard(low, mesh_shape, v, s.inputs[k], s, node)
                 if key is not None:
                     low.uses[(node, k)] = key
         elif node.op == "output":
@@ -55,21 +56,21 @@ def lower(gm: fx.GraphModule, strategy: dict, cm: CostModel, sharded_outputs: bo
                     if not gathered_output(a, sharded_outputs):
                         low.output_uses.append(None)
                         continue
-                    rep = tuple(R for _ in cm.mesh_shape)
-                    low.output_uses.append(_reshard(low, cm, Value(a), rep, None, node))
+                    rep = tuple(R for _ in mesh_shape)
+                    low.output_uses.append(_reshard(low, mesh_shape, Value(a), rep, None, node))
                 else:
                     low.output_uses.append(None)
     return low
 
 
-def _reshard(low: Lowered, cm: CostModel, v: Value, dst, s: Strategy | None, consumer: fx.Node):
+def _reshard(low: Lowered, mesh_shape, v: Value, dst, s: Strategy | None, consumer: fx.Node):
     src = low.strategy[v.node].outputs[v.index]
     partial = frozenset()
     if s is not None and requires_grad(v.node):
         partial = frozenset(a for a, p in enumerate(dst) if p.is_replicate and s.splits_work[a])
     key = ReshardKey(v, tuple(dst), partial)
     if key not in low.reshards:
-        steps = cm.resharding(v, src, consumer, s, 0, dst_layout=dst)
+        steps = global_transition(tuple(src), tuple(dst), value_info(v).shape, mesh_shape, grad_partial=partial)
         if steps is None:
             raise AssertionError(f"plan reads {v.node.name} as {list(map(str, dst))} but it is produced as "
                                  f"{list(map(str, src))}: no resharding makes a Partial")
@@ -78,9 +79,9 @@ def _reshard(low: Lowered, cm: CostModel, v: Value, dst, s: Strategy | None, con
     return key if low.reshards[key] else None
 
 
-def collectives(low: Lowered, cm: CostModel, axis_names) -> list[dict]:
+def collectives(low: Lowered, cm, axis_names) -> list[dict]:
+    """The plan's collectives under ``low``, priced by ``cm`` (a passes.costs.CostModel)."""
     from autopar.passes.resharding import collective_seconds
-    from autopar.passes.strategies import value_info
 
     out = []
     for key, steps in low.reshards.items():

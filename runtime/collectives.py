@@ -243,16 +243,17 @@ def _checksum(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([bits.sum(), (bits * pos).sum(), torch.tensor(bits.numel(), device=bits.device)])
 
 
-def same_on_all_ranks(tensors, group_name: str) -> bool:
+def same_on_all_ranks(tensors, group_name: str, device: torch.device | None = None) -> bool:
     """True when every tensor in ``tensors`` is bitwise equal on every rank of the group.
 
     A cheap check for replicated weights: one all-reduce of three int64s per tensor. Every rank
-    must pass the same number of tensors, on the device its backend communicates on.
+    must pass the same number of tensors. The checksums are taken where the tensors are and
+    reduced on ``device`` (the one the group's backend communicates on; default: the tensors').
     """
     tensors = list(tensors)
     if not tensors:
         return True
-    sums = torch.cat([_checksum(t) for t in tensors])
+    sums = torch.cat([_checksum(t) for t in tensors]).to(device or tensors[0].device)
     # max(~v) == ~min(v): one MAX all-reduce yields both the maximum and the minimum of each entry.
     both = _ops.wait_tensor(_ops.all_reduce(torch.cat([sums, ~sums]), "max", group_name))
     n = sums.numel()

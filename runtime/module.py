@@ -1,12 +1,13 @@
-"""The module users hold: local parameter shards, the generated local program, and the original
+"""The module users hold: local parameter shards, the rank's finished program, and the original
 call signature.
 
-``build`` runs on every rank with the Plan that autopar.compile got from rank 0: it captures the model,
-generates this rank's local program and cuts this rank's shards out of the full weights. The runtime
-knows nothing of planning.
+``build`` runs on every rank with the Plan and the Program (runtime/program.py) that autopar.compile
+made: it checks the weights and cuts this rank's shards out of them. The runtime knows nothing of
+capture, planning or code generation.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -17,6 +18,7 @@ from torch.utils import _pytree as pytree
 from autopar.errors import AutoparError, ShapeMismatchError
 from autopar.layout import global_shape, parse_layout
 from autopar.plan import Plan
+from autopar.runtime.program import Program
 
 log = logging.getLogger("autopar")
 
@@ -32,14 +34,13 @@ def shard_of(full: torch.Tensor, layout, mesh_shape, coords) -> torch.Tensor:
 
 
 class ParallelModule(nn.Module):
-    def __init__(self, program, plan: Plan, captured, mesh, full_params: dict, buffers: dict, constants: dict,
-                 *, sharded_outputs: bool = False, aliases: dict | None = None, persistent=None):
+    def __init__(self, program: Program, plan: Plan, mesh, full_params: dict, buffers: dict, *,
+                 sharded_outputs: bool = False, aliases: dict | None = None, persistent=None):
         super().__init__()
         self.plan = plan
         self.sharded_outputs = sharded_outputs
         self.mesh = mesh
         self._program = program
-        self._captured = captured
         self._coords = tuple(mesh.get_coordinate())
         self._layouts = {fqn: parse_layout(lay) for fqn, lay in plan.params.items()}
         self._fqn_to_key = {fqn: fqn.replace(".", "__") for fqn in plan.params}
@@ -53,7 +54,7 @@ class ParallelModule(nn.Module):
         # and the buffers a state dict holds (torch leaves out non-persistent ones).
         self._aliases = dict(aliases or {})
         self._persistent = [b for b in (buffers if persistent is None else persistent) if b in buffers]
-        self._constants = constants
+        self._constants = program.constants
         self._materialized = False
         self.local_program = program.gm       # registered as a submodule: its attributes move with .to()
 
@@ -70,7 +71,7 @@ class ParallelModule(nn.Module):
     @property
     def kernels(self) -> dict:
         """Triton source by kernel name, for every kernel the program calls (empty with ATen kernels)."""
-        return dict(self.local_program.meta.get("autopar_kernels", {}))
+        return dict(self._program.kernels)
 
     def local_parameter(self, fqn: str) -> nn.Parameter:
         return self.shards[self._fqn_to_key[fqn]]
@@ -82,7 +83,7 @@ class ParallelModule(nn.Module):
         outs = pytree.tree_leaves(self.local_program(*self._local_args(flat)))
         if self.sharded_outputs:
             outs = self._as_dtensors(outs)
-        return pytree.tree_unflatten(outs, self._captured.out_spec)
+        return pytree.tree_unflatten(outs, self._program.out_spec)
 
     def _local_args(self, flat) -> list:
         """This rank's arguments of the local program, from the flattened call arguments."""
@@ -118,12 +119,12 @@ class ParallelModule(nn.Module):
         return wrapped
 
     def _check_inputs(self, flat, spec):
-        planned = self._captured.input_shapes
+        planned = self._program.input_shapes
         got = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in flat)
-        if spec != self._captured.in_spec or got != tuple(planned):
+        if spec != self._program.in_spec or got != tuple(planned):
             raise ShapeMismatchError(
                 f"inputs have shapes {list(got)} but the plan was made for {list(planned)} "
-                f"(argument structure {'matches' if spec == self._captured.in_spec else 'differs'}). "
+                f"(argument structure {'matches' if spec == self._program.in_spec else 'differs'}). "
                 f"A plan fixes every shape: call autopar.compile again with example inputs of the new shape, "
                 f"or pad batches to the planned shape.")
 
@@ -247,42 +248,28 @@ def device_type() -> str:
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
-def build(model, plan: Plan, example_inputs=(), example_kwargs=None, *, check_weights=True,
-          sharded_outputs=False, kernels: str = "aten") -> ParallelModule:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from autopar.codegen.local_program import generate
-    from autopar.codegen.triton import fuse_pass, resolve_backend
-    from autopar.passes.capture import capture
-    from autopar.passes.layers import layers_pass
-    from autopar.passes.normalize import normalize_pass
+def build(model, program: Program, plan: Plan, mesh, *, check_weights=True,
+          sharded_outputs=False) -> ParallelModule:
+    """This rank's ParallelModule: ``program`` on this rank's shards of ``model``'s weights."""
     from autopar.runtime.collectives import same_on_all_ranks
 
-    kind = device_type()
-    kernels = resolve_backend(kernels, kind)
-    mesh = init_device_mesh(kind, plan.mesh_shape, mesh_dim_names=plan.axis_names)
-    captured = capture(model, example_inputs, example_kwargs)
-    gm = layers_pass(normalize_pass(captured.gm))     # layer tags: which nodes a recomputed layer holds
-    groups = [mesh.get_group(a).group_name for a in plan.axis_names]
-    device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
-    program = generate(gm, plan, groups, device, sharded_outputs=sharded_outputs)
+    device = rank_device()
     params = dict(model.named_parameters())
     on_meta = any(p.is_meta for p in params.values())
     if check_weights and not on_meta:
         world = dist.group.WORLD.group_name
-        if not same_on_all_ranks([p.detach() for p in params.values()], world):
+        if not same_on_all_ranks([p.detach() for p in params.values()], world, device):
             raise AutoparError("the model's weights differ between ranks; seed every rank the same "
                                "(torch.manual_seed) before building the model, or load one checkpoint on all")
     full = {fqn: (p if p.is_meta else p.to(device)) for fqn, p in params.items() if fqn in plan.params}
-    buffers = {name: b for name, b in model.named_buffers()}
-    constants = {k: v for k, v in captured.constant_values.items()}
+    # Buffers (rotary frequencies, position ids) and lifted constants run on the program's device too.
+    buffers = {name: (b if b.is_meta else b.to(device)) for name, b in model.named_buffers()}
+    constants = {k: (v.to(device) if isinstance(v, torch.Tensor) and not v.is_meta else v)
+                 for k, v in program.constants.items()}
+    program = dataclasses.replace(program, constants=constants)
     aliases, persistent = state_dict_names(model, plan.params, buffers)
-    pm = ParallelModule(program, plan, captured, mesh, full, buffers, constants, sharded_outputs=sharded_outputs,
-                        aliases=aliases, persistent=persistent)
-    if kernels == "triton":
-        local_args = pm._local_args(pytree.tree_leaves((tuple(example_inputs), dict(example_kwargs or {}))))
-        fuse_pass(program.gm, backend=kernels, example_inputs=local_args)
-    return pm
+    return ParallelModule(program, plan, mesh, full, buffers, sharded_outputs=sharded_outputs, aliases=aliases,
+                          persistent=persistent)
 
 
 def state_dict_names(model, planned: dict, buffers: dict):
@@ -296,3 +283,15 @@ def state_dict_names(model, planned: dict, buffers: dict):
                if fqn not in planned and id(p) in canonical}
     keys = model.state_dict(keep_vars=True).keys()
     return aliases, [k for k in keys if k in buffers]
+
+
+def init_mesh(plan: Plan):
+    """The DeviceMesh of ``plan`` on the initialized process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type(), plan.mesh_shape, mesh_dim_names=plan.axis_names)
+
+
+def rank_device() -> torch.device:
+    kind = device_type()
+    return torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")

@@ -16,6 +16,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from autopar.layout import local_shape
+from autopar.codegen.local_program import resolve_function
 from autopar.passes.rules import context_for, rule_for
 
 
@@ -116,7 +117,10 @@ def run_strategy(node: fx.Node, strategy, mesh_shape):
             lout = [local_shape(o.shape, l, mesh_shape) for o, l in zip(out_infos, strategy.outputs)]
             args, kwargs = rule.local_args(ctx, args, kwargs, lin, lout)
         call = rule.local_call(ctx, strategy.inputs, args, kwargs, group_names) if rule.local_call else None
-        return call or (node.target, args, kwargs)
+        if call is None:
+            return node.target, args, kwargs
+        path, args, kwargs = call
+        return resolve_function(path), args, kwargs
 
     def run(coord):
         mesh.local.coord = coord

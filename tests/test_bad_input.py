@@ -22,17 +22,22 @@ from tests.hf_models import batch, build
 @functools.lru_cache(maxsize=None)
 def _gpt2_plan_and_graph():
     """A valid plan of GPT-2 on a 2x2 mesh, and the graph code generation checks plans against."""
-    from autopar.passes.capture import capture
-    from autopar.passes.layers import layers_pass
-    from autopar.passes.normalize import normalize_pass
+    from autopar.pipeline import front_end, new_runner
 
     torch.manual_seed(0)
     model = build("gpt2")
     ids, labels = batch()
     plan = autopar.plan(model, autopar.ClusterSpec.local_cpu(4), (ids,), {"labels": labels}, mesh_shape=(2, 2),
                         progress=False)
-    gm = layers_pass(normalize_pass(capture(model, (ids,), {"labels": labels}).gm))
+    gm = front_end(model, (ids,), {"labels": labels}, new_runner()).gm
     return model, (ids,), {"labels": labels}, plan.to_json(), gm
+
+
+def generate(gm, plan):
+    """Code generation of one rank's program, without a process group (group names are only names)."""
+    from autopar.codegen.local_program import local_program_pass
+
+    return local_program_pass(gm, plan=plan, group_names=["g0", "g1"])
 
 
 def _paths(d, prefix=()):
@@ -86,7 +91,6 @@ def test_corrupted_plans_raise_plan_format_error_or_work(case):
     """A corrupted plan is refused with PlanFormatError naming the field, or it is still a plan that
     every consumer handles: the summary, a JSON round trip, and the checks and code generation that
     compile runs (which may refuse it only with an autopar error)."""
-    from autopar.codegen.local_program import generate
     from autopar.compiler import check_plan
 
     d, path, what = case
@@ -103,7 +107,7 @@ def test_corrupted_plans_raise_plan_format_error_or_work(case):
     assert autopar.Plan.from_dict(json.loads(plan.to_json())).to_json() == plan.to_json()
     try:
         check_plan(plan, model, args, kwargs, 4)
-        generate(gm, plan, ["g0", "g1"])
+        generate(gm, plan)
     except AutoparError:
         pass
 
@@ -128,18 +132,16 @@ def test_plan_format_errors_name_the_field():
 
 
 def test_plan_layout_out_of_range_is_refused_before_code_generation():
-    from autopar.codegen.local_program import generate
-
     _, _, _, text, gm = _gpt2_plan_and_graph()
     d = json.loads(text)
     d["params"]["transformer.wte.weight"] = ["S(99)", "R"]
     with pytest.raises(PlanFormatError, match=r"params\['transformer.wte.weight'\].*S\(99\).*only 2 dims"):
-        generate(gm, autopar.Plan.from_dict(d), ["g0", "g1"])
+        generate(gm, autopar.Plan.from_dict(d))
     d = json.loads(text)
     node = next(n for n in d["nodes"] if n["op"] == "mm.default")
     node.update(inputs=[["R", "R"], ["R", "R"]], outputs=[["P", "R"]], split_axes=[])   # a sum out of nothing
     with pytest.raises(PlanFormatError, match=f"plan node '{node['name']}'.*not a strategy of its op"):
-        generate(gm, autopar.Plan.from_dict(d), ["g0", "g1"])
+        generate(gm, autopar.Plan.from_dict(d))
 
 
 def test_plan_given_with_other_shapes_or_options():

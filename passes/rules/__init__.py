@@ -100,8 +100,10 @@ class OpRule:
     replicate_only: bool = False
     # For an op whose sharded form communicates by itself (Megatron's vocab-parallel loss): the
     # collectives it runs under a strategy, (ctx, input layouts, mesh shape) -> list[OpCollective],
-    # and the runtime function that runs it, (ctx, input layouts, args, kwargs, group names per axis)
-    # -> (target, args, kwargs), or None where the strategy needs no such function.
+    # and the function the local program calls instead of the op, (ctx, input layouts, args, kwargs,
+    # group names per axis) -> (dotted path of the function, args, kwargs), or None where the
+    # strategy needs no such function. Naming the function by its path keeps rules free of runtime
+    # imports; codegen imports it.
     collectives: Callable | None = None
     local_call: Callable | None = None
 

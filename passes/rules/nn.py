@@ -74,9 +74,7 @@ def _embedding_local_call(ctx, in_layouts, args, kwargs, group_names):
     axis = _sharding_axis(in_layouts[0], 0)
     if axis is None:
         return None
-    from autopar.runtime.sharded_ops import vocab_parallel_embedding
-
-    return vocab_parallel_embedding, (args[0], args[1], ctx.arg(2, "padding_idx", -1), group_names[axis]), {}
+    return "autopar.runtime.sharded_ops.vocab_parallel_embedding", (args[0], args[1], ctx.arg(2, "padding_idx", -1), group_names[axis]), {}
 
 
 @register_rule(aten.embedding.default, local_call=_embedding_local_call)
@@ -151,10 +149,8 @@ def _cross_entropy_local_call(ctx, in_layouts, args, kwargs, group_names):
     axis = _sharding_axis(in_layouts[0], 1)
     if axis is None:
         return None
-    from autopar.runtime.sharded_ops import vocab_parallel_cross_entropy
-
-    return vocab_parallel_cross_entropy, (args[0], args[1], ctx.arg(4, "ignore_index", -100),
-                                          ctx.arg(3, "reduction", 1), group_names[axis]), {}
+    return "autopar.runtime.sharded_ops.vocab_parallel_cross_entropy", (
+        args[0], args[1], ctx.arg(4, "ignore_index", -100), ctx.arg(3, "reduction", 1), group_names[axis]), {}
 
 
 @register_rule(aten.cross_entropy_loss.default, aten.nll_loss.default,
