@@ -35,6 +35,6 @@ def diff(a: Plan, b: Plan):
     return _diff(a, b)
 
 
-__all__ = ["ClusterSpec", "DeviceSpec", "Plan", "plan", "compile", "diff", "checkpoint", "AutoparError", "AutoparWarning", "CaptureError",
-           "ClusterMismatchError", "InfeasiblePlanError", "MeshError", "PlanFormatError", "ShapeMismatchError",
-           "ShardingError"]
+__all__ = ["ClusterSpec", "DeviceSpec", "Plan", "plan", "compile", "diff", "checkpoint", "AutoparError",
+           "AutoparWarning", "CaptureError", "ClusterMismatchError", "InfeasiblePlanError", "MeshError",
+           "PlanFormatError", "ShapeMismatchError", "ShardingError"]

@@ -204,7 +204,8 @@ def _optimizer_state(pmodel, optimizer):
                                       f"autopar.checkpoint saves tensor state only")
             if value.shape == p.shape and value.dim() > 0:
                 entry[key] = DTensor.from_local(value, pmodel.mesh, [x.to_dtensor() for x in layout],
-                                                run_check=False, shape=shape, stride=_contiguous_stride(shape))
+                                                run_check=False, shape=shape,
+                                                stride=torch.empty(shape, device="meta").stride())
             elif value.numel() == 1:
                 entry[key] = value            # a scalar (Adam's step): the same on every rank
             else:
@@ -271,14 +272,6 @@ def _json_value(v):
     if isinstance(v, (list, tuple)) and all(isinstance(x, (bool, int, float, str)) for x in v):
         return list(v)
     return None
-
-
-def _contiguous_stride(shape):
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= s
-    return tuple(reversed(stride))
 
 
 def _distributed() -> bool:

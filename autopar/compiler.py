@@ -147,4 +147,5 @@ def _check_pin(plan: Plan, pattern: str, pin) -> None:
         for key, lay in asked.items():
             if lay != layouts[name].get(key):
                 raise PlanFormatError(f"pin {pattern!r} asks {name} for {key} {lay}, but the plan gives it "
-                                      f"{layouts[name].get(key)}; plan again with the pin (autopar.plan(..., pins=...))")
+                                      f"{layouts[name].get(key)}; plan again with the pin "
+                                      f"(autopar.plan(..., pins=...))")
