@@ -268,6 +268,11 @@ def build(model, program: Program, plan: Plan, mesh, *, check_weights=True,
                  for k, v in program.constants.items()}
     program = dataclasses.replace(program, constants=constants)
     aliases, persistent = state_dict_names(model, plan.params, buffers)
+    if plan.pipeline:
+        from autopar.runtime.pipeline import PipelineParallelModule
+
+        return PipelineParallelModule(program, plan, mesh, full, buffers, sharded_outputs=sharded_outputs,
+                                      aliases=aliases, persistent=persistent)
     return ParallelModule(program, plan, mesh, full, buffers, sharded_outputs=sharded_outputs, aliases=aliases,
                           persistent=persistent)
 

@@ -22,7 +22,7 @@ from tests.hf_models import batch, build
 @functools.lru_cache(maxsize=None)
 def _gpt2_plan_and_graph():
     """A valid plan of GPT-2 on a 2x2 mesh, and the graph code generation checks plans against."""
-    from autopar.pipeline import front_end, new_runner
+    from autopar.pass_pipeline import front_end, new_runner
 
     torch.manual_seed(0)
     model = build("gpt2")
