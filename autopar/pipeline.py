@@ -14,14 +14,14 @@ from functools import partial
 
 import torch.fx as fx
 
-from autopar.codegen.local_program import (example_local_inputs, local_program_pass, program_info,
-                                           retarget_devices_pass)
+from autopar.codegen.local_program import example_local_inputs, local_program_pass, retarget_devices_pass
 from autopar.codegen.recompute import recompute_pass
 from autopar.codegen.triton import fuse_pass
 from autopar.passes.capture import CapturedProgram, capture
 from autopar.passes.costs import count_saving_consumers_pass
 from autopar.passes.layers import layers_pass
 from autopar.passes.memory import saved_activations_pass
+from autopar.passes.meta import program_meta
 from autopar.passes.normalize import normalize_pass
 from autopar.passes.runner import PassRunner, pass_name
 from autopar.passes.strategies import mark_requires_grad_pass, strategies_pass
@@ -80,7 +80,7 @@ def generate(front: FrontEnd, plan: Plan, group_names, device, *, sharded_output
     """Run codegen on the front end's graph: the finished program of this rank."""
     gm = front.runner.run(codegen_passes(plan, front, group_names, device, sharded_outputs=sharded_outputs,
                                          kernels=kernels), front.gm, "codegen")
-    info = program_info(gm)
+    info = program_meta(gm)
     cap = front.captured
     return Program(gm, info.placeholders, info.output_layouts, cap.in_spec, cap.out_spec, cap.input_shapes,
-                   dict(cap.constant_values), dict(gm.meta.get("autopar_kernels", {})))
+                   dict(cap.constant_values), dict(info.kernels))

@@ -64,7 +64,8 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
          memory_budget: float | None = None, mesh_shape=None, axis_names=None, time_limit: float = 60.0,
          optimizer: OptimizerSpec | None = None, progress: bool | None = None, skip_passes=(),
          insert_passes=(), pins: dict | None = None, kernels: str = "aten", sharded_outputs: bool = False,
-         recompute: bool | dict = True, front: FrontEnd | None = None) -> Plan:
+         recompute: bool | dict = True, cost_model: type[CostModel] = CostModel,
+         front: FrontEnd | None = None) -> Plan:
     """Find the fastest layout of ``model`` on ``cluster`` that fits ``memory_budget`` bytes per device.
 
     ``pins`` forces layouts by hand: ``{"*.mlp.c_fc.weight": ["R", "S(1)"], "input_ids": ["S(0)", "R"]}``
@@ -79,6 +80,8 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     ``{"model.layers.*": "all"}`` (or a count) fixes it for the layer classes a glob names.
     ``skip_passes`` names passes not to run; ``insert_passes`` is a sequence of (name of a pass, a pass
     to run right after it) (autopar/pipeline.py lists the passes; docs/extending.md).
+    ``cost_model`` is the class that prices every candidate, ``CostModel`` or a subclass of it (e.g.
+    one that looks op times up in a measured table; docs/extending.md).
     """
     t0 = time.perf_counter()
     if mesh_shape is not None:
@@ -103,7 +106,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
                                    f"(axis_names=...) to use that axis for data or tensor sharding")
             report(f"mesh {shape}: strategies")
             prep.runner.run(mesh_passes(shape), prep.gm, f"mesh {shape}")
-            cm = CostModel(cluster, shape, optimizer, fused=fused)
+            cm = cost_model(cluster, shape, optimizer, fused=fused)
             report(f"mesh {shape}: costs")
             prob, idx = build_problem(prep.gm, cm, budget, pins, sharded_outputs, recompute)
             report(f"mesh {shape}: solving {len(prob.choices)} decisions, {len(prob.edges) + len(prob.shared)} edges")

@@ -172,8 +172,8 @@ def tune_memory_bound(cases, only):
         "rms_norm": (_norms, {
             "_launch": [lambda block, backward, b=b, st=st: dict(num_warps=b if backward else 8,
                                                                num_stages=st if backward else 1)
-                        for b, st in itertools.product((8, 16, 32), (1, 2))],
-            "_BWD_PROGRAMS_PER_SM": (1, 2, 4, 8, 16)}),
+                        for b, st in itertools.product((8, 16, 32), (1, 2, 3))],
+            "_BWD_PROGRAMS_PER_SM": (1, 2, 4, 8)}),
         "cross_entropy": (_cross_entropy, {"_block": [lambda v, k=k: k for k in (1024, 2048, 4096, 8192, 16384)],
                                            "_warps": [lambda block, w=w: w for w in (4, 8, 16, 32)]}),
         "rotary": (_rotary, {"_block_s": [lambda half, k=k: k for k in (1, 2, 4, 8, 16, 32, 64, 128)]}),

@@ -3,24 +3,22 @@
 Every node runs its own ATen op on local shards; view, reshape and expand sizes are rewritten to local
 sizes; every resharding the plan implies becomes an explicit call into ``autopar.runtime.collectives``
 (the same steps ``passes.lowering`` reports in ``plan.collectives``). The result is an fx.GraphModule
-whose ``code`` is readable Python; ``program_info(gm)`` says how to call it.
+whose ``code`` is readable Python; ``passes.meta.program_meta(gm)`` says how to call it.
 """
 from __future__ import annotations
 
 import functools
 import importlib
 import operator
-from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from autopar.codegen.recompute import LAYER_KEY
 from autopar.errors import PlanFormatError
 from autopar.layout import local_shape, parse_layout
 from autopar.passes.lowering import gathered_output, lower
-from autopar.passes.meta import meta_of, op_name
+from autopar.passes.meta import meta_of, op_name, set_meta, set_program_meta
 from autopar.passes.rules import context_for, rule_for
 from autopar.passes.runner import requires
 from autopar.passes.strategies import Strategy, input_values
@@ -31,19 +29,6 @@ aten = torch.ops.aten
 
 _STEP_FN = {"all_gather": C.all_gather, "reduce_scatter": C.reduce_scatter, "all_reduce": C.all_reduce,
             "all_to_all": C.all_to_all, "local_chunk": C.local_chunk, "grad_all_reduce": C.grad_all_reduce}
-
-
-PROGRAM_KEY = "autopar_program"     # GraphModule.meta key of a local program's ProgramInfo
-
-
-@dataclass(frozen=True)
-class ProgramInfo:
-    placeholders: tuple       # (kind, target) per local placeholder, in call order
-    output_layouts: tuple     # per user output tensor: its layout as returned (all-R unless kept sharded)
-
-
-def program_info(gm: fx.GraphModule) -> ProgramInfo:
-    return gm.meta[PROGRAM_KEY]
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,7 +91,7 @@ def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str]
     env: dict = {}
     resharded: dict = {}
     placeholders, output_layouts = [], []
-    current = {"layer": None}          # the layer instance of the node being emitted
+    current = {"layer": None}          # the layer tag of the node being emitted
 
     def reshard(key):
         if key in resharded:
@@ -125,9 +110,7 @@ def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str]
                 x = g.call_function(fn, (x, st.dim, st.dst_dim, group))
             else:
                 x = g.call_function(fn, (x, group))
-            x.meta["autopar_step"] = st
-            if current["layer"] is not None:
-                x.meta[LAYER_KEY] = current["layer"]
+            set_meta(x, step=st, layer=current["layer"])
         resharded[key] = x
         return x
 
@@ -139,11 +122,9 @@ def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str]
         elif node.op == "get_attr":
             env[node] = g.get_attr(node.target)
         elif node.op == "call_function":
-            tag = meta_of(node).layer
-            current["layer"] = tag.layer if tag is not None else None
+            current["layer"] = meta_of(node).layer
             env[node] = _emit(g, node, strategy[node], low, env, reshard, mesh_shape, group_names)
-            if tag is not None:
-                env[node].meta[LAYER_KEY] = tag.layer
+            set_meta(env[node], source=node.name, layer=current["layer"])
             current["layer"] = None
         elif node.op == "output":
             leaves, spec = pytree.tree_flatten(node.args[0])
@@ -160,7 +141,7 @@ def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str]
                     outs.append(env[a] if isinstance(a, fx.Node) else a)
             g.output(pytree.tree_unflatten(outs, spec))
     local = fx.GraphModule(gm, g, class_name="LocalProgram")
-    local.meta[PROGRAM_KEY] = ProgramInfo(tuple(placeholders), tuple(output_layouts))
+    set_program_meta(local, placeholders=tuple(placeholders), output_layouts=tuple(output_layouts))
     return local
 
 
@@ -225,6 +206,4 @@ def _emit(g, node, s: Strategy, low, env, reshard, mesh_shape, group_names):
     if target is aten.view.default:
         # A resharded input may not be contiguous in the way the view needs; reshape copies only then.
         target = aten.reshape.default
-    new = g.call_function(target, args, kwargs)
-    new.meta["autopar_source"] = node.name
-    return new
+    return g.call_function(target, args, kwargs)

@@ -14,7 +14,7 @@ import torch.fx as fx
 from torch.export.graph_signature import InputKind, OutputKind
 
 from autopar.errors import CaptureError
-from autopar.passes.meta import Role, meta_of
+from autopar.passes.meta import Role, set_meta
 
 
 @dataclass
@@ -67,19 +67,18 @@ def capture(model: torch.nn.Module, example_inputs=(), example_kwargs=None) -> C
     params, buffers, constants, inputs = {}, {}, {}, []
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
     for node, spec in zip(placeholders, sig.input_specs):
-        m = meta_of(node)
         if spec.kind == InputKind.PARAMETER:
             params[node.name] = spec.target
-            m.role = Role("param", spec.target)
+            set_meta(node, role=Role("param", spec.target))
         elif spec.kind == InputKind.BUFFER:
             buffers[node.name] = spec.target
-            m.role = Role("buffer", spec.target)
+            set_meta(node, role=Role("buffer", spec.target))
         elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
             constants[node.name] = spec.target
-            m.role = Role("constant", spec.target)
+            set_meta(node, role=Role("constant", spec.target))
         else:
             inputs.append(node.name)
-            m.role = Role("input", node.name)
+            set_meta(node, role=Role("input", node.name))
     _merge_tied_parameters(model, ep.graph, params)
     for spec in sig.output_specs:
         if spec.kind != OutputKind.USER_OUTPUT:
@@ -120,7 +119,7 @@ def _merge_tied_parameters(model, graph, params):
         else:
             keep[target] = node
             params[node.name] = target
-            meta_of(node).role = Role("param", target)
+            set_meta(node, role=Role("param", target))
 
 
 def _refuse_aliased_inputs(args, kwargs):

@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from autopar.cluster import ClusterSpec
 from autopar.layout import local_fraction, local_shape
-from autopar.passes.meta import meta_of
+from autopar.passes.meta import meta_of, set_meta
 from autopar.passes.resharding import Step, collective_seconds, transition
 from autopar.passes.rules import context_for, rule_for, tensor_inputs
 from autopar.passes.runner import requires
@@ -176,7 +176,7 @@ class CostModel:
         saved = meta_of(node).saved
         if saved is None or node.op != "call_function" or not requires_grad(node):
             return 0.0
-        sharers = tuple(meta_of(a).extra.get("saved_by", 1) for a in node.all_input_nodes)
+        sharers = tuple(meta_of(a).saved_by for a in node.all_input_nodes)
         key = (signature(node), s, saved, sharers)
         if key not in self._activation_cache:
             self._activation_cache[key] = self._activation_bytes(node, s, saved)
@@ -192,7 +192,7 @@ class CostModel:
         total += saved.internal / self.work_split(s)
         for k, keep in enumerate(saved.inputs):
             if keep and k < len(ctx.ins):
-                sharers = meta_of(ctx.input_nodes[k]).extra.get("saved_by", 1)
+                sharers = meta_of(ctx.input_nodes[k]).saved_by
                 total += ctx.ins[k].nbytes * local_fraction(s.inputs[k], self.mesh_shape) / sharers
         return total
 
@@ -227,7 +227,7 @@ def _transition_cached(src, dst, shape, mesh_shape, partial_axes):
 
 @requires("saved_activations_pass")
 def count_saving_consumers_pass(gm: fx.GraphModule) -> fx.GraphModule:
-    """How many nodes save each value for backward (``extra["saved_by"]``)."""
+    """How many nodes save each value for backward (``saved_by``)."""
     from collections import Counter
 
     counts = Counter()
@@ -240,5 +240,5 @@ def count_saving_consumers_pass(gm: fx.GraphModule) -> fx.GraphModule:
             if keep and k < len(ins):
                 counts[ins[k]] += 1
     for n, c in counts.items():
-        meta_of(n).extra["saved_by"] = c
+        set_meta(n, saved_by=c)
     return gm

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from autopar.layout import R, S, divides, local_shape
-from autopar.passes.meta import meta_of
+from autopar.passes.meta import meta_of, set_meta
 from autopar.passes.rules import (AxisOption, TensorInfo, axis_options, context_for, output_infos)
 from autopar.passes.runner import requires
 
@@ -65,23 +65,22 @@ def value_info(v: Value) -> TensorInfo:
 
 
 def requires_grad(node: fx.Node) -> bool:
-    return bool(meta_of(node).extra.get("requires_grad", False))
+    return meta_of(node).requires_grad
 
 
 def mark_requires_grad_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """Which values carry a gradient: floating values computed from parameters, outside no-grad regions."""
     for node in gm.graph.nodes:
-        m = meta_of(node)
+        role = meta_of(node).role
         vals = [v for v in torch.utils._pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
         floating = any(v.dtype.is_floating_point for v in vals)
+        grad = False
         if node.op == "placeholder":
-            m.extra["requires_grad"] = m.role is not None and m.role.kind == "param"
+            grad = role is not None and role.kind == "param"
         elif node.op == "call_function":
             no_grad = "set_grad_enabled" in str(node.target) and node.args and node.args[0] is False
-            ins = node.all_input_nodes
-            m.extra["requires_grad"] = floating and not no_grad and any(requires_grad(a) for a in ins)
-        else:
-            m.extra["requires_grad"] = False
+            grad = floating and not no_grad and any(requires_grad(a) for a in node.all_input_nodes)
+        set_meta(node, requires_grad=bool(grad))
     return gm
 
 
@@ -131,7 +130,7 @@ def _combine(options: list[AxisOption], ins: list[TensorInfo], outs: list[Tensor
 def signature(node: fx.Node) -> tuple:
     """What a node's strategies and costs depend on: its op, its non-tensor args and its tensors'
     shapes. Copies of a layer share signatures, so their work is done once."""
-    sig = meta_of(node).extra.get("signature")
+    sig = meta_of(node).signature
     if sig is None:
         def arg(a):
             if isinstance(a, fx.Node):
@@ -144,7 +143,7 @@ def signature(node: fx.Node) -> tuple:
         role = meta_of(node).role
         sig = (node.op, str(node.target), arg(node.args), tuple((k, arg(v)) for k, v in node.kwargs.items()),
                role.kind if role else None, _val_sig(node.meta.get("val")))
-        meta_of(node).extra["signature"] = sig
+        set_meta(node, signature=sig)
     return sig
 
 
@@ -160,10 +159,9 @@ def node_strategies(node: fx.Node, mesh_shape, cache: dict | None = None) -> lis
     if cache is not None:
         key = signature(node)
         if key not in cache:
-            cache[key] = _node_strategies(node, mesh_shape), meta_of(node).extra.get("refused_strategies")
+            cache[key] = _node_strategies(node, mesh_shape), meta_of(node).refused
         strategies, refused = cache[key]
-        if refused:
-            meta_of(node).extra["refused_strategies"] = refused
+        set_meta(node, refused=refused)
         return strategies
     return _node_strategies(node, mesh_shape)
 
@@ -180,8 +178,7 @@ def _node_strategies(node: fx.Node, mesh_shape) -> list[Strategy]:
         s = _combine(list(combo), ctx.ins, ctx.outs, mesh_shape, refused)
         if s is not None and s not in out:
             out.append(s)
-    if refused:
-        meta_of(node).extra["refused_strategies"] = tuple(dict.fromkeys(refused))
+    set_meta(node, refused=tuple(dict.fromkeys(refused)))
     return out
 
 
@@ -217,14 +214,14 @@ def strategies_pass(gm: fx.GraphModule, mesh_shape) -> fx.GraphModule:
         if node.op not in ("placeholder", "call_function"):
             continue
         if node.target is operator.getitem:
-            meta_of(node).strategies = _getitem_strategies(node, meta_of(node.args[0]).strategies)
+            set_meta(node, strategies=_getitem_strategies(node, meta_of(node.args[0]).strategies))
             continue
         ins = input_values(node) if node.op == "call_function" else []
         own = _reachable(node_strategies(node, mesh_shape, cache), ins)
         sset = None
         if len(ins) == 1 and ins[0].node.op != "placeholder" and _same_layer(node, ins[0].node):
             sset = _try_follow(node, own, meta_of(ins[0].node).strategies, ins[0])
-        meta_of(node).strategies = sset or StrategySet(tuple(own))
+        set_meta(node, strategies=sset or StrategySet(tuple(own)))
     return gm
 
 

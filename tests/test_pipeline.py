@@ -116,3 +116,41 @@ def _skip_normalize(rank, world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_compile_with_a_skipped_pass_plans_and_runs_the_same_graph(world):
     run_distributed(_skip_normalize, world)
+
+
+def test_node_metadata_is_one_frozen_record_kept_by_copies():
+    import dataclasses
+
+    from autopar.passes.meta import KEY, LayerTag, meta_of, set_meta
+
+    gm = torch.fx.symbolic_trace(MLP())
+    node = next(n for n in gm.graph.nodes if n.op == "call_module")
+    set_meta(node, requires_grad=True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        meta_of(node).requires_grad = False
+    copy = torch.fx.Graph().node_copy(node, lambda a: a)
+    set_meta(node, layer=LayerTag("blocks.0", "blocks.*#0", 0))
+    assert meta_of(copy).requires_grad and meta_of(copy).layer is None    # the copy kept its own record
+    assert meta_of(node).requires_grad and meta_of(node).layer.layer == "blocks.0"
+    assert not any(k.startswith("autopar") and k != KEY for k in node.meta)
+
+
+def _meta_namespace(rank, world):
+    from autopar.passes.meta import KEY, meta_of, program_meta
+    from tests.hf_models import MEGATRON, batch, build
+
+    torch.manual_seed(0)
+    ids, labels = batch()
+    pm = autopar.compile(build("gpt2"), autopar.ClusterSpec.local_cpu(world), (ids,), {"labels": labels},
+                         pins={k: [v] for k, v in MEGATRON["gpt2"].items()},
+                         recompute={"transformer.h.*": 1})
+    nodes = [n for m in pm.local_program.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes]
+    assert not [k for n in nodes for k in n.meta if k.startswith("autopar") and k != KEY]
+    steps = [n for n in nodes if meta_of(n).step is not None]
+    assert steps and all(n.target.__module__ == "autopar.runtime.collectives" for n in steps)
+    assert {meta_of(n).source for n in nodes if n.op == "call_function"} - {None}
+    assert program_meta(pm.local_program).placeholders[0][0] in ("param", "buffer", "constant", "input")
+
+
+def test_codegen_writes_its_metadata_under_the_one_namespace():
+    run_distributed(_meta_namespace, 2)

@@ -26,6 +26,7 @@ from autopar.codegen.graph_order import stable_toposort
 from autopar.codegen.triton.kernel import kernel_for
 from autopar.codegen.triton.ops import FLOAT_DTYPES, ROW_KINDS, Lowered, lower
 from autopar.codegen.triton.source import Input, Op, Output, RegionSpec
+from autopar.passes.meta import program_meta, set_meta, set_program_meta
 
 log = logging.getLogger("autopar")
 aten = torch.ops.aten
@@ -37,7 +38,7 @@ def fuse_pass(gm: fx.GraphModule, *, backend: str = "triton", example_inputs=Non
     """Replace fusible regions of ``gm`` by Triton kernels (``backend="triton"``; ``"aten"`` leaves
     ``gm`` as it is). Nodes need ``meta["val"]``; give ``example_inputs`` (one per placeholder, real,
     fake or meta; meta ones stand for tensors on ``device``) to have it recorded first. The generated
-    sources are in ``gm.meta["autopar_kernels"]``."""
+    sources are in ``passes.meta.program_meta(gm).kernels``."""
     if backend == "aten":
         return gm
     if backend != "triton":
@@ -45,7 +46,7 @@ def fuse_pass(gm: fx.GraphModule, *, backend: str = "triton", example_inputs=Non
     if example_inputs is not None:
         record_meta(gm, example_inputs, device=device)
     graph = gm.graph
-    sources = gm.meta.setdefault("autopar_kernels", {})
+    sources = dict(program_meta(gm).kernels)
     for node in list(graph.nodes):
         call = _library_call(node)
         if call is not None:
@@ -61,6 +62,7 @@ def fuse_pass(gm: fx.GraphModule, *, backend: str = "triton", example_inputs=Non
         sources[kernel.name] = kernel.source.text
         _replace(graph, region.nodes, outputs, kernel.fn, inputs)
         fused += 1
+    set_program_meta(gm, kernels=tuple(sources.items()))
     stable_toposort(graph)
     graph.lint()
     gm.recompile()
@@ -288,7 +290,7 @@ def _replace(graph: fx.Graph, nodes: list, outputs: list, fn, args) -> None:
     members = set(nodes)
     with graph.inserting_after(nodes[-1]):
         call = graph.call_function(fn, tuple(args))
-    call.meta["autopar_fused"] = tuple(n.name for n in nodes)
+    set_meta(call, fused=tuple(n.name for n in nodes))
     if len(outputs) == 1:
         call.meta["val"] = outputs[0].meta.get("val")
         outputs[0].replace_all_uses_with(call, delete_user_cb=lambda u: u not in members)

@@ -11,6 +11,7 @@ from torch.testing import assert_close
 
 from autopar.codegen.triton import fuse_pass, resolve_backend
 from autopar.codegen.triton.kernel import cache_stats
+from autopar.passes.meta import program_meta
 from autopar.errors import AutoparError
 
 aten = torch.ops.aten
@@ -227,7 +228,7 @@ def test_kernel_cache_hits_on_a_repeated_region():
     misses = cache_stats["misses"]
     fuse_pass(gm, backend="triton", example_inputs=p.inputs)
     targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
-    assert len(targets) == 1 and len(gm.meta["autopar_kernels"]) == 1, gm.code
+    assert len(targets) == 1 and len(program_meta(gm).kernels) == 1, gm.code
     assert cache_stats["misses"] - misses <= 1
 
     hits, misses = cache_stats["hits"], cache_stats["misses"]
@@ -240,7 +241,7 @@ def test_kernel_cache_hits_on_a_repeated_region():
 def test_generated_source_is_readable():
     p, gm = _gelu_twice()
     fuse_pass(gm, backend="triton", example_inputs=p.inputs)
-    (name, src), = gm.meta["autopar_kernels"].items()
+    (name, src), = program_meta(gm).kernels
     assert f"def {name}_fwd(" in src and f"def {name}_bwd(" in src and "@triton.jit" in src
     assert "<- aten.sigmoid.default" in src and "<- aten.mul.Tensor" in src     # the header lists the ATen ops
 
