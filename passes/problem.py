@@ -92,7 +92,7 @@ def _pinned_options(rep: fx.Node, pins: dict, mesh_axes: int):
         allowed = {o for o, s in enumerate(opts)
                    if (out is None or (s.outputs and format_layout(s.outputs[0]) == out))
                    and (ins is None or [format_layout(l) for l in s.inputs] == ins)}
-        refused = "".join(f"; refused: {r}" for r in meta_of(rep).refused)
+        refused = "".join(f"; refused: {r}" for r in meta_of(rep).refused[:8])
         if not allowed and ins is None:
             offered = sorted({str(format_layout(s.outputs[0])) for s in opts if s.outputs})
             raise ShardingError(f"pin {pattern!r} asks {name} for layout {out}, which its op cannot "

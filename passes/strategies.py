@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.layout import R, S, divides, local_shape
+from autopar.layout import R, S, divides, format_layout, local_shape
 from autopar.passes.meta import meta_of, set_meta
 from autopar.passes.rules import (AxisOption, TensorInfo, axis_options, context_for, output_infos)
 from autopar.passes.runner import requires
@@ -112,8 +112,14 @@ def _combine(options: list[AxisOption], ins: list[TensorInfo], outs: list[Tensor
     own size requirement that fails is described in ``refused``."""
     in_layouts = tuple(tuple(o.inputs[i] for o in options) for i in range(len(ins)))
     out_layouts = tuple(tuple(o.outputs[i] for o in options) for i in range(len(outs)))
-    for lay, info in zip(in_layouts + out_layouts, ins + outs):
-        if not _distinct_dims(lay) or not divides(info.shape, lay, mesh_shape):
+    for k, (lay, info) in enumerate(zip(in_layouts + out_layouts, ins + outs)):
+        if not _distinct_dims(lay):
+            return None
+        if not divides(info.shape, lay, mesh_shape):
+            if refused is not None:
+                what = f"input {k}" if k < len(ins) else f"output {k - len(ins)}"
+                refused.append(f"{what} of shape {info.shape} cannot take {format_layout(lay)} on mesh "
+                               f"{tuple(mesh_shape)}: a sharded dim does not divide by its mesh axes")
             return None
     for axis, o in enumerate(options):
         for i, dim, factor, why in o.requires:

@@ -62,3 +62,43 @@ def _check(rank, world, model_name, mesh):
 ])
 def test_sequence_split_attention_trains_like_eager(model_name, world, mesh):
     run_distributed(_check, world, model_name, mesh, timeout=600)
+
+
+def test_long_context_7b_on_one_node_splits_every_attention_along_the_sequence():
+    """Qwen2-7B's shape (28 heads, 4 KV heads) at 131072 tokens, batch 1, bf16 parameters, on one
+    8xH100 node: 4 KV heads allow at most a 4-way head split, so the plan that fits splits every
+    attention call along the sequence, and fits in the device's 80 GB."""
+    import autopar
+    from autopar import zoo
+
+    model, args, kwargs = zoo.build("gqa-7b-128k", batch=1, dtype=torch.bfloat16)
+    cluster = autopar.ClusterSpec.preset("8xH100")
+    p = autopar.plan(model, cluster, args, kwargs, mesh_shape=(8,), progress=False)
+    attention = [n for n in p.nodes if n["op"] == "scaled_dot_product_attention.default"]
+    assert len(attention) == 28
+    for n in attention:
+        assert all("S(2)" in lay for lay in n["inputs"][:3]), f"{n['name']} reads q, k, v as {n['inputs'][:3]}"
+    assert p.memory["peak"] <= 80e9
+
+
+def _causal_pin_error(world, seq, heads, pin, match):
+    import autopar
+    from autopar.errors import ShardingError
+    from autopar.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=heads, d_model=8 * heads, d_ff=32, max_seq=seq))
+    ids = torch.zeros(2, seq, dtype=torch.long)
+    with pytest.raises(ShardingError, match=match):
+        autopar.plan(model, autopar.ClusterSpec.preset(f"{world}xH100"), (ids,), {"labels": ids.clone()},
+                     mesh_shape=(world,), pins={"scaled_dot_product_attention": {"inputs": [pin] * 3}},
+                     progress=False)
+
+
+def test_causal_ring_that_cannot_halve_each_rank_is_refused_with_the_sizes():
+    # 12 tokens on 4 ranks: 3 each, which do not split into two load-balanced halves.
+    _causal_pin_error(4, 12, 4, ["S(2)"], r"load-balanced half-chunks.*has 3 elements, which does not divide by 2")
+
+
+def test_head_split_beyond_the_heads_is_refused_with_the_sizes():
+    # Ulysses on 4 ranks needs 4 heads; the model has 2.
+    _causal_pin_error(4, 16, 2, ["S(1)"], r"shape \(2, 2, 16, 8\) cannot take \['S\(1\)'\]")
