@@ -12,10 +12,11 @@ takes and returns the plan's contiguous layout (rank r holds chunk r) and moves 
 there and back itself (one point-to-point exchange of q, k, v and one of the output; the same for the
 gradients).
 
-Transfers are point-to-point (``isend``/``irecv``, which gloo and NCCL both have,
-through ``collectives._p2p``); each step's transfer
-is started before that step's block attention and waited after it, so they overlap. Block attention
-here is an ATen math path in fp32 (or wider) that returns the logsumexp; ``block_attention`` swaps it.
+Transfers are point-to-point (``isend``/``irecv`` through ``collectives._p2p``; gloo and NCCL both have
+them); each step's transfer is started before that step's block attention and waited after it, so
+they overlap. Block attention
+here is an ATen math path in fp32 (or wider) that returns the logsumexp (``MathBlocks``); the kernel
+library passes its Triton flash attention instead.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch
 from autopar.errors import ShardingError
 from autopar.runtime import collectives as C
 
-__all__ = ["OP_COLLECTIVES", "ring_attention"]
+__all__ = ["OP_COLLECTIVES", "MathBlocks", "ring_attention"]
 
 
 class _Ring:
@@ -113,26 +114,37 @@ def _finite(lse):
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
-def block_attention(q, k, v, mask, kind, scale):
-    """Attention of query rows ``q`` [B, Hkv, G, Lq, D] over one key/value block [B, Hkv, 1, Lk, D]:
-    (out, lse) in q's dtype (at least fp32). A row with no key left has out 0 and lse -inf."""
-    s = _scores(q, k, mask, kind, scale)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - _finite(lse).unsqueeze(-1))
-    return torch.matmul(p, v), lse
+class MathBlocks:
+    """Block attention in ATen math, in fp32 or wider: the CPU path, and the reference for others.
 
+    A block implementation gives ``forward(q, k, v, mask, kind, scale) -> (out, lse)`` for query rows
+    q [B, Hkv, G, Lq, D] (G query heads per key/value head) over one key/value block k, v
+    [B, Hkv, 1, Lk, D], with ``kind`` "full" or "diagonal" (causal within the block, top-left
+    aligned), and ``backward(q, k, v, mask, kind, scale, dout, lse, delta) -> (dq, dk, dv)``, the
+    block's share of the gradients given the merged ``lse`` and ``delta = rowsum(dout * out)`` of the
+    whole attention (flash attention's backward, block-wise). A row with no key left has out 0 and
+    lse -inf. The kernel library's Triton blocks (``autopar.codegen.kernels``) are the other one."""
 
-def block_attention_backward(q, k, v, mask, kind, scale, dout, lse, delta):
-    """Gradients of one block's share: (dq, dk, dv) given the merged ``lse`` and
-    ``delta = rowsum(dout * out)`` of the whole attention (flash attention's backward, block-wise)."""
-    s = _scores(q, k, mask, kind, scale)
-    p = torch.exp(s - _finite(lse).unsqueeze(-1))
-    p = torch.where(torch.isinf(lse).unsqueeze(-1), torch.zeros_like(p), p)
-    dv = torch.matmul(p.transpose(-1, -2), dout).sum(2, keepdim=True)
-    ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - delta.unsqueeze(-1))
-    dq = torch.matmul(ds, k) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q).sum(2, keepdim=True) * scale
-    return dq, dk, dv
+    @staticmethod
+    def forward(q, k, v, mask, kind, scale):
+        acc = _acc(q)
+        s = _scores(q.to(acc), k.to(acc), mask, kind, scale)
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - _finite(lse).unsqueeze(-1))
+        return torch.matmul(p, v.to(acc)), lse
+
+    @staticmethod
+    def backward(q, k, v, mask, kind, scale, dout, lse, delta):
+        acc = _acc(q)
+        q, k, v, dout = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
+        s = _scores(q, k, mask, kind, scale)
+        p = torch.exp(s - _finite(lse).unsqueeze(-1))
+        p = torch.where(torch.isinf(lse).unsqueeze(-1), torch.zeros_like(p), p)
+        dv = torch.matmul(p.transpose(-1, -2), dout).sum(2, keepdim=True)
+        ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - delta.unsqueeze(-1))
+        dq = torch.matmul(ds, k) * scale
+        dk = torch.matmul(ds.transpose(-1, -2), q).sum(2, keepdim=True) * scale
+        return dq, dk, dv
 
 
 def _merge(out, lse, o, lo):
@@ -178,31 +190,31 @@ def _pairs(ring, src, length, causal, balanced):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, causal, scale, name):
+    def forward(ctx, q, k, v, mask, causal, scale, name, blocks):
         ring = _Ring(name)
         balanced = causal and ring.size > 1
         if balanced:
             q, k, v = (_to_balanced(x, ring) for x in (q, k, v))
         hkv, length, acc = k.shape[1], k.shape[2], _acc(q)
-        qg, gmask = _grouped(q, hkv).to(acc), _grouped_mask(mask, hkv)
-        out = torch.zeros_like(qg)
+        qg, gmask = _grouped(q, hkv), _grouped_mask(mask, hkv)
+        out = torch.zeros(qg.shape, dtype=acc, device=q.device)
         lse = torch.full(qg.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack([k, v])
         for t in range(ring.size):
             src = (ring.rank - t) % ring.size
             nxt, reqs = ring.shift(kv) if t < ring.size - 1 else (None, [])
-            kb, vb = kv[0].to(acc).unsqueeze(2), kv[1].to(acc).unsqueeze(2)
+            kb, vb = kv[0].unsqueeze(2), kv[1].unsqueeze(2)
             for (qo, ql), (ks, ko, kl), kind in _pairs(ring, src, length, causal, balanced):
-                o, lo = block_attention(qg[..., qo:qo + ql, :], kb[..., ko:ko + kl, :], vb[..., ko:ko + kl, :],
-                                        _mask_block(gmask, qo, ql, ks, kl), kind, scale)
-                out[..., qo:qo + ql, :], lse[..., qo:qo + ql] = _merge(out[..., qo:qo + ql, :], lse[..., qo:qo + ql],
-                                                                       o, lo)
+                o, lo = blocks.forward(qg[..., qo:qo + ql, :], kb[..., ko:ko + kl, :], vb[..., ko:ko + kl, :],
+                                       _mask_block(gmask, qo, ql, ks, kl), kind, scale)
+                rows = slice(qo, qo + ql)
+                out[..., rows, :], lse[..., rows] = _merge(out[..., rows, :], lse[..., rows], o.to(acc), lo.to(acc))
             for r in reqs:
                 r.wait()
             kv = nxt
         out = out.reshape(q.shape).to(q.dtype)
         ctx.save_for_backward(q, k, v, mask, out, lse)
-        ctx.args = causal, scale, name, balanced
+        ctx.args = causal, scale, name, balanced, blocks
         if balanced:
             out = _from_balanced(out, ring)
         return out
@@ -210,23 +222,23 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, mask, out, lse = ctx.saved_tensors
-        causal, scale, name, balanced = ctx.args
+        causal, scale, name, balanced, blocks = ctx.args
         ring = _Ring(name)
         if balanced:
             dout = _to_balanced(dout, ring)
         hkv, length, acc = k.shape[1], k.shape[2], _acc(q)
-        qg, gmask = _grouped(q, hkv).to(acc), _grouped_mask(mask, hkv)
-        dog = _grouped(dout, hkv).to(acc)
-        delta = (dog * _grouped(out, hkv).to(acc)).sum(-1)
-        dq = torch.zeros_like(qg)
+        qg, gmask = _grouped(q, hkv), _grouped_mask(mask, hkv)
+        dog = _grouped(dout.contiguous(), hkv)
+        delta = (dog.to(acc) * _grouped(out, hkv).to(acc)).sum(-1)
+        dq = torch.zeros(qg.shape, dtype=acc, device=q.device)
         kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
         for t in range(ring.size):
             src = (ring.rank - t) % ring.size
             nxt, reqs = ring.shift(kv) if t < ring.size - 1 else (None, [])
-            kb, vb = kv[0].to(acc).unsqueeze(2), kv[1].to(acc).unsqueeze(2)
+            kb, vb = kv[0].unsqueeze(2), kv[1].unsqueeze(2)
             for (qo, ql), (ks, ko, kl), kind in _pairs(ring, src, length, causal, balanced):
-                gq, gk, gv = block_attention_backward(
+                gq, gk, gv = blocks.backward(
                     qg[..., qo:qo + ql, :], kb[..., ko:ko + kl, :], vb[..., ko:ko + kl, :],
                     _mask_block(gmask, qo, ql, ks, kl), kind, scale, dog[..., qo:qo + ql, :],
                     lse[..., qo:qo + ql], delta[..., qo:qo + ql])
@@ -242,11 +254,11 @@ class _RingAttention(torch.autograd.Function):
         dk, dv = dkv[0].to(k.dtype), dkv[1].to(v.dtype)
         if balanced:
             dq, dk, dv = (_from_balanced(x, ring) for x in (dq, dk, dv))
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
-                   scale: float | None, group: str) -> torch.Tensor:
+                   scale: float | None, group: str, blocks=MathBlocks) -> torch.Tensor:
     """``scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, scale=scale)`` with q, k and v
     split along the sequence (dim 2) over the group called ``group``: rank r holds the r-th of equal,
     contiguous chunks, and gets the r-th chunk of the output.
@@ -254,7 +266,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     k and v may have fewer heads than q (GQA/MQA: each key/value head serves H/Hkv query heads).
     ``mask`` (boolean, True = attend, or additive) holds this rank's query rows and every key:
     broadcastable to [B, H, S/n, S]. Causal attention needs the local length to be even (the
-    load-balanced half-chunks)."""
+    load-balanced half-chunks). ``blocks`` computes attention over one block (``MathBlocks``)."""
     _, n = C._group(group)
     if q.dim() != 4 or k.shape != v.shape or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
         raise ShardingError(f"ring_attention wants q [B, H, L, D] and k, v [B, Hkv, L, D] with H a multiple of Hkv "
@@ -268,7 +280,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
         raise ShardingError(f"ring_attention: the mask's last dim ({mask.shape[-1]}) must cover every key "
                             f"({q.shape[2] * n}) or broadcast (1)")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(q, k, v, mask, bool(is_causal), float(scale), group)
+    return _RingAttention.apply(q, k, v, mask, bool(is_causal), float(scale), group, blocks)
 
 
 # (kind, phase) of the transfers the op runs on its group (the last argument of every call): per ring
