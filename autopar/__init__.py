@@ -29,7 +29,7 @@ def compile(model, cluster, example_inputs=(), example_kwargs=None, *, memory_bu
 
 def diff(a: Plan, b: Plan):
     """What differs between two plans: layouts, collectives, step time and memory."""
-    from autopar.inspect import diff as _diff
+    from autopar.inspection import diff as _diff
 
     return _diff(a, b)
 

@@ -30,7 +30,7 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
     (the loss) are returned whole. The default is the given plan's setting, else False.
     ``kernels`` is "auto" (Triton on CUDA, ATen on CPU), "triton" or "aten" (docs/kernels.md).
     ``skip_passes`` and ``insert_passes`` change the pass pipeline on every rank (docs/extending.md)."""
-    from autopar.codegen.triton import resolve_backend
+    from autopar.codegen.triton import resolve_kernels
     from autopar.pipeline import front_end, generate, new_runner
     from autopar.planner import model_fingerprint
     from autopar.runtime.module import build, device_type, init_mesh, rank_device
@@ -44,7 +44,7 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
         raise ClusterMismatchError(f"the process group has {world} ranks but the ClusterSpec describes "
                                    f"{cluster.num_devices} devices; use ClusterSpec.from_env() or a spec of "
                                    f"{world} devices")
-    kernels = resolve_backend(kernels, device_type())
+    kernels = resolve_kernels(kernels, device_type())
     runner = new_runner(skip_passes, insert_passes)
     if runner.debug_dir is not None and world > 1:
         runner.debug_dir = Path(runner.debug_dir) / f"rank{dist.get_rank()}"
@@ -64,6 +64,12 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
                                        f"group has {world} ranks")
     if sharded_outputs is None:
         sharded_outputs = plan.sharded_outputs
+    if plan.pipeline:
+        # A pipeline runs the program of one microbatch: capture again at its shapes.
+        from autopar.pipelining import microbatch_inputs
+
+        mb_args, mb_kwargs = microbatch_inputs(example_inputs, example_kwargs, plan.pipeline["microbatches"])
+        front = front_end(model, mb_args, mb_kwargs, runner)
     mesh = init_mesh(plan)
     groups = [mesh.get_group(a).group_name for a in plan.axis_names]
     program = generate(front, plan, groups, rank_device(), sharded_outputs=sharded_outputs, kernels=kernels)

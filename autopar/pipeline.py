@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from autopar.codegen.local_program import example_local_inputs, local_program_pass, retarget_devices_pass
 from autopar.codegen.recompute import recompute_pass
+from autopar.codegen.stages import loss_output, split_stages
 from autopar.codegen.triton import fuse_pass
 from autopar.passes.capture import CapturedProgram, capture
 from autopar.passes.costs import count_saving_consumers_pass
@@ -25,6 +26,7 @@ from autopar.passes.meta import program_meta
 from autopar.passes.normalize import normalize_pass
 from autopar.passes.runner import PassRunner, pass_name
 from autopar.passes.strategies import mark_requires_grad_pass, strategies_pass
+from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.runtime.program import Program
 
@@ -78,9 +80,21 @@ def front_end(model, example_inputs, example_kwargs, runner: PassRunner) -> Fron
 def generate(front: FrontEnd, plan: Plan, group_names, device, *, sharded_outputs: bool,
              kernels: str) -> Program:
     """Run codegen on the front end's graph: the finished program of this rank."""
-    gm = front.runner.run(codegen_passes(plan, front, group_names, device, sharded_outputs=sharded_outputs,
-                                         kernels=kernels), front.gm, "codegen")
+    stages = ()
+    if plan.pipeline:
+        if kernels == "triton":
+            raise AutoparError("pipeline plans run ATen kernels for now; compile with kernels='aten'")
+        if plan.recompute["layers"]:
+            raise AutoparError("pipeline plans do not recompute activations yet; plan with recompute=False")
+        passes = (partial(local_program_pass, plan=plan, group_names=group_names, sharded_outputs=sharded_outputs),
+                  partial(retarget_devices_pass, device=device))
+        gm = front.runner.run(passes, front.gm, "codegen")
+        stage_of_layer = {inst: st["index"] for st in plan.pipeline["stages"] for inst in st["layers"]}
+        stages = split_stages(gm, stage_of_layer, len(plan.pipeline["stages"]), loss_output(front.gm))
+    else:
+        gm = front.runner.run(codegen_passes(plan, front, group_names, device, sharded_outputs=sharded_outputs,
+                                             kernels=kernels), front.gm, "codegen")
     info = program_meta(gm)
     cap = front.captured
     return Program(gm, info.placeholders, info.output_layouts, cap.in_spec, cap.out_spec, cap.input_shapes,
-                   dict(cap.constant_values), dict(info.kernels))
+                   dict(cap.constant_values), dict(info.kernels), stages)

@@ -16,6 +16,8 @@ PLAN_VERSION = 1
 PHASES = ("forward", "backward", "optimizer")
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 MEMORY_KEYS = ("peak", "params", "grads", "optimizer", "activations")
+# torch.distributed.pipelining schedules a pipeline plan may name
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 
 
 @dataclass
@@ -38,6 +40,9 @@ class Plan:
     # layer instances whose activations are recomputed in backward: {"classes": {class: {"count",
     # "of", "layers"}}, "layers": [instance, ...]}
     recompute: dict = field(default_factory=lambda: {"classes": {}, "layers": []})
+    # pipeline plans: {"axis", "schedule", "microbatches", "virtual_stages", "bubble_fraction",
+    # "bubble_seconds", "stages": [{"index", "pp_rank", "layers", "seconds", ...}], "ranks": [...]}
+    pipeline: dict | None = None
     version: int = PLAN_VERSION
     extra: dict = field(default_factory=dict)
 
@@ -92,13 +97,13 @@ class Plan:
 
     def explain(self, name: str) -> str:
         """Why ``name`` (a node or a parameter FQN) has its layout: the alternatives and their costs."""
-        from autopar.inspect import explain
+        from autopar.inspection import explain
 
         return explain(self, name)
 
     def to_html(self, path) -> None:
         """Write a self-contained HTML report of this plan."""
-        from autopar.inspect import to_html
+        from autopar.inspection import to_html
 
         to_html(self, path)
 
@@ -119,7 +124,8 @@ def _validate(d: Any) -> None:
         raise PlanFormatError(f"plan format version {version!r} is not supported (this autopar reads "
                               f"version {PLAN_VERSION}); plan the model again with this version")
     required = [k for k, f in Plan.__dataclass_fields__.items() if k not in ("version", "extra", "alternatives",
-                                                                                   "sharded_outputs", "recompute")]
+                                                                                   "sharded_outputs", "recompute",
+                                                                                   "pipeline")]
     missing = [k for k in required if k not in d]
     if missing:
         raise PlanFormatError(f"plan is missing fields {missing}")
@@ -162,5 +168,40 @@ def _validate(d: Any) -> None:
         raise PlanFormatError(f"plan recompute must be {{'classes': {{...}}, 'layers': [layer names]}}, got {rc!r}")
     if not isinstance(d.get("sharded_outputs", False), bool):
         raise PlanFormatError(f"plan sharded_outputs must be true or false, got {d['sharded_outputs']!r}")
+    if d.get("pipeline") is not None:
+        _validate_pipeline(d["pipeline"], mesh)
     if not isinstance(d["step_time"], (int, float)) or d["step_time"] < 0:
         raise PlanFormatError(f"plan step_time must be a non-negative number, got {d['step_time']!r}")
+
+
+def _validate_pipeline(pipe: Any, mesh: dict) -> None:
+    if not isinstance(pipe, dict) or not {"axis", "schedule", "microbatches", "stages"} <= pipe.keys():
+        raise PlanFormatError("plan pipeline must be null or {'axis', 'schedule', 'microbatches', 'stages', ...}")
+    if pipe["axis"] not in mesh["axes"]:
+        raise PlanFormatError(f"plan pipeline axis {pipe['axis']!r} is not a mesh axis {mesh['axes']}")
+    if pipe["schedule"] not in PIPELINE_SCHEDULES:
+        raise PlanFormatError(f"plan pipeline schedule {pipe['schedule']!r} must be one of {PIPELINE_SCHEDULES}")
+    m = pipe["microbatches"]
+    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+        raise PlanFormatError(f"plan pipeline microbatches must be an integer >= 1, got {m!r}")
+    size = mesh["shape"][mesh["axes"].index(pipe["axis"])]
+    stages = pipe["stages"]
+    if not isinstance(stages, list) or not stages:
+        raise PlanFormatError("plan pipeline stages must be a non-empty list")
+    seen: dict = {}
+    for k, st in enumerate(stages):
+        if not isinstance(st, dict) or st.get("index") != k:
+            raise PlanFormatError(f"plan pipeline stage {k} must be an object with index {k}, got {st!r}")
+        r = st.get("pp_rank")
+        if not isinstance(r, int) or not 0 <= r < size:
+            raise PlanFormatError(f"plan pipeline stage {k}: pp_rank {r!r} must be a rank of axis "
+                                  f"{pipe['axis']!r} (0 to {size - 1})")
+        layers = st.get("layers")
+        if not isinstance(layers, list) or not layers or not all(isinstance(x, str) for x in layers):
+            raise PlanFormatError(f"plan pipeline stage {k}: layers must be a non-empty list of layer names")
+        for x in layers:
+            if x in seen:
+                raise PlanFormatError(f"plan pipeline: layer {x} is in stages {seen[x]} and {k}")
+            seen[x] = k
+    if {st["pp_rank"] for st in stages} != set(range(size)):
+        raise PlanFormatError(f"plan pipeline: every rank of axis {pipe['axis']!r} (size {size}) must hold a stage")

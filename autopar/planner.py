@@ -17,7 +17,7 @@ from autopar.layout import format_layout
 from autopar.passes.capture import CapturedProgram
 from autopar.passes.costs import INFEASIBLE, CostModel, OptimizerSpec, VIEW_OPS
 from autopar.passes.layers import layer_counts, layer_instances
-from autopar.passes.lowering import collectives, lower
+from autopar.passes.reshard_plan import collectives, plan_reshards
 from autopar.passes.meta import meta_of, op_name
 from autopar.passes.problem import ProblemIndex, build_problem
 from autopar.passes.runner import PassRunner
@@ -65,7 +65,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
          optimizer: OptimizerSpec | None = None, progress: bool | None = None, skip_passes=(),
          insert_passes=(), pins: dict | None = None, kernels: str = "aten", sharded_outputs: bool = False,
          recompute: bool | dict = True, cost_model: type[CostModel] = CostModel,
-         front: FrontEnd | None = None) -> Plan:
+         front: FrontEnd | None = None, microbatches: int | None = None, schedule: str | None = None) -> Plan:
     """Find the fastest layout of ``model`` on ``cluster`` that fits ``memory_budget`` bytes per device.
 
     ``pins`` forces layouts by hand: ``{"*.mlp.c_fc.weight": ["R", "S(1)"], "input_ids": ["S(0)", "R"]}``
@@ -82,6 +82,9 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     to run right after it) (autopar/pipeline.py lists the passes; docs/extending.md).
     ``cost_model`` is the class that prices every candidate, ``CostModel`` or a subclass of it (e.g.
     one that looks op times up in a measured table; docs/extending.md).
+    A mesh axis named ``pp`` makes a pipeline plan (autopar/pipelining.py, docs/pipeline.md):
+    ``microbatches`` and ``schedule`` (one of ``pipelining.SCHEDULES``) fix what is otherwise chosen by
+    predicted step time.
     """
     t0 = time.perf_counter()
     if mesh_shape is not None:
@@ -101,9 +104,12 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
             names = tuple(cluster.axis_names) if cluster.mesh_shape is not None and cluster.axis_names \
                 else default_axis_names(shape)
             if "pp" in names:
-                raise AutoparError(f"mesh axes {names} name a pipeline axis 'pp', but pipeline parallelism is "
-                                   f"not implemented yet (docs/status.md); name the axes yourself "
-                                   f"(axis_names=...) to use that axis for data or tensor sharding")
+                p = _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget, optimizer,
+                                   fused, pins, sharded_outputs, recompute, time_limit, skip_passes, insert_passes,
+                                   microbatches, schedule, tried, report, cost_model)
+                if p is not None and (best is None or p.step_time < best.step_time):
+                    best = p
+                continue
             report(f"mesh {shape}: strategies")
             prep.runner.run(mesh_passes(shape), prep.gm, f"mesh {shape}")
             cm = cost_model(cluster, shape, optimizer, fused=fused)
@@ -126,6 +132,10 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
                             constraints=sol.num_constraints, backend=sol.backend)
             if best is None or p.step_time < best.step_time:
                 best = p
+        if best is None and not infeasible and tried and all("pipeline" in t for t in tried):
+            from autopar.pipelining import no_fit
+
+            raise no_fit(tried[-1]["mesh"][0], tried[-1]["pipeline"]["microbatches"], budget)
         if best is None:
             _raise_infeasible(prep, infeasible, cluster, budget)
         best.solver["candidates"] = tried
@@ -134,6 +144,110 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
                                  for r in prep.runner.records]
         report("done")
     return best
+
+
+def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget, optimizer, fused, pins,
+                   sharded_outputs, recompute, time_limit, skip_passes, insert_passes, microbatches, schedule,
+                   tried, report, cost_model=CostModel) -> Plan | None:
+    """The fastest pipeline plan on mesh ``shape`` (axis ``pp`` among ``names``), or None when none fits."""
+    import math
+
+    from autopar import pipelining as PL
+    from autopar.codegen.stages import loss_output
+
+    axis = names.index("pp")
+    p = shape[axis]
+    if axis != 0:
+        raise AutoparError(f"the pipeline axis 'pp' must be the mesh's first (outermost) axis, got axes {names}")
+    if recompute not in (False, None) and recompute is not True:
+        raise AutoparError("pipeline plans do not recompute activations yet; plan with recompute=False or the "
+                           "default")
+    if schedule is not None and schedule not in PL.SCHEDULES:
+        raise AutoparError(f"unknown pipeline schedule {schedule!r}; choose one of {PL.SCHEDULES}")
+    batch = PL.batch_size(example_inputs, example_kwargs)
+    if microbatches is not None:
+        if batch % microbatches:
+            raise AutoparError(f"the batch of {batch} does not split into {microbatches} equal microbatches; "
+                               f"pick a count that divides {batch}")
+        counts = [microbatches]
+    else:
+        counts = sorted({k * p for k in (1, 2, 4, 8) if batch % (k * p) == 0} or {batch})
+    schedules = [schedule] if schedule else list(PL.SCHEDULES)
+    sub_shape = tuple(1 if i == axis else s for i, s in enumerate(shape))
+    sub_cluster = dataclasses.replace(cluster, num_devices=math.prod(sub_shape), mesh_shape=sub_shape,
+                                      axis_names=names)
+    link = cluster.axis_link(shape, axis)
+    best = None
+    for m in counts:
+        mb_args, mb_kwargs = PL.microbatch_inputs(example_inputs, example_kwargs, m)
+        report(f"mesh {shape}, {m} microbatches: capturing")
+        prep = prepare(model, mb_args, mb_kwargs, sub_cluster, skip_passes=skip_passes, insert_passes=insert_passes)
+        PL.check_layers(prep.gm, p)
+        loss_output(prep.gm)          # the last stage hands the loss to the schedule
+        prep.runner.run(mesh_passes(sub_shape), prep.gm, f"mesh {shape}")
+        cm = cost_model(sub_cluster, sub_shape, optimizer, fused=fused)
+        # Each stage holds about 1/p of the model: the whole microbatch program gets p budgets here, and
+        # every stage is checked against one budget, in-flight microbatches included, below.
+        prob, idx = build_problem(prep.gm, cm, budget * p, pins, sharded_outputs, False)
+        report(f"mesh {shape}, {m} microbatches: solving {len(prob.choices)} decisions")
+        sol = solve(prob, time_limit=time_limit)
+        entry = {"mesh": list(shape), "status": sol.status, "objective": sol.objective, "seconds": sol.seconds,
+                 "variables": sol.num_variables, "constraints": sol.num_constraints,
+                 "pipeline": {"microbatches": m, "schedules": {}}}
+        tried.append(entry)
+        if sol.status == "infeasible" or prob.objective(sol.assignment) >= INFEASIBLE:
+            continue
+        sub = evaluate(prep, idx, sol.assignment, cm, sub_shape, names, sub_cluster, budget, sharded_outputs)
+        chosen = {n: meta_of(n).strategies.strategies[idx.option_of(n, sol.assignment)] for n in prep.gm.graph.nodes
+                  if n.op in ("placeholder", "call_function") and meta_of(n).strategies is not None}
+        instance_of = {n: meta_of(n).layer.layer for n in chosen if n.op == "call_function" and meta_of(n).layer}
+        costs = PL.LayerCosts(prep.gm, sub, _boundary_bytes(instance_of, chosen, cm))
+        for sched in schedules:
+            if sched != "GPipe" and sched != "1F1B" and m % p:
+                continue          # torch's interleaved schedules need whole rounds of p microbatches
+            found = PL.schedule_plan(costs, sched, p, m, budget, link)
+            entry["pipeline"]["schedules"][sched] = None if found is None else found["step_time"]
+            if found is not None and (best is None or found["step_time"] < best[0]["step_time"]):
+                best = (found, sub, sol)
+    if best is None:
+        return None
+    found, sub, sol = best
+    return _pipeline_plan(sub, found, shape, names, axis, cluster, budget, sol)
+
+
+def _pipeline_plan(sub: Plan, found: dict, shape, names, axis, cluster, budget, sol) -> Plan:
+    """The sub-mesh plan of one microbatch, widened to the whole mesh, with its pipeline."""
+
+    def widen(lay):
+        return ["R" if i == axis else x for i, x in enumerate(lay)]
+
+    sub.mesh = {"shape": list(shape), "axes": list(names)}
+    sub.cluster = cluster.to_dict()
+    sub.params = {k: widen(v) for k, v in sub.params.items()}
+    sub.inputs = {k: widen(v) for k, v in sub.inputs.items()}
+    for n in sub.nodes:
+        n["inputs"] = [widen(l) for l in n["inputs"]]
+        n["outputs"] = [widen(l) for l in n["outputs"]]
+    m = found["microbatches"]
+    worst = max(found["ranks"], key=lambda r: r["peak"])
+    scale = worst["static_bytes"] / max(sub.memory["params"] + sub.memory["grads"] + sub.memory["optimizer"], 1.0)
+    sub.memory.update(peak=found["peak"], budget=budget, activations=worst["activation_bytes"],
+                      params=sub.memory["params"] * scale, grads=sub.memory["grads"] * scale,
+                      optimizer=sub.memory["optimizer"] * scale)
+    slow = found["ranks"][found["slowest_rank"]]
+    comm = {a: m * slow["comm_seconds"].get(a, 0.0) for a in names}
+    comm["pp"] += m * slow["p2p_seconds"]
+    # The slowest rank's microbatches, the pipeline's idle time, the slowest optimizer step: they add up
+    # to step_time.
+    sub.breakdown = {"compute": m * slow["compute_seconds"], "communication": comm,
+                     "optimizer": found["optimizer_seconds"], "recompute": 0.0, "bubble": found["bubble_seconds"]}
+    sub.step_time = found["step_time"]
+    sub.pipeline = {"axis": "pp", "schedule": found["schedule"], "microbatches": m,
+                    "virtual_stages": found["virtual_stages"], "bubble_fraction": found["bubble_fraction"],
+                    "bubble_seconds": found["bubble_seconds"], "stages": found["stages"], "ranks": found["ranks"]}
+    sub.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
+                      constraints=sol.num_constraints, backend=sol.backend)
+    return sub
 
 
 def _with_mesh(cluster, mesh_shape, axis_names):
@@ -181,7 +295,7 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "call_function") and meta_of(n).strategies is not None:
             chosen[n] = meta_of(n).strategies.strategies[idx.option_of(n, assignment)]
-    low = lower(gm, chosen, cm.mesh_shape, sharded_outputs)
+    low = plan_reshards(gm, chosen, cm.mesh_shape, sharded_outputs)
     colls = collectives(low, cm, axis_names)
     recompute = recomputed_layers(gm, idx.recompute_counts(assignment))
     instance_of = {n: meta_of(n).layer.layer for n in chosen

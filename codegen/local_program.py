@@ -2,7 +2,7 @@
 
 Every node runs its own ATen op on local shards; view, reshape and expand sizes are rewritten to local
 sizes; every resharding the plan implies becomes an explicit call into ``autopar.runtime.collectives``
-(the same steps ``passes.lowering`` reports in ``plan.collectives``). The result is an fx.GraphModule
+(the same steps ``passes.reshard_plan`` reports in ``plan.collectives``). The result is an fx.GraphModule
 whose ``code`` is readable Python; ``passes.meta.program_meta(gm)`` says how to call it.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.errors import PlanFormatError
 from autopar.layout import local_shape, parse_layout
-from autopar.passes.lowering import gathered_output, lower
+from autopar.passes.reshard_plan import gathered_output, plan_reshards
 from autopar.passes.meta import meta_of, op_name, set_meta, set_program_meta
 from autopar.passes.rules import context_for, rule_for
 from autopar.passes.runner import requires
@@ -82,10 +82,10 @@ def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str]
                        sharded_outputs: bool = False) -> fx.GraphModule:
     """The local program of one rank. ``group_names[a]`` is the c10d group of mesh axis ``a``.
     With ``sharded_outputs=True`` non-scalar outputs are returned in the layout they are computed in
-    (passes.lowering.gathered_output), whatever the plan was priced for."""
+    (passes.reshard_plan.gathered_output), whatever the plan was priced for."""
     mesh_shape = plan.mesh_shape
     strategy = strategies_from_plan(gm, plan)
-    low = lower(gm, strategy, mesh_shape, sharded_outputs)
+    low = plan_reshards(gm, strategy, mesh_shape, sharded_outputs)
 
     g = fx.Graph()
     env: dict = {}

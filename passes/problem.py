@@ -111,7 +111,7 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
                   recompute: bool | dict = True) -> tuple[Problem, ProblemIndex]:
     """``pins`` maps a glob over decision names (parameter FQNs, input names, node names) to a layout
     that decision must take. A pin on one copy of a repeated layer applies to every copy. With
-    ``sharded_outputs`` only scalar user outputs are priced as gathered (passes.lowering). With
+    ``sharded_outputs`` only scalar user outputs are priced as gathered (passes.reshard_plan). With
     ``recompute``, each layer class gets a decision of how many of its instances recompute their
     activations in backward (``_recompute_choices``); a dict fixes it for the classes it names."""
     nodes = _decided_nodes(gm)
@@ -310,10 +310,10 @@ def _shared_edge(v: Value, rs, count: int, idx: ProblemIndex, cm: CostModel) -> 
 
 
 def _output_values(out_node: fx.Node, sharded_outputs: bool) -> list[Value]:
-    """The user outputs that are returned replicated (passes.lowering.gathered_output)."""
+    """The user outputs that are returned replicated (passes.reshard_plan.gathered_output)."""
     import torch
 
-    from autopar.passes.lowering import gathered_output
+    from autopar.passes.reshard_plan import gathered_output
 
     leaves = torch.utils._pytree.tree_leaves(out_node.args)
     return [Value(a) for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)

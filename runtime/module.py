@@ -241,6 +241,10 @@ def build(model, program: Program, plan: Plan, mesh, *, check_weights=True,
     constants = {k: (v.to(device) if isinstance(v, torch.Tensor) and not v.is_meta else v)
                  for k, v in program.constants.items()}
     program = dataclasses.replace(program, constants=constants)
+    if plan.pipeline:
+        from autopar.runtime.pipeline import PipelineParallelModule
+
+        return PipelineParallelModule(program, plan, mesh, full, buffers, sharded_outputs=sharded_outputs)
     return ParallelModule(program, plan, mesh, full, buffers, sharded_outputs=sharded_outputs)
 
 

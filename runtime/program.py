@@ -24,3 +24,17 @@ class Program:
     input_shapes: tuple           # shapes of the flattened inputs the program was made for
     constants: dict[str, torch.Tensor]
     kernels: dict[str, str]       # generated kernel name -> source (empty with ATen kernels)
+    stages: tuple = ()            # pipeline plans: this rank's StagePrograms (gm is then the whole
+                                  # microbatch program the stages were cut from)
+
+
+@dataclass(frozen=True)
+class StageProgram:
+    """One pipeline stage of a rank's program (codegen/stages.py), for one microbatch."""
+
+    index: int                    # the stage's position in the pipeline
+    gm: fx.GraphModule
+    placeholders: tuple           # (kind, target) per placeholder; kind "recv" takes the next activation
+                                  # received from the previous stage, in order
+    sends: tuple                  # names of the values returned to the next stage (empty on the last
+                                  # stage, which returns the loss)

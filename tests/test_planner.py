@@ -171,10 +171,10 @@ def test_pin_to_an_impossible_layout_is_explained():
                      pins={"blocks.0.ln1.weight": ["S(1)"]}, progress=False)
 
 
-def test_pipeline_axis_is_refused_clearly():
+def test_pipeline_axis_larger_than_the_layers_is_refused_clearly():
     model = wide_stack(h=256, heads=4, layers=1)
     x = torch.randn(8, 64, 256, dtype=torch.bfloat16)
-    with pytest.raises(autopar.AutoparError, match="pipeline parallelism is not implemented"):
+    with pytest.raises(autopar.AutoparError, match="pipeline axis 'pp' has 2 ranks but the model has only 1"):
         autopar.plan(model, autopar.ClusterSpec.preset("16xH100"), (x,), mesh_shape=(2, 2, 2, 2), progress=False)
 
 

@@ -1,4 +1,5 @@
-"""Which reshardings a chosen assignment implies, deduplicated the way codegen emits them.
+"""The resharding plan of a chosen assignment (``plan_reshards``): which steps bring every value to
+the layout each consumer reads, deduplicated the way codegen emits them. It plans; codegen lowers.
 
 A value read in the same layout, with the same gradient reductions, by several consumers is
 resharded once and shared. Planning reports the collectives from this, and codegen emits exactly
@@ -25,7 +26,7 @@ class ReshardKey:
 
 
 @dataclass
-class Lowered:
+class ReshardPlan:
     strategy: dict                                   # node -> Strategy
     reshards: dict = field(default_factory=dict)     # ReshardKey -> list[Step]
     first_consumer: dict = field(default_factory=dict)  # ReshardKey -> consumer node name
@@ -39,9 +40,9 @@ def gathered_output(node: fx.Node, sharded_outputs: bool) -> bool:
     return not sharded_outputs or node.meta["val"].dim() == 0
 
 
-def lower(gm: fx.GraphModule, strategy: dict, mesh_shape, sharded_outputs: bool = False) -> Lowered:
+def plan_reshards(gm: fx.GraphModule, strategy: dict, mesh_shape, sharded_outputs: bool = False) -> ReshardPlan:
     mesh_shape = tuple(mesh_shape)
-    low = Lowered(strategy)
+    low = ReshardPlan(strategy)
     for node in gm.graph.nodes:
         if node.op == "call_function":
             s = strategy[node]
@@ -63,7 +64,7 @@ def lower(gm: fx.GraphModule, strategy: dict, mesh_shape, sharded_outputs: bool 
     return low
 
 
-def _reshard(low: Lowered, mesh_shape, v: Value, dst, s: Strategy | None, consumer: fx.Node):
+def _reshard(low: ReshardPlan, mesh_shape, v: Value, dst, s: Strategy | None, consumer: fx.Node):
     src = low.strategy[v.node].outputs[v.index]
     partial = frozenset()
     if s is not None and requires_grad(v.node):
@@ -79,7 +80,7 @@ def _reshard(low: Lowered, mesh_shape, v: Value, dst, s: Strategy | None, consum
     return key if low.reshards[key] else None
 
 
-def collectives(low: Lowered, cm, axis_names) -> list[dict]:
+def collectives(low: ReshardPlan, cm, axis_names) -> list[dict]:
     """The plan's collectives under ``low``, priced by ``cm`` (a passes.costs.CostModel)."""
     from autopar.passes.resharding import collective_seconds
 
