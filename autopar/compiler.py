@@ -1,6 +1,6 @@
 """``autopar.compile``: the stages in order, on every rank.
 
-1. capture and the front-end passes (autopar/pipeline.py), once;
+1. capture and the front-end passes (autopar/pass_pipeline.py), once;
 2. the plan: made on rank 0 from that front end (autopar/planner.py) and broadcast, or the one given;
 3. codegen: this rank's local program with its collectives and kernels (codegen/);
 4. the runtime gets the finished Program and the model's weights (runtime/module.py).
@@ -31,7 +31,7 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
     ``kernels`` is "auto" (Triton on CUDA, ATen on CPU), "triton" or "aten" (docs/kernels.md).
     ``skip_passes`` and ``insert_passes`` change the pass pipeline on every rank (docs/extending.md)."""
     from autopar.codegen.triton import resolve_kernels
-    from autopar.pipeline import front_end, generate, new_runner
+    from autopar.pass_pipeline import front_end, generate, new_runner
     from autopar.planner import model_fingerprint
     from autopar.runtime.module import build, device_type, init_mesh, rank_device
 

@@ -22,7 +22,7 @@ from autopar.passes.meta import meta_of, op_name
 from autopar.passes.problem import ProblemIndex, build_problem
 from autopar.passes.runner import PassRunner
 from autopar.passes.strategies import requires_grad, root_of
-from autopar.pipeline import FrontEnd, analysis_passes, front_end, mesh_passes, new_runner
+from autopar.pass_pipeline import FrontEnd, analysis_passes, front_end, mesh_passes, new_runner
 from autopar.plan import Plan
 from autopar.solver import minimum_feasible_budget, solve
 
@@ -79,7 +79,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     activations are recomputed in backward) where memory is short; ``False`` keeps every activation;
     ``{"model.layers.*": "all"}`` (or a count) fixes it for the layer classes a glob names.
     ``skip_passes`` names passes not to run; ``insert_passes`` is a sequence of (name of a pass, a pass
-    to run right after it) (autopar/pipeline.py lists the passes; docs/extending.md).
+    to run right after it) (autopar/pass_pipeline.py lists the passes; docs/extending.md).
     ``cost_model`` is the class that prices every candidate, ``CostModel`` or a subclass of it (e.g.
     one that looks op times up in a measured table; docs/extending.md).
     A mesh axis named ``pp`` makes a pipeline plan (autopar/pipelining.py, docs/pipeline.md):
