@@ -93,15 +93,16 @@ def _pinned_options(rep: fx.Node, pins: dict, mesh_axes: int):
         allowed = {o for o, s in enumerate(opts)
                    if (out is None or (s.outputs and format_layout(s.outputs[0]) == out))
                    and (ins is None or [format_layout(l) for l in s.inputs] == ins)}
+        refused = "".join(f"; refused: {r}" for r in meta_of(rep).refused[:8])
         if not allowed and ins is None:
             offered = sorted({str(format_layout(s.outputs[0])) for s in opts if s.outputs})
             raise ShardingError(f"pin {pattern!r} asks {name} for layout {out}, which its op cannot "
-                                f"produce here; it can take {offered}")
+                                f"produce here; it can take {offered}{refused}")
         if not allowed:
             offered = sorted({f"{[format_layout(l) for l in s.inputs]} -> {format_layout(s.outputs[0])}"
                               for s in opts if s.outputs})
             raise ShardingError(f"pin {pattern!r} asks {name} for {want}, which its op cannot do here; "
-                                f"it can take (inputs -> output) {offered}")
+                                f"it can take (inputs -> output) {offered}{refused}")
         return allowed
     return None
 

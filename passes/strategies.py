@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.layout import R, S, divides
+from autopar.layout import R, S, divides, format_layout, local_shape
 from autopar.passes.meta import meta_of, set_meta
 from autopar.passes.rules import (AxisOption, TensorInfo, axis_options, context_for, output_infos)
 from autopar.passes.runner import requires
@@ -106,13 +106,30 @@ def _distinct_dims(layout) -> bool:
     return len(dims) == len(set(dims))
 
 
-def _combine(options: list[AxisOption], ins: list[TensorInfo], outs: list[TensorInfo], mesh_shape):
-    """One strategy per mesh axis option tuple, when every tensor stays valid under it."""
+def _combine(options: list[AxisOption], ins: list[TensorInfo], outs: list[TensorInfo], mesh_shape,
+             refused: list | None = None):
+    """One strategy per mesh axis option tuple, when every tensor stays valid under it. An option's
+    own size requirement that fails is described in ``refused``."""
     in_layouts = tuple(tuple(o.inputs[i] for o in options) for i in range(len(ins)))
     out_layouts = tuple(tuple(o.outputs[i] for o in options) for i in range(len(outs)))
-    for lay, info in zip(in_layouts + out_layouts, ins + outs):
-        if not _distinct_dims(lay) or not divides(info.shape, lay, mesh_shape):
+    for k, (lay, info) in enumerate(zip(in_layouts + out_layouts, ins + outs)):
+        if not _distinct_dims(lay):
             return None
+        if not divides(info.shape, lay, mesh_shape):
+            if refused is not None:
+                what = f"input {k}" if k < len(ins) else f"output {k - len(ins)}"
+                refused.append(f"{what} of shape {info.shape} cannot take {format_layout(lay)} on mesh "
+                               f"{tuple(mesh_shape)}: a sharded dim does not divide by its mesh axes")
+            return None
+    for axis, o in enumerate(options):
+        for i, dim, factor, why in o.requires:
+            size = local_shape(ins[i].shape, in_layouts[i], mesh_shape)[dim]
+            if size % factor:
+                if refused is not None:
+                    refused.append(f"{why}: on mesh axis {axis} ({mesh_shape[axis]} devices) each rank's dim {dim} "
+                                   f"of input {i} has {size} elements, which does not divide by {factor} "
+                                   f"(global shape {ins[i].shape})")
+                return None
     return Strategy(in_layouts, out_layouts, tuple(not o.trivial for o in options))
 
 
@@ -148,8 +165,10 @@ def node_strategies(node: fx.Node, mesh_shape, cache: dict | None = None) -> lis
     if cache is not None:
         key = signature(node)
         if key not in cache:
-            cache[key] = _node_strategies(node, mesh_shape)
-        return cache[key]
+            cache[key] = _node_strategies(node, mesh_shape), meta_of(node).refused
+        strategies, refused = cache[key]
+        set_meta(node, refused=refused)
+        return strategies
     return _node_strategies(node, mesh_shape)
 
 
@@ -160,11 +179,12 @@ def _node_strategies(node: fx.Node, mesh_shape) -> list[Strategy]:
     opts = axis_options(ctx)
     rep_only = [opts[0]]
     per_axis = [opts if n > 1 else rep_only for n in mesh_shape]
-    out = []
+    out, refused = [], []
     for combo in itertools.product(*per_axis):
-        s = _combine(list(combo), ctx.ins, ctx.outs, mesh_shape)
+        s = _combine(list(combo), ctx.ins, ctx.outs, mesh_shape, refused)
         if s is not None and s not in out:
             out.append(s)
+    set_meta(node, refused=tuple(dict.fromkeys(refused)))
     return out
 
 

@@ -21,6 +21,7 @@ FULL_SIZE = {
     "gpt2-xl": (1_557_611_200, 1024),
     "llama3-8b": (8_030_261_248, 4096),
     "llama2-70b": (68_976_648_192, 4096),
+    "gqa-7b-128k": (7_615_487_488, 131072),     # Qwen2-7B's 7,615,616,512 less its q/k/v biases
     "bert-large": (335_174_458, 512),
 }
 TINY = ("gpt2-tiny", "llama-tiny", "bert-tiny", "gpt-tiny")
