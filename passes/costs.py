@@ -6,7 +6,9 @@
   link from ``ClusterSpec.axis_link`` (intra-node or inter-node).
 - Memory per device: parameters, gradients and optimizer states under each parameter's layout, and the
   activations each node keeps for backward under its layouts.
-- Communication does not overlap compute in this model: the step time is their sum.
+- Communication does not overlap compute in this model: the step time is their sum; the exception is
+  an op that overlaps its own transfers with its own compute (ring attention), where each step costs
+  max(compute, transfer) (``op_collective_seconds``).
 """
 from __future__ import annotations
 
@@ -135,7 +137,12 @@ class CostModel:
         return collective_seconds(kind, nbytes, self.mesh_shape[axis], bw, lat)
 
     def op_collective_seconds(self, oc) -> float:
-        return self.collective_seconds(oc.kind, oc.nbytes, oc.axis)
+        """Seconds of an op's own collective that its compute does not hide: a transfer of ``steps``
+        steps, each overlapped with ``overlap_flops`` of compute, costs per step max(0, transfer -
+        compute) beyond the compute already counted (ring attention's max(compute, transfer))."""
+        step = self.collective_seconds(oc.kind, oc.nbytes / oc.steps, oc.axis)
+        hidden = oc.overlap_flops / self.cluster.device.peak_flops(oc.dtype)
+        return oc.steps * max(0.0, step - hidden)
 
     def op_comm_seconds(self, node: fx.Node, s: Strategy) -> float:
         return sum(self.op_collective_seconds(oc) for oc in self.op_collectives(node, s))

@@ -137,9 +137,12 @@ def global_transition(src: Sequence[Placement], dst: Sequence[Placement], shape:
 
 
 def collective_seconds(kind: str, nbytes: float, n: int, bandwidth: float, latency: float) -> float:
-    """Alpha-beta cost on a ring of ``n`` devices (REFERENCES.md)."""
+    """Alpha-beta cost on a ring of ``n`` devices (REFERENCES.md); ``send_recv`` is one point-to-point
+    transfer of ``nbytes`` to a neighbor (at the same time as one from the other neighbor)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
+    if kind == "send_recv":
+        return latency + nbytes / bandwidth
     if kind == "all_reduce":
         return latency + 2.0 * (n - 1) / n * nbytes / bandwidth
     if kind == "all_to_all":
