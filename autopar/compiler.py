@@ -96,6 +96,7 @@ def check_plan(plan: Plan, model: nn.Module, example_inputs=(), example_kwargs=N
     ``axis_names`` are checked against it, and any other planning option is refused rather than
     ignored."""
     from autopar.errors import InfeasiblePlanError, ShapeMismatchError
+    from autopar.planner import model_fingerprint
 
     if plan.model.get("fingerprint") != model_fingerprint(model):
         raise PlanFormatError(f"this plan was made for another model ({plan.model.get('class')}, fingerprint "
