@@ -6,24 +6,25 @@ import dataclasses
 import hashlib
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from autopar.cluster import ClusterSpec, default_axis_names
-from autopar.errors import AutoparError, InfeasiblePlanError
+from autopar.errors import AutoparError, AutoparWarning, InfeasiblePlanError
 from autopar.layout import format_layout
-from autopar.passes.capture import CapturedProgram, capture
-from autopar.passes.costs import INFEASIBLE, CostModel, OptimizerSpec, count_saving_consumers
-from autopar.passes.layers import layer_counts, layer_instances, layers_pass
-from autopar.passes.lowering import collectives, lower
-from autopar.passes.memory import StepMemory, minimum_budget, saved_activations_pass, solve_under_budget
+from autopar.passes.capture import CapturedProgram
+from autopar.passes.costs import INFEASIBLE, CostModel, OptimizerSpec
+from autopar.passes.layers import layer_counts, layer_instances
+from autopar.passes.memory import StepMemory, minimum_budget, solve_under_budget
+from autopar.passes.reshard_plan import collectives, plan_reshards
 from autopar.passes.meta import meta_of, op_name
-from autopar.passes.normalize import normalize_pass
 from autopar.passes.problem import ProblemIndex, build_problem
 from autopar.passes.runner import PassRunner
-from autopar.passes.strategies import requires_grad, root_of, strategies_pass
+from autopar.passes.strategies import requires_grad, root_of
+from autopar.pass_pipeline import FrontEnd, analysis_passes, front_end, mesh_passes, new_runner
 from autopar.plan import Plan
 
 log = logging.getLogger("autopar")
@@ -37,21 +38,14 @@ class Prepared:
     fingerprint: str
 
 
-def prepare(model, example_inputs, example_kwargs, cluster: ClusterSpec, *, skip_passes=()) -> Prepared:
-    """Capture the model and run the passes that do not depend on the mesh."""
-    captured = capture(model, example_inputs, example_kwargs)
-    runner = PassRunner([normalize_pass, layers_pass, _saved_pass(cluster.device_type)],
-                        skip=frozenset(skip_passes))
-    gm = runner(captured.gm)
-    count_saving_consumers(gm)
-    return Prepared(captured, gm, runner, model_fingerprint(model))
-
-
-def _saved_pass(device_type):
-    def saved_activations_pass_for_target(gm):
-        return saved_activations_pass(gm, target_device=device_type)
-    saved_activations_pass_for_target.__name__ = "saved_activations_pass"
-    return saved_activations_pass_for_target
+def prepare(model, example_inputs, example_kwargs, cluster: ClusterSpec, *, skip_passes=(), insert_passes=(),
+            front: FrontEnd | None = None) -> Prepared:
+    """Capture the model and run the passes that do not depend on the mesh; ``front`` is a front end
+    already run (``autopar.compile`` runs it once and plans from it)."""
+    if front is None:
+        front = front_end(model, example_inputs, example_kwargs, new_runner(skip_passes, insert_passes))
+    gm = front.runner.run(analysis_passes(cluster.device_type), front.gm, "analysis")
+    return Prepared(front.captured, gm, front.runner, model_fingerprint(model))
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -70,8 +64,9 @@ def default_optimizer(model) -> OptimizerSpec:
 def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), example_kwargs=None, *,
          memory_budget: float | None = None, mesh_shape=None, axis_names=None, time_limit: float = 60.0,
          optimizer: OptimizerSpec | None = None, progress: bool | None = None, skip_passes=(),
-         pins: dict | None = None, kernels: str = "aten", sharded_outputs: bool = False,
-         recompute: bool | dict = True) -> Plan:
+         insert_passes=(), pins: dict | None = None, kernels: str = "aten", sharded_outputs: bool = False,
+         recompute: bool | dict = True, cost_model: type[CostModel] = CostModel,
+         front: FrontEnd | None = None, microbatches: int | None = None, schedule: str | None = None) -> Plan:
     """Find the fastest layout of ``model`` on ``cluster`` that fits ``memory_budget`` bytes per device.
 
     ``pins`` forces layouts by hand: ``{"*.mlp.c_fc.weight": ["R", "S(1)"], "input_ids": ["S(0)", "R"]}``
@@ -84,6 +79,13 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     ``recompute=True`` lets the solver checkpoint the first instances of a repeated layer (their
     activations are recomputed in backward) where memory is short; ``False`` keeps every activation;
     ``{"model.layers.*": "all"}`` (or a count) fixes it for the layer classes a glob names.
+    ``skip_passes`` names passes not to run; ``insert_passes`` is a sequence of (name of a pass, a pass
+    to run right after it) (autopar/pass_pipeline.py lists the passes; docs/extending.md).
+    ``cost_model`` is the class that prices every candidate, ``CostModel`` or a subclass of it (e.g.
+    one that looks op times up in a measured table; docs/extending.md).
+    A mesh axis named ``pp`` makes a pipeline plan (autopar/pipelining.py, docs/pipeline.md):
+    ``microbatches`` and ``schedule`` (one of ``pipelining.SCHEDULES``) fix what is otherwise chosen by
+    predicted step time.
     """
     t0 = time.perf_counter()
     if mesh_shape is not None:
@@ -96,18 +98,22 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     candidates = cluster.mesh_candidates() if cluster.mesh_shape is None else [cluster.mesh_shape]
     with _progress(progress, total=2 + 4 * len(candidates)) as report:
         report("capturing")
-        prep = prepare(model, example_inputs, example_kwargs, cluster, skip_passes=skip_passes)
+        prep = prepare(model, example_inputs, example_kwargs, cluster, skip_passes=skip_passes,
+                       insert_passes=insert_passes, front=front)
         best, tried, infeasible = None, [], []
         for shape in candidates:
             names = tuple(cluster.axis_names) if cluster.mesh_shape is not None and cluster.axis_names \
                 else default_axis_names(shape)
             if "pp" in names:
-                raise AutoparError(f"mesh axes {names} name a pipeline axis 'pp', but pipeline parallelism is "
-                                   f"not implemented yet (docs/status.md); name the axes yourself "
-                                   f"(axis_names=...) to use that axis for data or tensor sharding")
+                p = _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget, optimizer,
+                                   fused, pins, sharded_outputs, recompute, time_limit, skip_passes, insert_passes,
+                                   microbatches, schedule, tried, report, cost_model)
+                if p is not None and (best is None or p.step_time < best.step_time):
+                    best = p
+                continue
             report(f"mesh {shape}: strategies")
-            strategies_pass(prep.gm, shape)
-            cm = CostModel(cluster, shape, optimizer, fused=fused)
+            prep.runner.run(mesh_passes(shape), prep.gm, f"mesh {shape}")
+            cm = cost_model(cluster, shape, optimizer, fused=fused)
             report(f"mesh {shape}: costs")
             prob, idx = build_problem(prep.gm, cm, budget, pins, sharded_outputs, recompute)
             sm = StepMemory(prep.gm, cm, idx, [len(c.costs) for c in prob.choices], sharded_outputs=sharded_outputs)
@@ -133,14 +139,153 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
                             constraints=sol.num_constraints, backend=sol.backend)
             if best is None or p.step_time < best.step_time:
                 best = p
+        if best is None and not infeasible and tried and all("pipeline" in t for t in tried):
+            from autopar.pipelining import no_fit
+
+            raise no_fit(tried[-1]["mesh"][0], tried[-1]["pipeline"]["microbatches"], budget)
         if best is None:
             _raise_infeasible(prep, infeasible, cluster, budget)
+        best.extra["warnings"] = idle_axis_warnings(prep.gm, best)
+        for w in best.extra["warnings"]:
+            warnings.warn(w, AutoparWarning, stacklevel=2)
         best.solver["candidates"] = tried
         best.solver["planning_seconds"] = time.perf_counter() - t0
-        best.solver["passes"] = [{"name": r.name, "seconds": r.seconds, "skipped": r.skipped}
+        best.solver["passes"] = [{"name": r.name, "stage": r.stage, "seconds": r.seconds, "skipped": r.skipped}
                                  for r in prep.runner.records]
         report("done")
     return best
+
+
+def idle_axis_warnings(gm, p: Plan) -> list[str]:
+    """Warnings for mesh axes along which no work is split (every device along one computes the same
+    thing), and for inputs whose batch dim does not divide by an axis, so the data cannot be split along
+    it and the plan falls back to other dims (or to none)."""
+    out = []
+    split = {a for n in p.nodes for a in n["split_axes"]}
+    batches = [(meta_of(n).role.target, tuple(n.meta["val"].shape)) for n in gm.graph.nodes
+               if n.op == "placeholder" and meta_of(n).role and meta_of(n).role.kind == "input"
+               and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0]
+    for axis, size in zip(p.axis_names, p.mesh_shape):
+        if size == 1 or (p.pipeline and axis == p.pipeline["axis"]):     # stages split the work there
+            continue
+        # A batch of one is never split by data, which surprises nobody.
+        odd = [(name, shape[0]) for name, shape in batches if shape[0] > 1 and shape[0] % size]
+        cause = ""
+        if odd:
+            cause = (f"the batch dim of {', '.join(f'{name} ({b})' for name, b in odd)} does not divide by "
+                     f"{size}, so the data cannot be split along mesh axis {axis!r}; ")
+        if axis not in split:
+            out.append(f"{cause}mesh axis {axis!r} ({size} devices) splits no work: every device along it "
+                       f"computes the same thing. Use a batch that divides by {size}, or fewer devices")
+        elif odd:
+            out.append(f"{cause}the plan splits other dims along it instead. Use a batch that divides by "
+                       f"{size} for data parallelism")
+    return out
+
+
+def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget, optimizer, fused, pins,
+                   sharded_outputs, recompute, time_limit, skip_passes, insert_passes, microbatches, schedule,
+                   tried, report, cost_model=CostModel) -> Plan | None:
+    """The fastest pipeline plan on mesh ``shape`` (axis ``pp`` among ``names``), or None when none fits."""
+    import math
+
+    from autopar import pipelining as PL
+    from autopar.codegen.stages import loss_output
+
+    axis = names.index("pp")
+    p = shape[axis]
+    if axis != 0:
+        raise AutoparError(f"the pipeline axis 'pp' must be the mesh's first (outermost) axis, got axes {names}")
+    if recompute not in (False, None) and recompute is not True:
+        raise AutoparError("pipeline plans do not recompute activations yet; plan with recompute=False or the "
+                           "default")
+    if schedule is not None and schedule not in PL.SCHEDULES:
+        raise AutoparError(f"unknown pipeline schedule {schedule!r}; choose one of {PL.SCHEDULES}")
+    batch = PL.batch_size(example_inputs, example_kwargs)
+    if microbatches is not None:
+        if batch % microbatches:
+            raise AutoparError(f"the batch of {batch} does not split into {microbatches} equal microbatches; "
+                               f"pick a count that divides {batch}")
+        counts = [microbatches]
+    else:
+        counts = sorted({k * p for k in (1, 2, 4, 8) if batch % (k * p) == 0} or {batch})
+    schedules = [schedule] if schedule else list(PL.SCHEDULES)
+    sub_shape = tuple(1 if i == axis else s for i, s in enumerate(shape))
+    sub_cluster = dataclasses.replace(cluster, num_devices=math.prod(sub_shape), mesh_shape=sub_shape,
+                                      axis_names=names)
+    link = cluster.axis_link(shape, axis)
+    best = None
+    for m in counts:
+        mb_args, mb_kwargs = PL.microbatch_inputs(example_inputs, example_kwargs, m)
+        report(f"mesh {shape}, {m} microbatches: capturing")
+        prep = prepare(model, mb_args, mb_kwargs, sub_cluster, skip_passes=skip_passes, insert_passes=insert_passes)
+        PL.check_layers(prep.gm, p)
+        loss_output(prep.gm)          # the last stage hands the loss to the schedule
+        prep.runner.run(mesh_passes(sub_shape), prep.gm, f"mesh {shape}")
+        cm = cost_model(sub_cluster, sub_shape, optimizer, fused=fused)
+        # Each stage holds about 1/p of the model: the whole microbatch program gets p budgets here, and
+        # every stage is checked against one budget, in-flight microbatches included, below.
+        prob, idx = build_problem(prep.gm, cm, budget * p, pins, sharded_outputs, False)
+        sm = StepMemory(prep.gm, cm, idx, [len(c.costs) for c in prob.choices], sharded_outputs=sharded_outputs)
+        report(f"mesh {shape}, {m} microbatches: solving {len(prob.choices)} decisions")
+        sol = solve_under_budget(prob, sm, budget * p, time_limit=time_limit)
+        entry = {"mesh": list(shape), "status": sol.status, "objective": sol.objective, "seconds": sol.seconds,
+                 "variables": sol.num_variables, "constraints": sol.num_constraints,
+                 "pipeline": {"microbatches": m, "schedules": {}}}
+        tried.append(entry)
+        if sol.status == "infeasible" or prob.objective(sol.assignment) >= INFEASIBLE:
+            continue
+        sub = evaluate(prep, idx, sol.assignment, cm, sub_shape, names, sub_cluster, budget, sm, sharded_outputs)
+        chosen = {n: meta_of(n).strategies.strategies[idx.option_of(n, sol.assignment)] for n in prep.gm.graph.nodes
+                  if n.op in ("placeholder", "call_function") and meta_of(n).strategies is not None}
+        instance_of = {n: meta_of(n).layer.layer for n in chosen if n.op == "call_function" and meta_of(n).layer}
+        costs = PL.LayerCosts(prep.gm, sub, _boundary_bytes(instance_of, chosen, cm))
+        for sched in schedules:
+            if sched != "GPipe" and sched != "1F1B" and m % p:
+                continue          # torch's interleaved schedules need whole rounds of p microbatches
+            found = PL.schedule_plan(costs, sched, p, m, budget, link)
+            entry["pipeline"]["schedules"][sched] = None if found is None else found["step_time"]
+            if found is not None and (best is None or found["step_time"] < best[0]["step_time"]):
+                best = (found, sub, sol)
+    if best is None:
+        return None
+    found, sub, sol = best
+    return _pipeline_plan(sub, found, shape, names, axis, cluster, budget, sol)
+
+
+def _pipeline_plan(sub: Plan, found: dict, shape, names, axis, cluster, budget, sol) -> Plan:
+    """The sub-mesh plan of one microbatch, widened to the whole mesh, with its pipeline."""
+
+    def widen(lay):
+        return ["R" if i == axis else x for i, x in enumerate(lay)]
+
+    sub.mesh = {"shape": list(shape), "axes": list(names)}
+    sub.cluster = cluster.to_dict()
+    sub.params = {k: widen(v) for k, v in sub.params.items()}
+    sub.inputs = {k: widen(v) for k, v in sub.inputs.items()}
+    for n in sub.nodes:
+        n["inputs"] = [widen(l) for l in n["inputs"]]
+        n["outputs"] = [widen(l) for l in n["outputs"]]
+    m = found["microbatches"]
+    worst = max(found["ranks"], key=lambda r: r["peak"])
+    scale = worst["static_bytes"] / max(sub.memory["params"] + sub.memory["grads"] + sub.memory["optimizer"], 1.0)
+    sub.memory.update(peak=found["peak"], budget=budget, activations=worst["activation_bytes"],
+                      params=sub.memory["params"] * scale, grads=sub.memory["grads"] * scale,
+                      optimizer=sub.memory["optimizer"] * scale)
+    slow = found["ranks"][found["slowest_rank"]]
+    comm = {a: m * slow["comm_seconds"].get(a, 0.0) for a in names}
+    comm["pp"] += m * slow["p2p_seconds"]
+    # The slowest rank's microbatches, the pipeline's idle time, the slowest optimizer step: they add up
+    # to step_time.
+    sub.breakdown = {"compute": m * slow["compute_seconds"], "communication": comm,
+                     "optimizer": found["optimizer_seconds"], "recompute": 0.0, "bubble": found["bubble_seconds"]}
+    sub.step_time = found["step_time"]
+    sub.pipeline = {"axis": "pp", "schedule": found["schedule"], "microbatches": m,
+                    "virtual_stages": found["virtual_stages"], "bubble_fraction": found["bubble_fraction"],
+                    "bubble_seconds": found["bubble_seconds"], "stages": found["stages"], "ranks": found["ranks"]}
+    sub.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
+                      constraints=sol.num_constraints, backend=sol.backend)
+    return sub
 
 
 def _with_mesh(cluster, mesh_shape, axis_names):
@@ -188,7 +333,7 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "call_function") and meta_of(n).strategies is not None:
             chosen[n] = meta_of(n).strategies.strategies[idx.option_of(n, assignment)]
-    low = lower(gm, chosen, cm, sharded_outputs)
+    low = plan_reshards(gm, chosen, cm.mesh_shape, sharded_outputs)
     colls = collectives(low, cm, axis_names)
     recompute = recomputed_layers(gm, idx.recompute_counts(assignment))
     instance_of = {n: meta_of(n).layer.layer for n in chosen
@@ -325,27 +470,17 @@ def alternatives(gm, prob, idx: ProblemIndex, assignment, cm: CostModel, axis_na
 
 
 def _op_collectives(cm, node, s, axis_names):
-    return [{"kind": oc.kind, "axis": axis_names[oc.axis], "phase": oc.phase, "bytes": int(oc.nbytes),
-             "seconds": cm.op_collective_seconds(oc), "neighbor": node.name, "value": node.name}
-            for oc in cm.op_collectives(node, s)]
+    return [c.record(axis_names, neighbor=node.name, value=node.name) for c in cm.priced_op_collectives(node, s)]
 
 
 def _edge_collectives(cm, v, src, dst_strategy, k, neighbor, axis_names):
-    from autopar.passes.resharding import collective_seconds
     from autopar.passes.strategies import value_info
 
     steps = cm.resharding(v, src, None, dst_strategy, k)
     if steps is None:
         return [{"kind": "impossible", "neighbor": neighbor, "value": v.node.name}]
-    info = value_info(v)
-    out = []
-    for st in steps:
-        bw, lat = cm.links[st.axis]
-        for kind, phase, nbytes in st.collectives(info.dtype.itemsize, requires_grad(v.node)):
-            out.append({"kind": kind, "axis": axis_names[st.axis], "phase": phase, "bytes": int(nbytes),
-                        "seconds": collective_seconds(kind, nbytes, cm.mesh_shape[st.axis], bw, lat),
-                        "neighbor": neighbor, "value": v.node.name})
-    return out
+    priced = cm.priced_steps(steps, value_info(v).dtype.itemsize, requires_grad(v.node))
+    return [c.record(axis_names, neighbor=neighbor, value=v.node.name) for _, c in priced]
 
 
 def _smallest_valid_budget(prob, sm: StepMemory):
@@ -371,6 +506,26 @@ def recomputed_layers(gm, counts: dict) -> dict:
     return {"classes": classes, "layers": [inst for c in classes.values() for inst in c["layers"]]}
 
 
+def _boundary_bytes(instance_of: dict, chosen: dict, cm: CostModel) -> dict:
+    """Per layer instance: the bytes of the activations it reads from outside (each value counted once,
+    at the layout it is produced in): what a pipeline stage receives from the previous one."""
+    from autopar.layout import local_fraction
+    from autopar.passes.strategies import input_values, value_info
+
+    out, seen = {}, set()
+    for n, inst in instance_of.items():
+        for v in input_values(n):
+            role = meta_of(v.node).role
+            if v in seen or instance_of.get(v.node) == inst or (role is not None and role.kind != "input"):
+                continue
+            seen.add(v)
+            info = value_info(v)
+            if info.dtype.is_floating_point:
+                lay = chosen[v.node].outputs[v.index]
+                out[inst] = out.get(inst, 0.0) + info.nbytes * local_fraction(lay, cm.mesh_shape)
+    return out
+
+
 def _timeline(walk) -> tuple[dict, object]:
     """The plan's memory timeline from the step's points: at most ~200 of them, always keeping the
     highest of each window so that the peak stays visible."""
@@ -393,7 +548,7 @@ def _raise_infeasible(prep, infeasible, cluster, budget):
         raise InfeasiblePlanError(f"no valid plan exists on {cluster.name or cluster.num_devices} devices at any "
                                   f"budget: the pinned layouts cannot be reached; relax the pins", budget=budget)
     need, assignment, shape, names, idx, cm, sm = best
-    strategies_pass(prep.gm, shape)        # the graph holds the last candidate mesh's strategies
+    prep.runner.run(mesh_passes(shape), prep.gm, f"mesh {shape}")   # the graph holds the last mesh's
     p = evaluate(prep, idx, assignment, cm, shape, names, cluster, budget, sm)
     consumers = [(f"param {k} (+grad, optimizer)", v) for k, v in p.memory["by_param"].items()]
     consumers += [(f"activations of {n['name']}", n["activation_bytes"]) for n in p.nodes]

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from autopar.passes.meta import SavedForBackward, meta_of
+from autopar.passes.meta import SavedForBackward, meta_of, set_meta
 from autopar.passes.rules import rule_for, tensor_inputs
 
 
@@ -91,7 +91,7 @@ def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda") -
             saved = _attribute(node, current["saved"], outs, owner, target_device)
             if node.target not in _FUSED_ON_CPU and node.target is not operator.getitem:
                 saved = dataclasses.replace(saved, backward=_backward_transient(node.target, args, kwargs))
-            meta_of(node).saved = saved
+            set_meta(node, saved=saved)
     return gm
 
 
@@ -390,7 +390,7 @@ class StepMemory:
     # --- the events ---------------------------------------------------------------------------------
     def _build(self, gm, instances):
         from autopar.passes.costs import VIEW_OPS
-        from autopar.passes.lowering import gathered_output
+        from autopar.passes.reshard_plan import gathered_output
         from autopar.passes.strategies import Value, input_values, requires_grad
 
         calls = [n for n in gm.graph.nodes if n.op == "call_function"]
@@ -494,7 +494,7 @@ class StepMemory:
         held = set()          # storages a backward keeps whatever the layouts
         remat = {}            # instance -> [Bytes] re-materialized when its backward starts
         for s, hs in holders.items():
-            if s in to_end:
+            if s in to_end or s.node.op != "call_function":     # inputs and buffers live all step
                 continue
             h0 = min((h for h, _ in hs), key=pos.__getitem__)
             conds = [c for _, c in hs]

@@ -11,10 +11,10 @@ KINDS = ("auto", "dp", "megatron", "zero3", "vocab", "recompute", "sharded-outpu
 def build(arch: str, seq: int, batch: int, device):
     """A small model of ``arch`` (random weights, on CPU: compile moves each rank's shards to its device)
     and its inputs (ids, labels) on ``device``."""
-    import transformers as tf
-
     vocab = 512
     torch.manual_seed(0)
+    if arch in ("gpt2", "llama", "bert"):
+        import transformers as tf
     if arch == "gpt2":
         model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=vocab, n_positions=seq,
                                                  use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))

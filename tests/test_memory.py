@@ -84,7 +84,8 @@ def test_every_plan_under_a_budget_predicts_a_peak_within_it(gpt2_bounds, fracti
     budget = smallest * (1 + 1e-6) + fraction * (free_peak - smallest)
     p = autopar.plan(model, cluster, args, kwargs, memory_budget=budget, progress=False, kernels="aten")
     assert p.memory["peak"] <= budget
-    # The timeline is the same walk: its highest point is the peak.
+    # The timeline is the same walk: its highest point is the peak, and no category is ever negative.
+    assert all(v >= 0 for pt in p.memory["timeline"] for v in pt.values() if isinstance(v, float))
     top = max(sum(v for k, v in pt.items() if isinstance(v, float)) for pt in p.memory["timeline"])
     assert top == pytest.approx(p.memory["peak"], rel=1e-9)
 
