@@ -4,9 +4,10 @@
     plan = autopar.plan(model, autopar.ClusterSpec.preset("64xH100"), example_inputs=(ids,))
 """
 from autopar.cluster import ClusterSpec, DeviceSpec
-from autopar.errors import (AutoparError, CaptureError, ClusterMismatchError, InfeasiblePlanError, MeshError,
-                            PlanFormatError, ShardingError)
+from autopar.errors import (AutoparError, AutoparWarning, CaptureError, ClusterMismatchError, InfeasiblePlanError,
+                            MeshError, PlanFormatError, ShapeMismatchError, ShardingError)
 from autopar.plan import Plan
+from autopar import checkpoint
 
 __version__ = "0.1.0"
 
@@ -34,5 +35,6 @@ def diff(a: Plan, b: Plan):
     return _diff(a, b)
 
 
-__all__ = ["ClusterSpec", "DeviceSpec", "Plan", "plan", "compile", "diff", "AutoparError", "CaptureError",
-           "ClusterMismatchError", "InfeasiblePlanError", "MeshError", "PlanFormatError", "ShardingError"]
+__all__ = ["ClusterSpec", "DeviceSpec", "Plan", "plan", "compile", "diff", "checkpoint", "AutoparError",
+           "AutoparWarning", "CaptureError", "ClusterMismatchError", "InfeasiblePlanError", "MeshError",
+           "PlanFormatError", "ShapeMismatchError", "ShardingError"]

@@ -6,13 +6,14 @@ import dataclasses
 import hashlib
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from autopar.cluster import ClusterSpec, default_axis_names
-from autopar.errors import AutoparError, InfeasiblePlanError
+from autopar.errors import AutoparError, AutoparWarning, InfeasiblePlanError
 from autopar.layout import format_layout
 from autopar.passes.capture import CapturedProgram
 from autopar.passes.costs import INFEASIBLE, CostModel, OptimizerSpec, VIEW_OPS
@@ -138,12 +139,42 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
             raise no_fit(tried[-1]["mesh"][0], tried[-1]["pipeline"]["microbatches"], budget)
         if best is None:
             _raise_infeasible(prep, infeasible, cluster, budget)
+        best.extra["warnings"] = idle_axis_warnings(prep.gm, best)
+        for w in best.extra["warnings"]:
+            warnings.warn(w, AutoparWarning, stacklevel=2)
         best.solver["candidates"] = tried
         best.solver["planning_seconds"] = time.perf_counter() - t0
         best.solver["passes"] = [{"name": r.name, "stage": r.stage, "seconds": r.seconds, "skipped": r.skipped}
                                  for r in prep.runner.records]
         report("done")
     return best
+
+
+def idle_axis_warnings(gm, p: Plan) -> list[str]:
+    """Warnings for mesh axes along which no work is split (every device along one computes the same
+    thing), and for inputs whose batch dim does not divide by an axis, so the data cannot be split along
+    it and the plan falls back to other dims (or to none)."""
+    out = []
+    split = {a for n in p.nodes for a in n["split_axes"]}
+    batches = [(meta_of(n).role.target, tuple(n.meta["val"].shape)) for n in gm.graph.nodes
+               if n.op == "placeholder" and meta_of(n).role and meta_of(n).role.kind == "input"
+               and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0]
+    for axis, size in zip(p.axis_names, p.mesh_shape):
+        if size == 1 or (p.pipeline and axis == p.pipeline["axis"]):     # stages split the work there
+            continue
+        # A batch of one is never split by data, which surprises nobody.
+        odd = [(name, shape[0]) for name, shape in batches if shape[0] > 1 and shape[0] % size]
+        cause = ""
+        if odd:
+            cause = (f"the batch dim of {', '.join(f'{name} ({b})' for name, b in odd)} does not divide by "
+                     f"{size}, so the data cannot be split along mesh axis {axis!r}; ")
+        if axis not in split:
+            out.append(f"{cause}mesh axis {axis!r} ({size} devices) splits no work: every device along it "
+                       f"computes the same thing. Use a batch that divides by {size}, or fewer devices")
+        elif odd:
+            out.append(f"{cause}the plan splits other dims along it instead. Use a batch that divides by "
+                       f"{size} for data parallelism")
+    return out
 
 
 def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget, optimizer, fused, pins,

@@ -6,6 +6,7 @@ edge between two decisions sums the resharding costs of every graph edge it stan
 """
 from __future__ import annotations
 
+import fnmatch
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -106,6 +107,32 @@ def _pinned_options(rep: fx.Node, pins: dict, mesh_axes: int):
     return None
 
 
+def unmatched_pin_error(pattern: str, names):
+    """The error for a pin whose glob names no decision: it would be silently ignored otherwise."""
+    import difflib
+
+    from autopar.errors import ShardingError
+
+    close = difflib.get_close_matches(pattern, list(names), n=3, cutoff=0.5)
+    hint = f"; close matches: {close}" if close else ""
+    return ShardingError(f"pin {pattern!r} matches no parameter, input or node{hint}. Pins are globs over "
+                         f"parameter FQNs (a tied parameter under its first name), input names and node names "
+                         f"(plan.nodes, python -m autopar explain)")
+
+
+def _unmatched(pattern, decided_names, nodes):
+    """A pin that names only nodes without a decision of their own says which decision they follow."""
+    followers = [n for n in nodes if n.op == "call_function" and root_of(n) is not n
+                 and fnmatch.fnmatchcase(n.name, pattern)]
+    if followers:
+        from autopar.errors import ShardingError
+
+        f = followers[0]
+        return ShardingError(f"pin {pattern!r} names {f.name}, whose layout follows {decision_name(root_of(f))}'s "
+                             f"decision; pin {decision_name(root_of(f))!r} instead")
+    return unmatched_pin_error(pattern, decided_names)
+
+
 def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
                   pins: dict | None = None, sharded_outputs: bool = False,
                   recompute: bool | dict = True) -> tuple[Problem, ProblemIndex]:
@@ -125,6 +152,7 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
 
     prob = Problem(memory_limit=memory_limit)
     fwd_terms, bwd_terms = [], []
+    decided_names = set()
     per_copy = {}        # choice -> (activation bytes, forward seconds) of one copy, per option
     for key, roots in idx.roots_of_key.items():
         rep = roots[0]
@@ -148,6 +176,7 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
             state.append(st * len(roots))
             state_bwd.append(stb * len(roots))
         allowed = None
+        decided_names.update(decision_name(r) for r in roots)
         for r in roots:
             allowed = _pinned_options(r, pins or {}, len(cm.mesh_shape))
             if allowed is not None:
@@ -161,6 +190,9 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
         per_copy[ci] = (tuple(a / len(roots) for a in act), tuple(fwd))
         fwd_terms.append((ci, tuple(x + y for x, y in zip(act, state))))
         bwd_terms.append((ci, tuple(state_bwd)))
+    for pattern in pins or {}:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in decided_names):
+            raise _unmatched(pattern, decided_names, nodes)
     fwd_pairs = _recompute_choices(gm, prob, idx, per_copy, cm, recompute) if recompute else ()
 
     # A value read outside its own decision by one reader is a plain edge (a tight formulation); a value

@@ -213,8 +213,24 @@ def _try_follow(node: fx.Node, own: list[Strategy], producer_set: StrategySet, v
 
 @requires("mark_requires_grad_pass")
 def strategies_pass(gm: fx.GraphModule, mesh_shape) -> fx.GraphModule:
-    """Write a ``StrategySet`` on every placeholder and call_function node."""
+    """Write a ``StrategySet`` on every placeholder and call_function node.
+
+    The copies of a repeated layer share one decision per position, so they must offer the same
+    strategies. They can differ where a strategy is reachable from one copy's outside input and not
+    from another's (the first layer reads the embedding, the others a residual add): such strategies
+    are dropped from every copy, and the pass runs again until the copies agree."""
     mesh_shape = tuple(mesh_shape)
+    drop: dict = {}
+    while True:
+        _assign_strategies(gm, mesh_shape, drop)
+        extra = _disagreeing_copies(gm)
+        if not extra:
+            return gm
+        for key, bad in extra.items():
+            drop.setdefault(key, set()).update(bad)
+
+
+def _assign_strategies(gm, mesh_shape, drop: dict) -> None:
     cache: dict = {}
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", "call_function"):
@@ -224,11 +240,30 @@ def strategies_pass(gm: fx.GraphModule, mesh_shape) -> fx.GraphModule:
             continue
         ins = input_values(node) if node.op == "call_function" else []
         own = _reachable(node_strategies(node, mesh_shape, cache), ins)
+        tag = meta_of(node).layer
+        bad = drop.get((tag.cls, tag.index)) if tag is not None else None
+        if bad:
+            own = [s for s in own if s not in bad]
         sset = None
         if len(ins) == 1 and ins[0].node.op != "placeholder" and _same_layer(node, ins[0].node):
             sset = _try_follow(node, own, meta_of(ins[0].node).strategies, ins[0])
         set_meta(node, strategies=sset or StrategySet(tuple(own)))
-    return gm
+
+
+def _disagreeing_copies(gm) -> dict:
+    """(layer class, position) -> the strategies some copies offer there and others do not."""
+    offered: dict = {}
+    for node in gm.graph.nodes:
+        tag = meta_of(node).layer if node.op in ("placeholder", "call_function") else None
+        if tag is not None and meta_of(node).strategies is not None:
+            offered.setdefault((tag.cls, tag.index), []).append(meta_of(node).strategies.strategies)
+    out = {}
+    for key, lists in offered.items():
+        if any(lst != lists[0] for lst in lists):
+            bad = set().union(*lists) - set(lists[0]).intersection(*lists[1:])
+            if bad:
+                out[key] = bad
+    return out
 
 
 def _same_layer(a: fx.Node, b: fx.Node) -> bool:

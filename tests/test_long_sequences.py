@@ -48,7 +48,10 @@ def _check(rank, world, model_name, mesh):
     ref = copy.deepcopy(model)
     ids, labels = batch()
     cluster = autopar.ClusterSpec.local_cpu(world)
+    has_bias = any(name.endswith(".bias") for name, _ in model.named_parameters())
     for label, pins, marker in _plans(model_name, mesh):
+        if not has_bias:            # a pin that matches nothing is an error (LLaMA has no biases)
+            pins = {k: v for k, v in pins.items() if k != "*.bias"}
         pm = autopar.compile(model, cluster, (ids,), {"labels": labels}, mesh_shape=mesh, pins=pins)
         where = f"{model_name} / {label} on mesh {mesh}"
         assert marker in pm.code, f"{where}: the program does not call {marker}"

@@ -189,12 +189,13 @@ def _gpt_parity(rank, world):
         ref_opt.step()
         ref_opt.zero_grad()
     full = pm.full_state_dict()
-    assert set(full) == set(ref_params) - {"lm_head.weight"}     # tied: the canonical name only
+    assert "lm_head.weight" not in pm.plan.params and set(full) == set(ref.state_dict())   # tied name too
+    copy.deepcopy(ref).load_state_dict(full)                     # strict
     for fqn, value in full.items():
         # Adam divides by sqrt(v) + 1e-8: where a gradient element is within ~1e-7 of zero, the 1e-9
         # rounding difference of a sharded sum changes that element's step by a few percent of lr
         # (1e-3). Three steps stay far below 1e-4; a wrong shard moves elements by ~lr per step.
-        torch.testing.assert_close(value, ref_params[fqn].detach(), rtol=1e-5, atol=1e-4, msg=fqn)
+        torch.testing.assert_close(value, ref.state_dict()[fqn], rtol=1e-5, atol=1e-4, msg=fqn)
 
 
 def test_builtin_gpt_trains_with_parity_on_two_ranks():
