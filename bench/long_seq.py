@@ -12,7 +12,8 @@ sequence), and prints the predicted step time and peak, or the smallest budget t
 rank at growing sequence lengths, one sequence per step: with every attention call whole, and the
 solver's free plan, which may split the sequence (ring attention, Megatron-SP); and, for the step
 time of the same tokens per rank, plain data parallel with one sequence per rank. It prints, per
-length, whether a plan fits, the attention form chosen and the measured median step time. The
+length, whether a plan fits, its predicted and measured (MemTracker) peak, the attention form
+chosen and the measured median step time. The
 longest length that fits is the figure of merit; times on a shared CPU are only relative.
 """
 from __future__ import annotations
@@ -90,7 +91,7 @@ def _cpu_worker(rank, world, args, results):
                                      pins=pins, memory_budget=args.budget_mb * 2**20)
             except autopar.InfeasiblePlanError:
                 if rank == 0:
-                    results.append((seq, label, "(no plan)", "-", "-"))
+                    results.append((seq, label, "(no plan)", "-", "-", "-"))
                 continue
             opt = torch.optim.SGD(pm.parameters(), lr=1e-3)
             times = []
@@ -102,15 +103,32 @@ def _cpu_worker(rank, world, args, results):
                 opt.zero_grad()
                 if step:
                     times.append(time.perf_counter() - t0)
+            peak = _measured_peak(pm, opt, ids)
             if rank == 0:
                 results.append((seq, label, f"{statistics.median(times) * 1e3:.0f}",
-                                f"{pm.plan.memory['peak'] / 2**20:.1f}", _attention_form(pm.plan)))
+                                f"{pm.plan.memory['peak'] / 2**20:.1f}", f"{peak / 2**20:.1f}",
+                                _attention_form(pm.plan)))
     if rank == 0:
         print(f"world {world}, budget {args.budget_mb} MiB per rank")
-        print("| tokens | plan | step (ms) | predicted peak (MiB) | attention |")
-        print("|---|---|---|---|---|")
+        print("| tokens | plan | step (ms) | predicted peak (MiB) | measured peak (MiB) | attention |")
+        print("|---|---|---|---|---|---|")
         for r in results:
             print("| " + " | ".join(map(str, r)) + " |", flush=True)
+
+
+def _measured_peak(pm, opt, ids):
+    """Peak live-tensor bytes of this rank over two training steps (MemTracker)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    mt = MemTracker()
+    mt.track_external(pm, opt)
+    with mt:
+        for _ in range(2):
+            pm.train_step(ids, labels=ids.clone())
+            opt.step()
+            opt.zero_grad()
+            mt.reset_mod_stats()
+    return mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
 def cpu(args):
