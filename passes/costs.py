@@ -208,6 +208,10 @@ class CostModel:
 
     def _activation_bytes(self, node: fx.Node, s: Strategy, saved) -> float:
         ctx = context_for(node)
+        rule = rule_for(node)
+        if rule.saved_sharded is not None:
+            # The op's own sharded form (ring attention) keeps what it keeps on every device.
+            saved = rule.saved_sharded(ctx, s.inputs) or saved
         total = 0.0
         if ctx.outs:
             total += saved.outputs * local_fraction(s.outputs[0], self.mesh_shape)
