@@ -526,7 +526,8 @@ def _boundary_bytes(instance_of: dict, chosen: dict, cm: CostModel) -> dict:
 
 def _timeline(gm, chosen, acts, mem, cm, instance_of=None, boundary=None, full=None):
     """Live bytes over one step: saved activations grow through forward and are freed in backward,
-    while gradients appear; the transient is the node's own output (its gradient in backward). A
+    while gradients appear; the transient is the node's own output (its gradient in backward) and the
+    workspace its sharded form holds while it runs (ring attention's blocks in flight). A
     recomputed layer instance keeps only its inputs through forward and holds its whole activations
     again while its backward runs."""
     from autopar.layout import local_fraction
@@ -540,6 +541,7 @@ def _timeline(gm, chosen, acts, mem, cm, instance_of=None, boundary=None, full=N
         s = chosen[n]
         out = 0.0 if n.target in VIEW_OPS else sum(
             o.nbytes * local_fraction(l, cm.mesh_shape) for o, l in zip(output_infos(n), s.outputs))
+        out += cm.workspace_bytes(n, s)
         inst = instance_of.get(n)
         if inst is None:
             running += a
