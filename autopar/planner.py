@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -25,9 +26,11 @@ from autopar.passes.problem import ProblemIndex, build_problem
 from autopar.passes.runner import PassRunner
 from autopar.passes.strategies import requires_grad, root_of, strategies_pass
 from autopar.plan import Plan
-from autopar.solver import minimum_feasible_budget, solve
+from autopar.solver import GAP, minimum_feasible_budget, solve
 
 log = logging.getLogger("autopar")
+
+SOLVER_THREADS = 2   # candidate meshes solved at once
 
 
 @dataclass
@@ -36,16 +39,19 @@ class Prepared:
     gm: fx.GraphModule
     runner: PassRunner
     fingerprint: str
+    capture_seconds: float = 0.0
 
 
 def prepare(model, example_inputs, example_kwargs, cluster: ClusterSpec, *, skip_passes=()) -> Prepared:
     """Capture the model and run the passes that do not depend on the mesh."""
+    t0 = time.perf_counter()
     captured = capture(model, example_inputs, example_kwargs)
+    capture_seconds = time.perf_counter() - t0
     runner = PassRunner([normalize_pass, layers_pass, _saved_pass(cluster.device_type)],
                         skip=frozenset(skip_passes))
     gm = runner(captured.gm)
     count_saving_consumers(gm)
-    return Prepared(captured, gm, runner, model_fingerprint(model))
+    return Prepared(captured, gm, runner, model_fingerprint(model), capture_seconds)
 
 
 def _saved_pass(device_type):
@@ -98,7 +104,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     with _progress(progress, total=2 + 4 * len(candidates)) as report:
         report("capturing")
         prep = prepare(model, example_inputs, example_kwargs, cluster, skip_passes=skip_passes)
-        best, tried, infeasible = None, [], []
+        meshes, t_build = [], time.perf_counter()
         for shape in candidates:
             names = tuple(cluster.axis_names) if cluster.mesh_shape is not None and cluster.axis_names \
                 else default_axis_names(shape)
@@ -111,31 +117,103 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
             cm = CostModel(cluster, shape, optimizer, fused=fused)
             report(f"mesh {shape}: costs")
             prob, idx = build_problem(prep.gm, cm, budget, pins, sharded_outputs, recompute)
-            report(f"mesh {shape}: solving {len(prob.choices)} decisions, {len(prob.edges) + len(prob.shared)} edges")
-            sol = solve(prob, time_limit=time_limit)
-            entry = {"mesh": list(shape), "status": sol.status, "objective": sol.objective,
-                     "seconds": sol.seconds, "variables": sol.num_variables, "constraints": sol.num_constraints}
-            tried.append(entry)
-            if sol.status != "infeasible" and prob.objective(sol.assignment) >= INFEASIBLE:
-                sol = dataclasses.replace(sol, status="infeasible")      # only a broken pin satisfies it
-            if sol.status == "infeasible":
-                infeasible.append((shape, names, prob, idx, cm))
-                continue
-            report(f"mesh {shape}: evaluating")
-            p = evaluate(prep, idx, sol.assignment, cm, shape, names, cluster, budget, sharded_outputs)
-            p.alternatives = alternatives(prep.gm, prob, idx, sol.assignment, cm, names)
-            p.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
-                            constraints=sol.num_constraints, backend=sol.backend)
-            if best is None or p.step_time < best.step_time:
-                best = p
+            meshes.append(_Mesh(len(meshes), shape, names, prob, idx, cm, _strategies_of(prep.gm),
+                                prob.lower_bound()))
+        t_build = time.perf_counter() - t_build
+        t_search = time.perf_counter()
+        best, tried, infeasible, t_eval = _search(meshes, prep, cluster, budget, sharded_outputs, time_limit,
+                                                  report)
+        t_search = time.perf_counter() - t_search
         if best is None:
             _raise_infeasible(prep, infeasible, cluster, budget)
         best.solver["candidates"] = tried
+        best.solver["gap_tolerance"] = GAP
+        best.solver["timings"] = {"capture": prep.capture_seconds,
+                                  "passes": sum(r.seconds for r in prep.runner.records),
+                                  "build": t_build, "solve": t_search - t_eval, "evaluate": t_eval}
         best.solver["planning_seconds"] = time.perf_counter() - t0
         best.solver["passes"] = [{"name": r.name, "seconds": r.seconds, "skipped": r.skipped}
                                  for r in prep.runner.records]
         report("done")
     return best
+
+
+@dataclass
+class _Mesh:
+    position: int              # in the cluster's candidate order, which breaks ties between equal plans
+    shape: tuple
+    names: tuple
+    prob: object
+    idx: ProblemIndex
+    cm: CostModel
+    strategies: dict           # node -> its StrategySet on this mesh
+    lower_bound: float
+
+
+def _strategies_of(gm) -> dict:
+    return {n: meta_of(n).strategies for n in gm.graph.nodes if meta_of(n).strategies is not None}
+
+
+def _search(meshes: list[_Mesh], prep, cluster, budget, sharded_outputs, time_limit, report):
+    """Solve the candidate meshes and keep the plan of least step time.
+
+    The mesh with the lowest lower bound goes first, and the step time of the best plan so far bounds
+    the rest: a mesh whose lower bound is no better is not solved, and the solver stops a mesh as soon
+    as it proves it cannot beat it. A plan's step time is never below its problem's objective (it adds
+    the reshardings recomputed layers run again), so neither shortcut loses the best plan. Two meshes
+    are solved at a time (the solver runs outside Python's lock); the plans are evaluated here.
+    """
+    order = sorted(meshes, key=lambda m: (m.lower_bound, m.position))
+    best, best_key, tried, infeasible, t_eval = None, None, {}, [], 0.0
+    workers = max(1, min(SOLVER_THREADS, len(order)))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        running: dict = {}
+        while order or running:
+            while order and len(running) < workers:
+                m = order.pop(0)
+                bound = None if best is None else best.step_time
+                if bound is not None and m.lower_bound >= bound:
+                    tried[m.position] = {"mesh": list(m.shape), "status": "bounded", "objective": None,
+                                         "lower_bound": m.lower_bound, "seconds": 0.0, "variables": 0,
+                                         "constraints": 0, "gap": None}
+                    continue
+                report(f"mesh {m.shape}: solving {len(m.prob.choices)} decisions, "
+                       f"{len(m.prob.edges) + len(m.prob.shared)} edges")
+                running[pool.submit(solve, m.prob, time_limit=time_limit, bound=bound)] = m
+            if not running:
+                break
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for fut in sorted(done, key=lambda f: running[f].position):
+                m = running.pop(fut)
+                sol = fut.result()
+                tried[m.position] = {"mesh": list(m.shape), "status": sol.status, "objective": sol.objective,
+                                     "lower_bound": m.lower_bound, "seconds": sol.seconds,
+                                     "variables": sol.num_variables, "constraints": sol.num_constraints,
+                                     "gap": sol.gap}
+                if sol.status == "bounded":
+                    continue
+                if sol.status != "infeasible" and m.prob.objective(sol.assignment) >= INFEASIBLE:
+                    sol = dataclasses.replace(sol, status="infeasible")      # only a broken pin satisfies it
+                if sol.status == "infeasible":
+                    infeasible.append((m.shape, m.names, m.prob, m.idx, m.cm))
+                    continue
+                report(f"mesh {m.shape}: evaluating")
+                t0 = time.perf_counter()
+                _restore_strategies(m.strategies)
+                p = evaluate(prep, m.idx, sol.assignment, m.cm, m.shape, m.names, cluster, budget, sharded_outputs)
+                p.alternatives = alternatives(prep.gm, m.prob, m.idx, sol.assignment, m.cm, m.names)
+                p.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
+                                constraints=sol.num_constraints, backend=sol.backend, gap=sol.gap)
+                if best is None or (p.step_time, m.position) < best_key:
+                    best, best_key = p, (p.step_time, m.position)
+                t_eval += time.perf_counter() - t0
+    infeasible.sort(key=lambda item: [m.shape for m in meshes].index(item[0]))
+    return best, [tried[k] for k in sorted(tried)], infeasible, t_eval
+
+
+def _restore_strategies(strategies: dict) -> None:
+    for n, sset in strategies.items():
+        meta_of(n).strategies = sset
 
 
 def _with_mesh(cluster, mesh_shape, axis_names):

@@ -8,7 +8,7 @@ from solver_strategies import problems, unit_of
 
 from autopar.errors import AutoparError
 from autopar.solver import Choice, Edge, MemoryConstraint, Problem, brute_force, greedy, solve
-from autopar.solver import ilp
+from autopar.solver import ilp, milp
 
 SETTINGS = settings(max_examples=100, deadline=None, derandomize=True)
 
@@ -148,7 +148,7 @@ def test_timeout_without_any_fitting_layout_raises(monkeypatch):
     p = Problem(choices=[Choice("a", (1.0, 2.0)), Choice("b", (1.0, 3.0))],
                 memory=[MemoryConstraint("peak", ((0, (6.0, 4.0)), (1, (6.0, 5.0))))], memory_limit=9.0)
     monkeypatch.setattr(ilp, "greedy", lambda problem: (0, 0))
-    monkeypatch.setattr(ilp, "run", lambda model, solver: None)
+    monkeypatch.setattr(ilp, "run", lambda model, backend, **kw: milp.Result(None, None, None))
     with pytest.raises(AutoparError, match="time limit"):
         solve(p)
 
