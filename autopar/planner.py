@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import math
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from autopar.passes.problem import ProblemIndex, build_problem
 from autopar.passes.runner import PassRunner
 from autopar.passes.strategies import requires_grad, root_of, strategies_pass
 from autopar.plan import Plan
-from autopar.solver import GAP, minimum_feasible_budget, solve
+from autopar.solver import GAP, greedy, minimum_feasible_budget, solve
 
 log = logging.getLogger("autopar")
 
@@ -117,8 +118,9 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
             cm = CostModel(cluster, shape, optimizer, fused=fused)
             report(f"mesh {shape}: costs")
             prob, idx = build_problem(prep.gm, cm, budget, pins, sharded_outputs, recompute)
+            quick = greedy(prob)
             meshes.append(_Mesh(len(meshes), shape, names, prob, idx, cm, _strategies_of(prep.gm),
-                                prob.lower_bound()))
+                                prob.lower_bound(), prob.objective(quick) if prob.feasible(quick) else math.inf))
         t_build = time.perf_counter() - t_build
         t_search = time.perf_counter()
         best, tried, infeasible, t_eval = _search(meshes, prep, cluster, budget, sharded_outputs, time_limit,
@@ -147,7 +149,8 @@ class _Mesh:
     idx: ProblemIndex
     cm: CostModel
     strategies: dict           # node -> its StrategySet on this mesh
-    lower_bound: float
+    lower_bound: float         # no layout on this mesh is faster
+    estimate: float            # the greedy layout's step time (inf when it does not fit)
 
 
 def _strategies_of(gm) -> dict:
@@ -157,13 +160,13 @@ def _strategies_of(gm) -> dict:
 def _search(meshes: list[_Mesh], prep, cluster, budget, sharded_outputs, time_limit, report):
     """Solve the candidate meshes and keep the plan of least step time.
 
-    The mesh with the lowest lower bound goes first, and the step time of the best plan so far bounds
+    The mesh whose greedy layout is fastest goes first, and the step time of the best plan so far bounds
     the rest: a mesh whose lower bound is no better is not solved, and the solver stops a mesh as soon
     as it proves it cannot beat it. A plan's step time is never below its problem's objective (it adds
     the reshardings recomputed layers run again), so neither shortcut loses the best plan. Two meshes
     are solved at a time (the solver runs outside Python's lock); the plans are evaluated here.
     """
-    order = sorted(meshes, key=lambda m: (m.lower_bound, m.position))
+    order = sorted(meshes, key=lambda m: (m.estimate, m.lower_bound, m.position))
     best, best_key, tried, infeasible, t_eval = None, None, {}, [], 0.0
     workers = max(1, min(SOLVER_THREADS, len(order)))
     with ThreadPoolExecutor(max_workers=workers) as pool:

@@ -31,6 +31,7 @@ from .problem import Problem, Solution
 log = logging.getLogger(__name__)
 
 GAP = 1e-4
+_NEAR = 0.8
 
 
 @functools.cache
@@ -330,13 +331,13 @@ def solve(problem: Problem, *, time_limit: float = 60.0, backend: str = "auto", 
 
     Status "infeasible" (no assignment fits memory_limit) returns the greedy assignment instead of
     raising; the caller turns it into the user-facing error. With ``bound`` (seconds), the solver may
-    stop once it proves that no assignment within the memory limit costs less: status "bounded", and
-    the greedy assignment. Raises AutoparError only when the time limit passes before any assignment
+    stop once it proves that no assignment within the memory limit costs less than the bound: status
+    "bounded", whose assignment is not an answer. Raises AutoparError only when the time limit passes before any assignment
     that fits is known. ``time_limit`` bounds each solver run; "feasible" means it stopped there with a
     layout in hand.
 
-    Memory constraints join the model lazily: first those that the step time alone would break (the
-    greedy layout without a budget breaks them), then any the solver's answer breaks, until an answer
+    Memory constraints join the model lazily: first those that the step time alone comes close to
+    breaking (the greedy layout without a budget), then any the solver's answer breaks, until an answer
     fits them all. An answer of a model with fewer constraints that fits every constraint is optimal
     for the whole problem, and a model without the constraints that bind solves several times faster.
     """
@@ -368,13 +369,13 @@ def solve(problem: Problem, *, time_limit: float = 60.0, backend: str = "auto", 
         log.debug("memory constraints %s join the model", sorted(over))
         active |= over
     if status == "infeasible" and bound is not None:
-        status = "bounded"
+        status, found = "bounded", None
 
     fits = [a for a in (found, fallback) if a is not None and problem.feasible(a)]
     if status == "bounded":
-        best = fallback
+        best, solver_gap = fallback, None
         if usable and problem.objective(fallback) < bound:   # the solver missed the start it was given
-            status, solver_gap = "feasible", None
+            status = "feasible"
     elif fits:
         best = min(fits, key=problem.objective)   # defensive: never return worse than the greedy
         if status not in ("optimal", "feasible"):
@@ -389,6 +390,9 @@ def solve(problem: Problem, *, time_limit: float = 60.0, backend: str = "auto", 
         raise AutoparError(f"the {name} solver found no layout within the memory budget in its time limit "
                            f"of {time_limit:g} s, and neither did the greedy heuristic; raise the time limit "
                            f"or the memory budget")
+    if bound is not None and status in ("optimal", "feasible") and problem.objective(best) >= bound:
+        # Nothing cheaper than the bound: HiGHS stops there and keeps its start; CBC takes no cutoff.
+        status, solver_gap = "bounded", None
     report("done")
     return Solution(assignment=best, objective=problem.objective(best), status=status,
                     seconds=time.perf_counter() - start, num_variables=f.model.num_cols,
@@ -405,10 +409,13 @@ def _over(problem: Problem, assignment) -> set[int]:
 
 
 def _binding(problem: Problem) -> set[int]:
-    """The memory constraints to start with: those the layout chosen for time alone breaks."""
+    """The memory constraints to start with: those that the layout chosen for time alone breaks or
+    comes within ``_NEAR`` of (the optimum will likely break them too, and a second solve costs more
+    than starting with them)."""
     if problem.memory_limit is None or not problem.memory:
         return set()
-    return _over(problem, greedy(dataclasses.replace(problem, memory_limit=None)))
+    usage = problem.memory_usage(greedy(dataclasses.replace(problem, memory_limit=None)))
+    return {k for k, m in enumerate(problem.memory) if usage[m.name] > _NEAR * problem.memory_limit}
 
 
 def run(model: Model, backend: str, **kwargs) -> milp.Result:
