@@ -7,6 +7,7 @@ import hashlib
 import logging
 import math
 import time
+import warnings
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -14,18 +15,17 @@ import torch
 import torch.fx as fx
 
 from autopar.cluster import ClusterSpec, default_axis_names
-from autopar.errors import AutoparError, InfeasiblePlanError
+from autopar.errors import AutoparError, AutoparWarning, InfeasiblePlanError
 from autopar.layout import format_layout
-from autopar.passes.capture import CapturedProgram, capture
-from autopar.passes.costs import INFEASIBLE, CostModel, OptimizerSpec, VIEW_OPS, count_saving_consumers
-from autopar.passes.layers import layer_counts, layer_instances, layers_pass
-from autopar.passes.lowering import collectives, lower
-from autopar.passes.memory import saved_activations_pass
+from autopar.passes.capture import CapturedProgram
+from autopar.passes.costs import INFEASIBLE, CostModel, OptimizerSpec, VIEW_OPS
+from autopar.passes.layers import layer_counts, layer_instances
+from autopar.passes.reshard_plan import collectives, plan_reshards
 from autopar.passes.meta import meta_of, op_name
-from autopar.passes.normalize import normalize_pass
 from autopar.passes.problem import ProblemIndex, build_problem
 from autopar.passes.runner import PassRunner
-from autopar.passes.strategies import requires_grad, root_of, strategies_pass
+from autopar.passes.strategies import requires_grad, root_of
+from autopar.pass_pipeline import FrontEnd, analysis_passes, front_end, mesh_passes, new_runner
 from autopar.plan import Plan
 from autopar.solver import GAP, greedy, minimum_feasible_budget, solve
 
@@ -40,26 +40,20 @@ class Prepared:
     gm: fx.GraphModule
     runner: PassRunner
     fingerprint: str
-    capture_seconds: float = 0.0
+    capture_seconds: float = 0.0   # 0.0 when the caller ran the front end
 
 
-def prepare(model, example_inputs, example_kwargs, cluster: ClusterSpec, *, skip_passes=()) -> Prepared:
-    """Capture the model and run the passes that do not depend on the mesh."""
-    t0 = time.perf_counter()
-    captured = capture(model, example_inputs, example_kwargs)
-    capture_seconds = time.perf_counter() - t0
-    runner = PassRunner([normalize_pass, layers_pass, _saved_pass(cluster.device_type)],
-                        skip=frozenset(skip_passes))
-    gm = runner(captured.gm)
-    count_saving_consumers(gm)
-    return Prepared(captured, gm, runner, model_fingerprint(model), capture_seconds)
-
-
-def _saved_pass(device_type):
-    def saved_activations_pass_for_target(gm):
-        return saved_activations_pass(gm, target_device=device_type)
-    saved_activations_pass_for_target.__name__ = "saved_activations_pass"
-    return saved_activations_pass_for_target
+def prepare(model, example_inputs, example_kwargs, cluster: ClusterSpec, *, skip_passes=(), insert_passes=(),
+            front: FrontEnd | None = None) -> Prepared:
+    """Capture the model and run the passes that do not depend on the mesh; ``front`` is a front end
+    already run (``autopar.compile`` runs it once and plans from it)."""
+    capture_seconds = 0.0
+    if front is None:
+        t0 = time.perf_counter()
+        front = front_end(model, example_inputs, example_kwargs, new_runner(skip_passes, insert_passes))
+        capture_seconds = time.perf_counter() - t0 - sum(r.seconds for r in front.runner.records)
+    gm = front.runner.run(analysis_passes(cluster.device_type), front.gm, "analysis")
+    return Prepared(front.captured, gm, front.runner, model_fingerprint(model), capture_seconds)
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -78,8 +72,9 @@ def default_optimizer(model) -> OptimizerSpec:
 def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), example_kwargs=None, *,
          memory_budget: float | None = None, mesh_shape=None, axis_names=None, time_limit: float = 60.0,
          optimizer: OptimizerSpec | None = None, progress: bool | None = None, skip_passes=(),
-         pins: dict | None = None, kernels: str = "aten", sharded_outputs: bool = False,
-         recompute: bool | dict = True) -> Plan:
+         insert_passes=(), pins: dict | None = None, kernels: str = "aten", sharded_outputs: bool = False,
+         recompute: bool | dict = True, cost_model: type[CostModel] = CostModel,
+         front: FrontEnd | None = None, microbatches: int | None = None, schedule: str | None = None) -> Plan:
     """Find the fastest layout of ``model`` on ``cluster`` that fits ``memory_budget`` bytes per device.
 
     ``pins`` forces layouts by hand: ``{"*.mlp.c_fc.weight": ["R", "S(1)"], "input_ids": ["S(0)", "R"]}``
@@ -92,6 +87,13 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     ``recompute=True`` lets the solver checkpoint the first instances of a repeated layer (their
     activations are recomputed in backward) where memory is short; ``False`` keeps every activation;
     ``{"model.layers.*": "all"}`` (or a count) fixes it for the layer classes a glob names.
+    ``skip_passes`` names passes not to run; ``insert_passes`` is a sequence of (name of a pass, a pass
+    to run right after it) (autopar/pass_pipeline.py lists the passes; docs/extending.md).
+    ``cost_model`` is the class that prices every candidate, ``CostModel`` or a subclass of it (e.g.
+    one that looks op times up in a measured table; docs/extending.md).
+    A mesh axis named ``pp`` makes a pipeline plan (autopar/pipelining.py, docs/pipeline.md):
+    ``microbatches`` and ``schedule`` (one of ``pipelining.SCHEDULES``) fix what is otherwise chosen by
+    predicted step time.
     """
     t0 = time.perf_counter()
     if mesh_shape is not None:
@@ -104,18 +106,22 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     candidates = cluster.mesh_candidates() if cluster.mesh_shape is None else [cluster.mesh_shape]
     with _progress(progress, total=2 + 4 * len(candidates)) as report:
         report("capturing")
-        prep = prepare(model, example_inputs, example_kwargs, cluster, skip_passes=skip_passes)
-        meshes, t_build = [], time.perf_counter()
+        prep = prepare(model, example_inputs, example_kwargs, cluster, skip_passes=skip_passes,
+                       insert_passes=insert_passes, front=front)
+        best, tried, meshes, t_build = None, [], [], time.perf_counter()
         for shape in candidates:
             names = tuple(cluster.axis_names) if cluster.mesh_shape is not None and cluster.axis_names \
                 else default_axis_names(shape)
             if "pp" in names:
-                raise AutoparError(f"mesh axes {names} name a pipeline axis 'pp', but pipeline parallelism is "
-                                   f"not implemented yet (docs/status.md); name the axes yourself "
-                                   f"(axis_names=...) to use that axis for data or tensor sharding")
+                p = _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget, optimizer,
+                                   fused, pins, sharded_outputs, recompute, time_limit, skip_passes, insert_passes,
+                                   microbatches, schedule, tried, report, cost_model)
+                if p is not None and (best is None or p.step_time < best.step_time):
+                    best = p
+                continue
             report(f"mesh {shape}: strategies")
-            strategies_pass(prep.gm, shape)
-            cm = CostModel(cluster, shape, optimizer, fused=fused)
+            prep.runner.run(mesh_passes(shape), prep.gm, f"mesh {shape}")
+            cm = cost_model(cluster, shape, optimizer, fused=fused)
             report(f"mesh {shape}: costs")
             prob, idx = build_problem(prep.gm, cm, budget, pins, sharded_outputs, recompute)
             quick = greedy(prob)
@@ -123,21 +129,160 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
                                 prob.lower_bound(), prob.objective(quick) if prob.feasible(quick) else math.inf))
         t_build = time.perf_counter() - t_build
         t_search = time.perf_counter()
-        best, tried, infeasible, t_eval = _search(meshes, prep, cluster, budget, sharded_outputs, time_limit,
-                                                  report)
+        best, searched, infeasible, t_eval = _search(meshes, best, prep, cluster, budget, sharded_outputs,
+                                                     time_limit, report)
+        tried += searched
         t_search = time.perf_counter() - t_search
+        if best is None and not infeasible and tried and all("pipeline" in t for t in tried):
+            from autopar.pipelining import no_fit
+
+            raise no_fit(tried[-1]["mesh"][0], tried[-1]["pipeline"]["microbatches"], budget)
         if best is None:
             _raise_infeasible(prep, infeasible, cluster, budget)
+        best.extra["warnings"] = idle_axis_warnings(prep.gm, best)
+        for w in best.extra["warnings"]:
+            warnings.warn(w, AutoparWarning, stacklevel=2)
         best.solver["candidates"] = tried
         best.solver["gap_tolerance"] = GAP
-        best.solver["timings"] = {"capture": prep.capture_seconds,
-                                  "passes": sum(r.seconds for r in prep.runner.records),
+        front_passes = sum(r.seconds for r in prep.runner.records if not r.stage.startswith("mesh"))
+        best.solver["timings"] = {"capture": prep.capture_seconds, "passes": front_passes,
                                   "build": t_build, "solve": t_search - t_eval, "evaluate": t_eval}
         best.solver["planning_seconds"] = time.perf_counter() - t0
-        best.solver["passes"] = [{"name": r.name, "seconds": r.seconds, "skipped": r.skipped}
+        best.solver["passes"] = [{"name": r.name, "stage": r.stage, "seconds": r.seconds, "skipped": r.skipped}
                                  for r in prep.runner.records]
         report("done")
     return best
+
+
+def idle_axis_warnings(gm, p: Plan) -> list[str]:
+    """Warnings for mesh axes along which no work is split (every device along one computes the same
+    thing), and for inputs whose batch dim does not divide by an axis, so the data cannot be split along
+    it and the plan falls back to other dims (or to none)."""
+    out = []
+    split = {a for n in p.nodes for a in n["split_axes"]}
+    batches = [(meta_of(n).role.target, tuple(n.meta["val"].shape)) for n in gm.graph.nodes
+               if n.op == "placeholder" and meta_of(n).role and meta_of(n).role.kind == "input"
+               and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0]
+    for axis, size in zip(p.axis_names, p.mesh_shape):
+        if size == 1 or (p.pipeline and axis == p.pipeline["axis"]):     # stages split the work there
+            continue
+        # A batch of one is never split by data, which surprises nobody.
+        odd = [(name, shape[0]) for name, shape in batches if shape[0] > 1 and shape[0] % size]
+        cause = ""
+        if odd:
+            cause = (f"the batch dim of {', '.join(f'{name} ({b})' for name, b in odd)} does not divide by "
+                     f"{size}, so the data cannot be split along mesh axis {axis!r}; ")
+        if axis not in split:
+            out.append(f"{cause}mesh axis {axis!r} ({size} devices) splits no work: every device along it "
+                       f"computes the same thing. Use a batch that divides by {size}, or fewer devices")
+        elif odd:
+            out.append(f"{cause}the plan splits other dims along it instead. Use a batch that divides by "
+                       f"{size} for data parallelism")
+    return out
+
+
+def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget, optimizer, fused, pins,
+                   sharded_outputs, recompute, time_limit, skip_passes, insert_passes, microbatches, schedule,
+                   tried, report, cost_model=CostModel) -> Plan | None:
+    """The fastest pipeline plan on mesh ``shape`` (axis ``pp`` among ``names``), or None when none fits."""
+    import math
+
+    from autopar import pipelining as PL
+    from autopar.codegen.stages import loss_output
+
+    axis = names.index("pp")
+    p = shape[axis]
+    if axis != 0:
+        raise AutoparError(f"the pipeline axis 'pp' must be the mesh's first (outermost) axis, got axes {names}")
+    if recompute not in (False, None) and recompute is not True:
+        raise AutoparError("pipeline plans do not recompute activations yet; plan with recompute=False or the "
+                           "default")
+    if schedule is not None and schedule not in PL.SCHEDULES:
+        raise AutoparError(f"unknown pipeline schedule {schedule!r}; choose one of {PL.SCHEDULES}")
+    batch = PL.batch_size(example_inputs, example_kwargs)
+    if microbatches is not None:
+        if batch % microbatches:
+            raise AutoparError(f"the batch of {batch} does not split into {microbatches} equal microbatches; "
+                               f"pick a count that divides {batch}")
+        counts = [microbatches]
+    else:
+        counts = sorted({k * p for k in (1, 2, 4, 8) if batch % (k * p) == 0} or {batch})
+    schedules = [schedule] if schedule else list(PL.SCHEDULES)
+    sub_shape = tuple(1 if i == axis else s for i, s in enumerate(shape))
+    sub_cluster = dataclasses.replace(cluster, num_devices=math.prod(sub_shape), mesh_shape=sub_shape,
+                                      axis_names=names)
+    link = cluster.axis_link(shape, axis)
+    best = None
+    for m in counts:
+        mb_args, mb_kwargs = PL.microbatch_inputs(example_inputs, example_kwargs, m)
+        report(f"mesh {shape}, {m} microbatches: capturing")
+        prep = prepare(model, mb_args, mb_kwargs, sub_cluster, skip_passes=skip_passes, insert_passes=insert_passes)
+        PL.check_layers(prep.gm, p)
+        loss_output(prep.gm)          # the last stage hands the loss to the schedule
+        prep.runner.run(mesh_passes(sub_shape), prep.gm, f"mesh {shape}")
+        cm = cost_model(sub_cluster, sub_shape, optimizer, fused=fused)
+        # Each stage holds about 1/p of the model: the whole microbatch program gets p budgets here, and
+        # every stage is checked against one budget, in-flight microbatches included, below.
+        prob, idx = build_problem(prep.gm, cm, budget * p, pins, sharded_outputs, False)
+        report(f"mesh {shape}, {m} microbatches: solving {len(prob.choices)} decisions")
+        sol = solve(prob, time_limit=time_limit)
+        entry = {"mesh": list(shape), "status": sol.status, "objective": sol.objective, "seconds": sol.seconds,
+                 "variables": sol.num_variables, "constraints": sol.num_constraints,
+                 "pipeline": {"microbatches": m, "schedules": {}}}
+        tried.append(entry)
+        if sol.status == "infeasible" or prob.objective(sol.assignment) >= INFEASIBLE:
+            continue
+        sub = evaluate(prep, idx, sol.assignment, cm, sub_shape, names, sub_cluster, budget, sharded_outputs)
+        chosen = {n: meta_of(n).strategies.strategies[idx.option_of(n, sol.assignment)] for n in prep.gm.graph.nodes
+                  if n.op in ("placeholder", "call_function") and meta_of(n).strategies is not None}
+        instance_of = {n: meta_of(n).layer.layer for n in chosen if n.op == "call_function" and meta_of(n).layer}
+        costs = PL.LayerCosts(prep.gm, sub, _boundary_bytes(instance_of, chosen, cm))
+        for sched in schedules:
+            if sched != "GPipe" and sched != "1F1B" and m % p:
+                continue          # torch's interleaved schedules need whole rounds of p microbatches
+            found = PL.schedule_plan(costs, sched, p, m, budget, link)
+            entry["pipeline"]["schedules"][sched] = None if found is None else found["step_time"]
+            if found is not None and (best is None or found["step_time"] < best[0]["step_time"]):
+                best = (found, sub, sol)
+    if best is None:
+        return None
+    found, sub, sol = best
+    return _pipeline_plan(sub, found, shape, names, axis, cluster, budget, sol)
+
+
+def _pipeline_plan(sub: Plan, found: dict, shape, names, axis, cluster, budget, sol) -> Plan:
+    """The sub-mesh plan of one microbatch, widened to the whole mesh, with its pipeline."""
+
+    def widen(lay):
+        return ["R" if i == axis else x for i, x in enumerate(lay)]
+
+    sub.mesh = {"shape": list(shape), "axes": list(names)}
+    sub.cluster = cluster.to_dict()
+    sub.params = {k: widen(v) for k, v in sub.params.items()}
+    sub.inputs = {k: widen(v) for k, v in sub.inputs.items()}
+    for n in sub.nodes:
+        n["inputs"] = [widen(l) for l in n["inputs"]]
+        n["outputs"] = [widen(l) for l in n["outputs"]]
+    m = found["microbatches"]
+    worst = max(found["ranks"], key=lambda r: r["peak"])
+    scale = worst["static_bytes"] / max(sub.memory["params"] + sub.memory["grads"] + sub.memory["optimizer"], 1.0)
+    sub.memory.update(peak=found["peak"], budget=budget, activations=worst["activation_bytes"],
+                      params=sub.memory["params"] * scale, grads=sub.memory["grads"] * scale,
+                      optimizer=sub.memory["optimizer"] * scale)
+    slow = found["ranks"][found["slowest_rank"]]
+    comm = {a: m * slow["comm_seconds"].get(a, 0.0) for a in names}
+    comm["pp"] += m * slow["p2p_seconds"]
+    # The slowest rank's microbatches, the pipeline's idle time, the slowest optimizer step: they add up
+    # to step_time.
+    sub.breakdown = {"compute": m * slow["compute_seconds"], "communication": comm,
+                     "optimizer": found["optimizer_seconds"], "recompute": 0.0, "bubble": found["bubble_seconds"]}
+    sub.step_time = found["step_time"]
+    sub.pipeline = {"axis": "pp", "schedule": found["schedule"], "microbatches": m,
+                    "virtual_stages": found["virtual_stages"], "bubble_fraction": found["bubble_fraction"],
+                    "bubble_seconds": found["bubble_seconds"], "stages": found["stages"], "ranks": found["ranks"]}
+    sub.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
+                      constraints=sol.num_constraints, backend=sol.backend)
+    return sub
 
 
 @dataclass
@@ -157,8 +302,8 @@ def _strategies_of(gm) -> dict:
     return {n: meta_of(n).strategies for n in gm.graph.nodes if meta_of(n).strategies is not None}
 
 
-def _search(meshes: list[_Mesh], prep, cluster, budget, sharded_outputs, time_limit, report):
-    """Solve the candidate meshes and keep the plan of least step time.
+def _search(meshes: list[_Mesh], best, prep, cluster, budget, sharded_outputs, time_limit, report):
+    """Solve the candidate meshes and keep the plan of least step time (``best``: one already found).
 
     The mesh whose greedy layout is fastest goes first, and the step time of the best plan so far bounds
     the rest: a mesh whose lower bound is no better is not solved, and the solver stops a mesh as soon
@@ -167,7 +312,8 @@ def _search(meshes: list[_Mesh], prep, cluster, budget, sharded_outputs, time_li
     are solved at a time (the solver runs outside Python's lock); the plans are evaluated here.
     """
     order = sorted(meshes, key=lambda m: (m.estimate, m.lower_bound, m.position))
-    best, best_key, tried, infeasible, t_eval = None, None, {}, [], 0.0
+    best_key = None if best is None else (best.step_time, -1)
+    tried, infeasible, t_eval, best_mesh = {}, [], 0.0, None
     workers = max(1, min(SOLVER_THREADS, len(order)))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         running: dict = {}
@@ -208,8 +354,10 @@ def _search(meshes: list[_Mesh], prep, cluster, budget, sharded_outputs, time_li
                 p.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
                                 constraints=sol.num_constraints, backend=sol.backend, gap=sol.gap)
                 if best is None or (p.step_time, m.position) < best_key:
-                    best, best_key = p, (p.step_time, m.position)
+                    best, best_key, best_mesh = p, (p.step_time, m.position), m
                 t_eval += time.perf_counter() - t0
+    if best_mesh is not None:          # the graph holds the returned plan's strategies
+        _restore_strategies(best_mesh.strategies)
     infeasible.sort(key=lambda item: [m.shape for m in meshes].index(item[0]))
     return best, [tried[k] for k in sorted(tried)], infeasible, t_eval
 
@@ -264,7 +412,7 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "call_function") and meta_of(n).strategies is not None:
             chosen[n] = meta_of(n).strategies.strategies[idx.option_of(n, assignment)]
-    low = lower(gm, chosen, cm, sharded_outputs)
+    low = plan_reshards(gm, chosen, cm.mesh_shape, sharded_outputs)
     colls = collectives(low, cm, axis_names)
     recompute = recomputed_layers(gm, idx.recompute_counts(assignment))
     instance_of = {n: meta_of(n).layer.layer for n in chosen
@@ -523,7 +671,7 @@ def _raise_infeasible(prep, infeasible, cluster, budget):
         raise InfeasiblePlanError(f"no valid plan exists on {cluster.name or cluster.num_devices} devices at any "
                                   f"budget: the pinned layouts cannot be reached; relax the pins", budget=budget)
     need, assignment, shape, names, idx, cm = best
-    strategies_pass(prep.gm, shape)        # the graph holds the last candidate mesh's strategies
+    prep.runner.run(mesh_passes(shape), prep.gm, f"mesh {shape}")   # the graph holds the last mesh's
     p = evaluate(prep, idx, assignment, cm, shape, names, cluster, budget)
     consumers = [(f"param {k} (+grad, optimizer)", v) for k, v in p.memory["by_param"].items()]
     consumers += [(f"activations of {n['name']}", n["activation_bytes"]) for n in p.nodes]

@@ -19,6 +19,21 @@ def _s(t: float) -> str:
     return f"{t * 1e6:.1f} us"
 
 
+def pipeline_summary(plan) -> list[str]:
+    pipe = plan.pipeline
+    p = plan.mesh["shape"][plan.mesh["axes"].index(pipe["axis"])]
+    lines = [f"pipeline: {len(pipe['stages'])} stages on {p} ranks of axis '{pipe['axis']}', schedule "
+             f"{pipe['schedule']}, {pipe['microbatches']} microbatches, bubble {pipe['bubble_fraction']:.1%} of "
+             f"the ideal time ({_s(pipe['bubble_seconds'])})"]
+    for st in pipe["stages"]:
+        layers = st["layers"]
+        names = ", ".join(layers[:2]) + (f" ... {layers[-1]}" if len(layers) > 2 else "")
+        lines.append(f"  stage {st['index']} on pp rank {st['pp_rank']}: {len(layers)} layers ({names}), "
+                     f"{_s(st['seconds'])} per microbatch, {_b(st['activations'])} activations per microbatch x "
+                     f"{st['in_flight']:.3g} in flight")
+    return lines
+
+
 def summary(plan) -> str:
     mesh = " x ".join(f"{a}={n}" for a, n in zip(plan.mesh["axes"], plan.mesh["shape"]))
     lines = [f"autopar plan: {plan.model['class']} ({plan.model['num_params']:,} parameters) on "
@@ -50,6 +65,8 @@ def summary(plan) -> str:
             cs = ", ".join(f"{c['kind']}({c['axis']},{c['phase'][:3]}) {_b(c['bytes'])} {_s(c['seconds'])}"
                            for c in colls_by_node.get(n["name"], []))
             lines.append(f"  {n['name'][:34]:<34} {n['op'][:28]:<28} {out[:16]:<16} {_s(n['compute_seconds']):>10}  {cs}")
+    for w in plan.extra.get("warnings", []):
+        lines.append(f"\nwarning: {w}")
     sharded = {k: v for k, v in plan.params.items() if any(p != "R" for p in v)}
     lines.append(f"\nparameters: {len(plan.params)}, sharded: {len(sharded)}")
     for k, v in list(sharded.items())[:12]:
@@ -65,7 +82,10 @@ def summary(plan) -> str:
     lines.append(f"step time: {_s(plan.step_time)} predicted = compute {_s(plan.breakdown['compute'])} + "
                  + (f"recompute {_s(recompute)} + " if recompute else "")
                  + " + ".join(f"comm[{a}] {_s(t)}" for a, t in comm.items())
-                 + f" + optimizer {_s(plan.breakdown['optimizer'])}")
+                 + f" + optimizer {_s(plan.breakdown['optimizer'])}"
+                 + (f" + pipeline bubble {_s(plan.breakdown['bubble'])}" if plan.breakdown.get("bubble") else ""))
+    if plan.pipeline:
+        lines += pipeline_summary(plan)
     for cls, r in plan.recompute["classes"].items():
         lines.append(f"recomputed in backward: {r['count']} of {r['of']} {cls} ({', '.join(r['layers'][:4])}"
                      f"{', ...' if r['count'] > 4 else ''})")

@@ -1,28 +1,27 @@
-"""Plan + captured graph -> the per-rank local program.
+"""Plan + captured graph -> the per-rank local program (``local_program_pass``).
 
 Every node runs its own ATen op on local shards; view, reshape and expand sizes are rewritten to local
 sizes; every resharding the plan implies becomes an explicit call into ``autopar.runtime.collectives``
-(the same steps ``passes.lowering`` reports in ``plan.collectives``). The result is an fx.GraphModule
-whose ``code`` is readable Python.
+(the same steps ``passes.reshard_plan`` reports in ``plan.collectives``). The result is an fx.GraphModule
+whose ``code`` is readable Python; ``passes.meta.program_meta(gm)`` says how to call it.
 """
 from __future__ import annotations
 
+import functools
+import importlib
 import operator
-from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from autopar.cluster import ClusterSpec
-from autopar.codegen.recompute import LAYER_KEY, recompute_pass
-from autopar.errors import PlanFormatError
-from autopar.layout import local_shape, parse_layout
-from autopar.passes.costs import CostModel
-from autopar.passes.lowering import Lowered, gathered_output, lower
-from autopar.passes.meta import meta_of, op_name
+from autopar.errors import PlanFormatError, ShardingError
+from autopar.layout import format_layout, local_shape, parse_layout
+from autopar.passes.reshard_plan import gathered_output, plan_reshards
+from autopar.passes.meta import meta_of, op_name, set_meta, set_program_meta
 from autopar.passes.rules import context_for, rule_for
-from autopar.passes.strategies import Strategy, input_values, mark_requires_grad
+from autopar.passes.runner import requires
+from autopar.passes.strategies import Strategy, input_values, node_strategies
 from autopar.plan import Plan
 from autopar.runtime import collectives as C
 
@@ -32,12 +31,16 @@ _STEP_FN = {"all_gather": C.all_gather, "reduce_scatter": C.reduce_scatter, "all
             "all_to_all": C.all_to_all, "local_chunk": C.local_chunk, "grad_all_reduce": C.grad_all_reduce}
 
 
-@dataclass
-class LocalProgram:
-    gm: fx.GraphModule
-    lowered: Lowered
-    placeholders: list        # (kind, target) per local placeholder, in call order
-    output_layouts: list      # per user output tensor: its layout as returned (all-R unless kept sharded)
+@functools.lru_cache(maxsize=None)
+def resolve_function(path: str):
+    """The function a rule's ``local_call`` names by its dotted path, e.g.
+    ``autopar.runtime.sharded_ops.vocab_parallel_embedding``."""
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise PlanFormatError(f"a sharding rule names the local function {path!r}, which cannot be imported: "
+                              f"{e}") from e
 
 
 def strategies_from_plan(gm: fx.GraphModule, plan: Plan) -> dict:
@@ -46,7 +49,7 @@ def strategies_from_plan(gm: fx.GraphModule, plan: Plan) -> dict:
     nax = len(axes)
     by_name = {n["name"]: n for n in plan.nodes}
     rep = tuple(parse_layout(["R"] * nax))
-    out = {}
+    out, legal = {}, {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             role = meta_of(node).role
@@ -58,7 +61,14 @@ def strategies_from_plan(gm: fx.GraphModule, plan: Plan) -> dict:
                 lay = parse_layout(plan.params[role.target])
             elif role.kind == "input" and role.target in plan.inputs:
                 lay = parse_layout(plan.inputs[role.target])
-            outs = (lay,) if isinstance(node.meta.get("val"), torch.Tensor) else ()
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                field = f"params[{role.target!r}]" if role.kind == "param" else f"inputs[{role.target!r}]"
+                try:
+                    local_shape(tuple(val.shape), lay, plan.mesh_shape, what=f"plan {field} {format_layout(lay)}")
+                except ShardingError as e:
+                    raise PlanFormatError(str(e)) from e
+            outs = (lay,) if isinstance(val, torch.Tensor) else ()
             out[node] = Strategy((), outs, (False,) * nax)
         elif node.op == "call_function":
             entry = by_name.get(node.name)
@@ -68,29 +78,33 @@ def strategies_from_plan(gm: fx.GraphModule, plan: Plan) -> dict:
                 raise PlanFormatError(f"the plan does not match this model at node {node.name!r} "
                                       f"({op_name(node)}): it was made for another model or another "
                                       f"version of it ({plan.model.get('class')}); plan this model again")
-            out[node] = Strategy(tuple(parse_layout(l) for l in entry["inputs"]),
-                                 tuple(parse_layout(l) for l in entry["outputs"]),
-                                 tuple(a in entry["split_axes"] for a in axes))
+            s = Strategy(tuple(parse_layout(l) for l in entry["inputs"]),
+                         tuple(parse_layout(l) for l in entry["outputs"]),
+                         tuple(a in entry["split_axes"] for a in axes))
+            if node.target is not operator.getitem and s not in node_strategies(node, plan.mesh_shape, legal):
+                raise PlanFormatError(f"plan node {node.name!r} ({op_name(node)}): inputs {entry['inputs']} -> "
+                                      f"outputs {entry['outputs']} splitting work on {entry['split_axes']} is "
+                                      f"not a strategy of its op for shape {shape} on mesh {list(plan.mesh_shape)}; "
+                                      f"the plan was edited or made by another version: plan this model again")
+            out[node] = s
     return out
 
 
-def generate(gm: fx.GraphModule, plan: Plan, group_names: list[str], device=None, *,
-             sharded_outputs: bool = False) -> LocalProgram:
-    """The local program of one rank. ``group_names[a]`` is the c10d group of mesh axis ``a``;
-    ``device`` replaces the device that factory ops were captured with (meta, for a meta model).
+@requires("mark_requires_grad_pass")
+def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str],
+                       sharded_outputs: bool = False) -> fx.GraphModule:
+    """The local program of one rank. ``group_names[a]`` is the c10d group of mesh axis ``a``.
     With ``sharded_outputs=True`` non-scalar outputs are returned in the layout they are computed in
-    (passes.lowering.gathered_output), whatever the plan was priced for."""
+    (passes.reshard_plan.gathered_output), whatever the plan was priced for."""
     mesh_shape = plan.mesh_shape
-    mark_requires_grad(gm)
     strategy = strategies_from_plan(gm, plan)
-    cm = CostModel(ClusterSpec.from_dict(plan.cluster), mesh_shape)
-    low = lower(gm, strategy, cm, sharded_outputs)
+    low = plan_reshards(gm, strategy, mesh_shape, sharded_outputs)
 
     g = fx.Graph()
     env: dict = {}
     resharded: dict = {}
     placeholders, output_layouts = [], []
-    current = {"layer": None}          # the layer instance of the node being emitted
+    current = {"layer": None}          # the layer tag of the node being emitted
 
     def reshard(key):
         if key in resharded:
@@ -109,9 +123,7 @@ def generate(gm: fx.GraphModule, plan: Plan, group_names: list[str], device=None
                 x = g.call_function(fn, (x, st.dim, st.dst_dim, group))
             else:
                 x = g.call_function(fn, (x, group))
-            x.meta["autopar_step"] = st
-            if current["layer"] is not None:
-                x.meta[LAYER_KEY] = current["layer"]
+            set_meta(x, step=st, layer=current["layer"])
         resharded[key] = x
         return x
 
@@ -123,11 +135,9 @@ def generate(gm: fx.GraphModule, plan: Plan, group_names: list[str], device=None
         elif node.op == "get_attr":
             env[node] = g.get_attr(node.target)
         elif node.op == "call_function":
-            tag = meta_of(node).layer
-            current["layer"] = tag.layer if tag is not None else None
+            current["layer"] = meta_of(node).layer
             env[node] = _emit(g, node, strategy[node], low, env, reshard, mesh_shape, group_names)
-            if tag is not None:
-                env[node].meta[LAYER_KEY] = tag.layer
+            set_meta(env[node], source=node.name, layer=current["layer"])
             current["layer"] = None
         elif node.op == "output":
             leaves, spec = pytree.tree_flatten(node.args[0])
@@ -144,15 +154,14 @@ def generate(gm: fx.GraphModule, plan: Plan, group_names: list[str], device=None
                     outs.append(env[a] if isinstance(a, fx.Node) else a)
             g.output(pytree.tree_unflatten(outs, spec))
     local = fx.GraphModule(gm, g, class_name="LocalProgram")
-    if plan.recompute["layers"]:
-        recompute_pass(local, plan.recompute["layers"])
-    if device is not None:
-        _retarget_devices(local, torch.device(device))
-    return LocalProgram(local, low, placeholders, output_layouts)
+    set_program_meta(local, placeholders=tuple(placeholders), output_layouts=tuple(output_layouts))
+    return local
 
 
-def _retarget_devices(gm: fx.GraphModule, device: torch.device) -> None:
-    """Point factory ops (``arange(..., device=...)``) at this rank's device, in submodules too."""
+def retarget_devices_pass(gm: fx.GraphModule, *, device) -> fx.GraphModule:
+    """Point factory ops (``arange(..., device=...)``) at this rank's device, in submodules too: they
+    were captured with the model's device (meta, for a meta model)."""
+    device = torch.device(device)
     for mod in gm.modules():
         if not isinstance(mod, fx.GraphModule):
             continue
@@ -160,6 +169,22 @@ def _retarget_devices(gm: fx.GraphModule, device: torch.device) -> None:
             if n.op == "call_function":
                 n.args, n.kwargs = pytree.tree_map_only(torch.device, lambda _: device, (n.args, dict(n.kwargs)))
         mod.recompile()
+    return gm
+
+
+def example_local_inputs(gm: fx.GraphModule, plan: Plan) -> list:
+    """One meta tensor of this rank's local shape per placeholder of the captured ``gm``: what the
+    local program is called with, for passes that record shapes (codegen.triton.record_meta)."""
+    out = []
+    for node, lay in strategies_from_plan(gm, plan).items():
+        if node.op != "placeholder":
+            continue
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            shape = local_shape(tuple(val.shape), lay.outputs[0], plan.mesh_shape, what=node.name)
+            val = torch.empty(shape, dtype=val.dtype, device="meta")
+        out.append(val)
+    return out
 
 
 def _emit(g, node, s: Strategy, low, env, reshard, mesh_shape, group_names):
@@ -189,10 +214,9 @@ def _emit(g, node, s: Strategy, low, env, reshard, mesh_shape, group_names):
     call = rule.local_call(context_for(node), s.inputs, args, kwargs, group_names) if rule.local_call else None
     if call is not None:
         # The op's sharded form communicates by itself (runtime.sharded_ops).
-        target, args, kwargs = call
+        path, args, kwargs = call
+        target = resolve_function(path)
     if target is aten.view.default:
         # A resharded input may not be contiguous in the way the view needs; reshape copies only then.
         target = aten.reshape.default
-    new = g.call_function(target, args, kwargs)
-    new.meta["autopar_source"] = node.name
-    return new
+    return g.call_function(target, args, kwargs)

@@ -9,17 +9,17 @@ import torch.fx as fx
 
 from autopar.codegen.graph_order import stable_toposort
 from autopar.errors import AutoparError
+from autopar.passes.meta import meta_of, set_meta
+from autopar.passes.runner import requires
 
-LAYER_KEY = "autopar_layer"      # node.meta key: the layer instance a local-program node belongs to
-
-
-def recompute_pass(gm: fx.GraphModule, layers) -> fx.GraphModule:
-    """Wrap the nodes of every layer instance in ``layers`` (``meta["autopar_layer"]``) in a checkpoint."""
+@requires("local_program_pass", "layers_pass")
+def recompute_pass(gm: fx.GraphModule, *, layers) -> fx.GraphModule:
+    """Wrap the nodes of every layer instance in ``layers`` (their ``meta_of(n).layer``) in a checkpoint."""
     from autopar.runtime.recompute import checkpointed
 
     graph = gm.graph
     for inst in layers:
-        region = [n for n in graph.nodes if n.meta.get(LAYER_KEY) == inst]
+        region = [n for n in graph.nodes if meta_of(n).layer is not None and meta_of(n).layer.layer == inst]
         if not region:
             raise AutoparError(f"the plan recomputes layer {inst!r}, which this program does not have; "
                                f"plan this model again")
@@ -42,7 +42,9 @@ def recompute_pass(gm: fx.GraphModule, layers) -> fx.GraphModule:
         for k, o in enumerate(outputs):
             with graph.inserting_after(cursor):
                 cursor = graph.call_function(operator.getitem, (call, k))
-            cursor.meta.update({key: o.meta[key] for key in ("val", LAYER_KEY) if key in o.meta})
+            if "val" in o.meta:
+                cursor.meta["val"] = o.meta["val"]
+            set_meta(cursor, layer=meta_of(o).layer)
             o.replace_all_uses_with(cursor, delete_user_cb=lambda u: u not in inside)
         for n in reversed(region):
             graph.erase_node(n)

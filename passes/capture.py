@@ -14,7 +14,7 @@ import torch.fx as fx
 from torch.export.graph_signature import InputKind, OutputKind
 
 from autopar.errors import CaptureError
-from autopar.passes.meta import Role, meta_of
+from autopar.passes.meta import Role, set_meta
 
 
 @dataclass
@@ -39,8 +39,8 @@ class CapturedProgram:
         raise KeyError(name)
 
 
-def _example_on_meta(x):
-    return x.to("meta") if isinstance(x, torch.Tensor) else x
+def _model_device(model: torch.nn.Module) -> torch.device | None:
+    return next((t.device for t in (*model.parameters(), *model.buffers())), None)
 
 
 def capture(model: torch.nn.Module, example_inputs=(), example_kwargs=None) -> CapturedProgram:
@@ -48,11 +48,13 @@ def capture(model: torch.nn.Module, example_inputs=(), example_kwargs=None) -> C
     example_kwargs = dict(example_kwargs or {})
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
-    _refuse_aliased_inputs(example_inputs, example_kwargs)
-    on_meta = any(p.is_meta for p in model.parameters())
-    if on_meta:
-        example_inputs = tuple(_example_on_meta(x) for x in example_inputs)
-        example_kwargs = {k: _example_on_meta(v) for k, v in example_kwargs.items()}
+    example_inputs, example_kwargs = _distinct_inputs(example_inputs, example_kwargs)
+    # Example inputs only describe shapes: they follow the model's device (meta included), so a
+    # model still on the CPU or the meta device captures with a batch already on the GPU.
+    device = torch.device("meta") if any(p.is_meta for p in model.parameters()) else _model_device(model)
+    if device is not None:
+        example_inputs, example_kwargs = torch.utils._pytree.tree_map_only(
+            torch.Tensor, lambda x: x.to(device), (tuple(example_inputs), example_kwargs))
     try:
         ep = torch.export.export(model, tuple(example_inputs), example_kwargs, strict=False)
     except Exception as e:
@@ -65,19 +67,18 @@ def capture(model: torch.nn.Module, example_inputs=(), example_kwargs=None) -> C
     params, buffers, constants, inputs = {}, {}, {}, []
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
     for node, spec in zip(placeholders, sig.input_specs):
-        m = meta_of(node)
         if spec.kind == InputKind.PARAMETER:
             params[node.name] = spec.target
-            m.role = Role("param", spec.target)
+            set_meta(node, role=Role("param", spec.target))
         elif spec.kind == InputKind.BUFFER:
             buffers[node.name] = spec.target
-            m.role = Role("buffer", spec.target)
+            set_meta(node, role=Role("buffer", spec.target))
         elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
             constants[node.name] = spec.target
-            m.role = Role("constant", spec.target)
+            set_meta(node, role=Role("constant", spec.target))
         else:
             inputs.append(node.name)
-            m.role = Role("input", node.name)
+            set_meta(node, role=Role("input", node.name))
     _merge_tied_parameters(model, ep.graph, params)
     for spec in sig.output_specs:
         if spec.kind != OutputKind.USER_OUTPUT:
@@ -118,17 +119,22 @@ def _merge_tied_parameters(model, graph, params):
         else:
             keep[target] = node
             params[node.name] = target
-            meta_of(node).role = Role("param", target)
+            set_meta(node, role=Role("param", target))
 
 
-def _refuse_aliased_inputs(args, kwargs):
-    # export folds two arguments that are the same tensor into one placeholder, which would tie
-    # e.g. input_ids to labels in the plan; refuse it rather than plan something the user did not mean.
-    seen = {}
-    for path, x in torch.utils._pytree.tree_flatten_with_path((tuple(args), kwargs))[0]:
+def _distinct_inputs(args, kwargs):
+    """The example inputs with every repeated tensor object replaced by a copy.
+
+    export folds two arguments that are one tensor object into one placeholder, which would tie
+    ``labels`` to ``input_ids`` in the plan; Hugging Face's own examples pass ``labels=input_ids``.
+    The examples only describe shapes, so a copy keeps the two arguments apart at no cost to the user."""
+    seen = set()
+
+    def distinct(x):
         if isinstance(x, torch.Tensor):
-            key = id(x)
-            if key in seen:
-                raise CaptureError(f"example inputs {seen[key]} and {torch.utils._pytree.keystr(path)} are "
-                                   f"the same tensor object; pass a copy (e.g. labels=ids.clone())")
-            seen[key] = torch.utils._pytree.keystr(path)
+            if id(x) in seen:
+                return x.clone()
+            seen.add(id(x))
+        return x
+
+    return torch.utils._pytree.tree_map(distinct, (tuple(args), kwargs))

@@ -6,7 +6,9 @@
   link from ``ClusterSpec.axis_link`` (intra-node or inter-node).
 - Memory per device: parameters, gradients and optimizer states under each parameter's layout, and the
   activations each node keeps for backward under its layouts.
-- Communication does not overlap compute in this model: the step time is their sum.
+- Communication does not overlap compute in this model: the step time is their sum; the exception is
+  an op that overlaps its own transfers with its own compute (ring attention), where each step costs
+  max(compute, transfer) (``op_collective_seconds``).
 """
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ import torch.fx as fx
 
 from autopar.cluster import ClusterSpec
 from autopar.layout import local_fraction, local_shape
-from autopar.passes.meta import meta_of
+from autopar.passes.meta import meta_of, set_meta
 from autopar.passes.resharding import Step, collective_seconds, transition
 from autopar.passes.rules import context_for, rule_for, tensor_inputs
+from autopar.passes.runner import requires
 from autopar.passes.strategies import Strategy, Value, requires_grad, signature, value_info
 
 aten = torch.ops.aten
@@ -112,8 +115,13 @@ class CostModel:
         return rule.collectives(context_for(node), s.inputs, self.mesh_shape)
 
     def op_collective_seconds(self, oc) -> float:
+        """Seconds of an op's own collective that its compute does not hide: a transfer of ``steps``
+        steps, each overlapped with ``overlap_flops`` of compute, costs per step max(0, transfer -
+        compute) beyond the compute already counted (ring attention's max(compute, transfer))."""
         bw, lat = self.links[oc.axis]
-        return collective_seconds(oc.kind, oc.nbytes, self.mesh_shape[oc.axis], bw, lat)
+        step = collective_seconds(oc.kind, oc.nbytes / oc.steps, self.mesh_shape[oc.axis], bw, lat)
+        hidden = oc.overlap_flops / self.cluster.device.peak_flops(oc.dtype)
+        return oc.steps * max(0.0, step - hidden)
 
     def op_comm_seconds(self, node: fx.Node, s: Strategy) -> float:
         return sum(self.op_collective_seconds(oc) for oc in self.op_collectives(node, s))
@@ -168,7 +176,7 @@ class CostModel:
         saved = meta_of(node).saved
         if saved is None or node.op != "call_function" or not requires_grad(node):
             return 0.0
-        sharers = tuple(meta_of(a).extra.get("saved_by", 1) for a in node.all_input_nodes)
+        sharers = tuple(meta_of(a).saved_by for a in node.all_input_nodes)
         key = (signature(node), s, saved, sharers)
         if key not in self._activation_cache:
             self._activation_cache[key] = self._activation_bytes(node, s, saved)
@@ -184,7 +192,7 @@ class CostModel:
         total += saved.internal / self.work_split(s)
         for k, keep in enumerate(saved.inputs):
             if keep and k < len(ctx.ins):
-                sharers = meta_of(ctx.input_nodes[k]).extra.get("saved_by", 1)
+                sharers = meta_of(ctx.input_nodes[k]).saved_by
                 total += ctx.ins[k].nbytes * local_fraction(s.inputs[k], self.mesh_shape) / sharers
         return total
 
@@ -217,8 +225,9 @@ def _transition_cached(src, dst, shape, mesh_shape, partial_axes):
     return transition(src, dst, local, mesh_shape, grad_partial=partial_axes)
 
 
-def count_saving_consumers(gm: fx.GraphModule) -> None:
-    """How many nodes save each value for backward (``extra["saved_by"]``)."""
+@requires("saved_activations_pass")
+def count_saving_consumers_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """How many nodes save each value for backward (``saved_by``)."""
     from collections import Counter
 
     counts = Counter()
@@ -231,4 +240,5 @@ def count_saving_consumers(gm: fx.GraphModule) -> None:
             if keep and k < len(ins):
                 counts[ins[k]] += 1
     for n, c in counts.items():
-        meta_of(n).extra["saved_by"] = c
+        set_meta(n, saved_by=c)
+    return gm

@@ -13,7 +13,7 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from autopar.passes.meta import LayerTag, meta_of
+from autopar.passes.meta import LayerTag, meta_of, set_meta
 
 _INDEXED = re.compile(r"^(.*?\.\d+)(\.|$)")
 _TRAILING_INDEX = re.compile(r"\.\d+$")
@@ -75,7 +75,7 @@ def layers_pass(gm: fx.GraphModule) -> fx.GraphModule:
         pattern = _TRAILING_INDEX.sub(".*", inst)
         cls = classes.setdefault(sig, f"{pattern}#{len(classes)}")
         for i, n in enumerate(nodes):
-            meta_of(n).layer = LayerTag(inst, cls, i)
+            set_meta(n, layer=LayerTag(inst, cls, i))
     return gm
 
 

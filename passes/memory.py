@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from autopar.passes.meta import SavedForBackward, meta_of
+from autopar.passes.meta import SavedForBackward, meta_of, set_meta
 from autopar.passes.rules import rule_for, tensor_inputs
 
 
@@ -77,7 +77,7 @@ def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda") -
             if node.target is not operator.getitem:
                 for o in outs:
                     owner.setdefault(_storage_key(o), (node, False))
-            meta_of(node).saved = _attribute(node, current["saved"], outs, owner, target_device)
+            set_meta(node, saved=_attribute(node, current["saved"], outs, owner, target_device))
     return gm
 
 

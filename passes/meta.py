@@ -1,11 +1,10 @@
-"""Typed, namespaced metadata the passes write on fx nodes: ``node.meta["autopar"]``.
-
-Each entry is a frozen dataclass; ``AutoparMeta`` only groups them so a pass can set its own entry
-without touching the others'.
+"""Typed, namespaced metadata: ``node.meta["autopar"]`` on nodes and ``gm.meta["autopar"]`` on a
+rank's local program, both frozen dataclasses. Nothing else of autopar's lives in ``meta``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import torch.fx as fx
@@ -44,23 +43,57 @@ class SavedForBackward:
     internal: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class AutoparMeta:
+    """Everything autopar records on one node, under ``node.meta["autopar"]``. Immutable: a pass sets
+    its fields with ``set_meta``, which stores a new record, so a node copied by ``Graph.node_copy``
+    (which copies ``node.meta``) keeps the record it was copied with, whatever later passes do."""
+
     role: Role | None = None
     layer: LayerTag | None = None
     saved: SavedForBackward | None = None
-    strategies: Any = None         # passes.strategies.StrategySet
-    extra: dict = field(default_factory=dict)
+    saved_by: int = 1                     # how many nodes keep this value for backward (shared)
+    requires_grad: bool = False           # whether a gradient flows through this value
+    signature: tuple | None = None        # what strategies and costs depend on (passes.strategies)
+    strategies: Any = None                # passes.strategies.StrategySet under the current mesh
+    refused: tuple[str, ...] = ()         # why rule options were refused here (named in pin errors)
+    # In a rank's local program (codegen):
+    source: str | None = None             # the planned node this node computes
+    step: Any = None                      # the resharding step (passes.resharding.Step) it runs
+    fused: tuple[str, ...] = ()           # the local nodes a generated kernel replaced
+
+
+@dataclass(frozen=True)
+class ProgramMeta:
+    """What codegen records on a rank's local program, under ``gm.meta["autopar"]``."""
+
+    placeholders: tuple = ()              # (kind, target) per placeholder, in call order
+    output_layouts: tuple = ()            # per returned tensor: its layout (all-R unless kept sharded)
+    kernels: tuple[tuple[str, str], ...] = ()   # (name, source) of every generated kernel it calls
+
+
+_EMPTY = AutoparMeta()
+
+
+def meta_of(node: fx.Node) -> AutoparMeta:
+    return node.meta.get(KEY, _EMPTY)
+
+
+def set_meta(node: fx.Node, **fields) -> AutoparMeta:
+    m = node.meta[KEY] = dataclasses.replace(meta_of(node), **fields)
+    return m
+
+
+def program_meta(gm: fx.GraphModule) -> ProgramMeta:
+    return gm.meta.get(KEY, ProgramMeta())
+
+
+def set_program_meta(gm: fx.GraphModule, **fields) -> ProgramMeta:
+    m = gm.meta[KEY] = dataclasses.replace(program_meta(gm), **fields)
+    return m
 
 
 def op_name(node: fx.Node) -> str:
     """How plans name a node's op: ``mm.default``, ``scaled_dot_product_attention.default``."""
     t = node.target
     return str(t).replace("aten.", "") if hasattr(t, "_schema") else getattr(t, "__name__", str(t))
-
-
-def meta_of(node: fx.Node) -> AutoparMeta:
-    m = node.meta.get(KEY)
-    if m is None:
-        m = node.meta[KEY] = AutoparMeta()
-    return m

@@ -116,10 +116,25 @@ def transition(src: Sequence[Placement], dst: Sequence[Placement], local_src_sha
     return [st if st.op != "all_gather" or st.grad != "none" else replace(st, grad="slice") for st in steps]
 
 
+def global_transition(src: Sequence[Placement], dst: Sequence[Placement], shape: Sequence[int],
+                      mesh_shape: Sequence[int], *, grad_partial: frozenset = frozenset()) -> list[Step] | None:
+    """``transition`` for a tensor of global ``shape``; None also when ``src`` cannot hold it."""
+    from autopar.layout import local_shape
+
+    try:
+        local = local_shape(shape, src, mesh_shape)
+    except Exception:
+        return None
+    return transition(src, dst, local, mesh_shape, grad_partial=grad_partial)
+
+
 def collective_seconds(kind: str, nbytes: float, n: int, bandwidth: float, latency: float) -> float:
-    """Alpha-beta cost on a ring of ``n`` devices (REFERENCES.md)."""
+    """Alpha-beta cost on a ring of ``n`` devices (REFERENCES.md); ``send_recv`` is one point-to-point
+    transfer of ``nbytes`` to a neighbor (at the same time as one from the other neighbor)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
+    if kind == "send_recv":
+        return latency + nbytes / bandwidth
     if kind == "all_reduce":
         return latency + 2.0 * (n - 1) / n * nbytes / bandwidth
     if kind == "all_to_all":

@@ -86,6 +86,15 @@ def _all_reduce(x: torch.Tensor, name: str, *, op: str = "sum") -> torch.Tensor:
     return _ops.wait_tensor(_ops.all_reduce(x.contiguous(), op, name))
 
 
+def _p2p(sends, recvs, name: str) -> list:
+    """Start point-to-point transfers in the group called ``name``: ``sends`` and ``recvs`` are
+    (rank in the group, tensor) pairs, a received tensor being filled in place. Returns the requests,
+    to ``wait()`` before reading what was received."""
+    group = _resolve_process_group(name)
+    reqs = [dist.irecv(t, dist.get_global_rank(group, r), group=group) for r, t in recvs]
+    return reqs + [dist.isend(t.contiguous(), dist.get_global_rank(group, r), group=group) for r, t in sends]
+
+
 def _chunk(x: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
     n = x.size(dim) // size
     return x.narrow(dim, rank * n, n)
@@ -243,16 +252,17 @@ def _checksum(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([bits.sum(), (bits * pos).sum(), torch.tensor(bits.numel(), device=bits.device)])
 
 
-def same_on_all_ranks(tensors, group_name: str) -> bool:
+def same_on_all_ranks(tensors, group_name: str, device: torch.device | None = None) -> bool:
     """True when every tensor in ``tensors`` is bitwise equal on every rank of the group.
 
     A cheap check for replicated weights: one all-reduce of three int64s per tensor. Every rank
-    must pass the same number of tensors, on the device its backend communicates on.
+    must pass the same number of tensors. The checksums are taken where the tensors are and
+    reduced on ``device`` (the one the group's backend communicates on; default: the tensors').
     """
     tensors = list(tensors)
     if not tensors:
         return True
-    sums = torch.cat([_checksum(t) for t in tensors])
+    sums = torch.cat([_checksum(t) for t in tensors]).to(device or tensors[0].device)
     # max(~v) == ~min(v): one MAX all-reduce yields both the maximum and the minimum of each entry.
     both = _ops.wait_tensor(_ops.all_reduce(torch.cat([sums, ~sums]), "max", group_name))
     n = sums.numel()

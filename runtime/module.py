@@ -1,12 +1,13 @@
-"""The module users hold: local parameter shards, the generated local program, and the original
+"""The module users hold: local parameter shards, the rank's finished program, and the original
 call signature.
 
-``build`` runs on every rank with the Plan that autopar.compile got from rank 0: it captures the model,
-generates this rank's local program and cuts this rank's shards out of the full weights. The runtime
-knows nothing of planning.
+``build`` runs on every rank with the Plan and the Program (runtime/program.py) that autopar.compile
+made: it checks the weights and cuts this rank's shards out of them. The runtime knows nothing of
+capture, planning or code generation.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -14,15 +15,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, ShapeMismatchError
 from autopar.layout import global_shape, parse_layout
 from autopar.plan import Plan
+from autopar.runtime.program import Program
 
 log = logging.getLogger("autopar")
-
-
-class ShapeMismatchError(AutoparError):
-    """A call's inputs have other shapes than the ones the plan was made for."""
 
 
 def shard_of(full: torch.Tensor, layout, mesh_shape, coords) -> torch.Tensor:
@@ -36,14 +34,13 @@ def shard_of(full: torch.Tensor, layout, mesh_shape, coords) -> torch.Tensor:
 
 
 class ParallelModule(nn.Module):
-    def __init__(self, program, plan: Plan, captured, mesh, full_params: dict, buffers: dict, constants: dict,
-                 *, sharded_outputs: bool = False):
+    def __init__(self, program: Program, plan: Plan, mesh, full_params: dict, buffers: dict, *,
+                 sharded_outputs: bool = False, aliases: dict | None = None, persistent=None):
         super().__init__()
         self.plan = plan
         self.sharded_outputs = sharded_outputs
         self.mesh = mesh
         self._program = program
-        self._captured = captured
         self._coords = tuple(mesh.get_coordinate())
         self._layouts = {fqn: parse_layout(lay) for fqn, lay in plan.params.items()}
         self._fqn_to_key = {fqn: fqn.replace(".", "__") for fqn in plan.params}
@@ -53,7 +50,11 @@ class ParallelModule(nn.Module):
             self.shards[self._fqn_to_key[fqn]] = nn.Parameter(local.detach().clone(),
                                                               requires_grad=full.requires_grad)
         self._buffers_by_name = buffers
-        self._constants = constants
+        # The model's state-dict keys beyond the plan's parameters: tied names -> the one they share,
+        # and the buffers a state dict holds (torch leaves out non-persistent ones).
+        self._aliases = dict(aliases or {})
+        self._persistent = [b for b in (buffers if persistent is None else persistent) if b in buffers]
+        self._constants = program.constants
         self._materialized = False
         self.local_program = program.gm       # registered as a submodule: its attributes move with .to()
 
@@ -70,7 +71,7 @@ class ParallelModule(nn.Module):
     @property
     def kernels(self) -> dict:
         """Triton source by kernel name, for every kernel the program calls (empty with ATen kernels)."""
-        return dict(self.local_program.meta.get("autopar_kernels", {}))
+        return dict(self._program.kernels)
 
     def local_parameter(self, fqn: str) -> nn.Parameter:
         return self.shards[self._fqn_to_key[fqn]]
@@ -82,7 +83,7 @@ class ParallelModule(nn.Module):
         outs = pytree.tree_leaves(self.local_program(*self._local_args(flat)))
         if self.sharded_outputs:
             outs = self._as_dtensors(outs)
-        return pytree.tree_unflatten(outs, self._captured.out_spec)
+        return pytree.tree_unflatten(outs, self._program.out_spec)
 
     def _local_args(self, flat) -> list:
         """This rank's arguments of the local program, from the flattened call arguments."""
@@ -118,12 +119,12 @@ class ParallelModule(nn.Module):
         return wrapped
 
     def _check_inputs(self, flat, spec):
-        planned = self._captured.input_shapes
+        planned = self._program.input_shapes
         got = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in flat)
-        if spec != self._captured.in_spec or got != tuple(planned):
+        if spec != self._program.in_spec or got != tuple(planned):
             raise ShapeMismatchError(
                 f"inputs have shapes {list(got)} but the plan was made for {list(planned)} "
-                f"(argument structure {'matches' if spec == self._captured.in_spec else 'differs'}). "
+                f"(argument structure {'matches' if spec == self._program.in_spec else 'differs'}). "
                 f"A plan fixes every shape: call autopar.compile again with example inputs of the new shape, "
                 f"or pad batches to the planned shape.")
 
@@ -147,8 +148,9 @@ class ParallelModule(nn.Module):
 
     # --- state ---------------------------------------------------------------------------------
     def state_dict(self, *args, **kwargs):
-        """Parameter FQN -> DTensor with the plan's placements (for torch.distributed.checkpoint)."""
-        from torch.distributed.tensor import DTensor
+        """Parameter FQN -> DTensor with the plan's placements, and each persistent buffer as a
+        replicated DTensor: what torch.distributed.checkpoint saves and loads under any plan."""
+        from torch.distributed.tensor import DTensor, Replicate
 
         out = {}
         for fqn, lay in self._layouts.items():
@@ -156,28 +158,53 @@ class ParallelModule(nn.Module):
             out[fqn] = DTensor.from_local(local.detach(), self.mesh, [p.to_dtensor() for p in lay],
                                           run_check=False, shape=self._full_shape(fqn),
                                           stride=_contiguous_stride(self._full_shape(fqn)))
+        for name in self._persistent:
+            out[name] = DTensor.from_local(self._buffers_by_name[name].detach(), self.mesh,
+                                           [Replicate()] * self.mesh.ndim, run_check=False)
         return out
 
     def _full_shape(self, fqn):
         return torch.Size(global_shape(self.local_parameter(fqn).shape, self._layouts[fqn], self.plan.mesh_shape))
 
+    @property
+    def aliases(self) -> dict:
+        """State-dict names of tied parameters -> the planned name whose tensor they share."""
+        return dict(self._aliases)
+
     def full_state_dict(self) -> dict:
-        """Parameter FQN -> full plain tensor, equal on every rank; loads into the original model."""
-        return {fqn: t.full_tensor() for fqn, t in self.state_dict().items()}
+        """The original model's state dict as full plain tensors, equal on every rank: every parameter
+        under each of its names (tied ones too) and the persistent buffers, so that
+        ``model.load_state_dict(pmodel.full_state_dict())`` is strict."""
+        full = {fqn: t.full_tensor() for fqn, t in self.state_dict().items()}
+        for name, canonical in self._aliases.items():
+            full[name] = full[canonical]
+        return full
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load a full or DTensor state dict of any plan: parameters (under any of their tied names)
+        and buffers, non-persistent ones included (a model built on the meta device needs them)."""
         from torch.distributed.tensor import DTensor
 
-        missing = [f for f in self._layouts if f not in state_dict]
-        unexpected = [k for k in state_dict if k not in self._layouts and k not in self._buffers_by_name]
+        values = {}
+        for key, value in state_dict.items():
+            fqn = self._aliases.get(key, key)
+            if fqn in self._layouts and (fqn not in values or key == fqn):
+                values[fqn] = value
+        missing = [f for f in self._layouts if f not in values] + \
+                  [b for b in self._persistent if b not in state_dict]
+        unexpected = [k for k in state_dict if self._aliases.get(k, k) not in self._layouts
+                      and k not in self._buffers_by_name]
         if strict and (missing or unexpected):
             raise KeyError(f"load_state_dict: missing {missing[:5]}, unexpected {unexpected[:5]}")
         with torch.no_grad():
-            for fqn, value in state_dict.items():
-                if fqn in self._buffers_by_name:
-                    self._buffers_by_name[fqn] = value.detach().clone()     # buffers run replicated
-                if fqn not in self._layouts:
-                    continue
+            for name, value in state_dict.items():
+                if name in self._buffers_by_name:       # buffers run replicated
+                    if isinstance(value, DTensor):
+                        value = value.full_tensor()
+                    old = self._buffers_by_name[name]
+                    self._buffers_by_name[name] = value.detach().to(old.device if not old.is_meta
+                                                                    else value.device).clone()
+            for fqn, value in values.items():
                 if isinstance(value, DTensor):
                     value = value.full_tensor()
                 local = shard_of(value, self._layouts[fqn], self.plan.mesh_shape, self._coords)
@@ -221,37 +248,55 @@ def device_type() -> str:
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
-def build(model, plan: Plan, example_inputs=(), example_kwargs=None, *, check_weights=True,
-          sharded_outputs=False, kernels: str = "aten") -> ParallelModule:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from autopar.codegen.local_program import generate
-    from autopar.codegen.triton import fuse_pass, resolve_backend
-    from autopar.passes.capture import capture
-    from autopar.passes.layers import layers_pass
-    from autopar.passes.normalize import normalize_pass
+def build(model, program: Program, plan: Plan, mesh, *, check_weights=True,
+          sharded_outputs=False) -> ParallelModule:
+    """This rank's ParallelModule: ``program`` on this rank's shards of ``model``'s weights."""
     from autopar.runtime.collectives import same_on_all_ranks
 
-    kind = device_type()
-    kernels = resolve_backend(kernels, kind)
-    mesh = init_device_mesh(kind, plan.mesh_shape, mesh_dim_names=plan.axis_names)
-    captured = capture(model, example_inputs, example_kwargs)
-    gm = layers_pass(normalize_pass(captured.gm))     # layer tags: which nodes a recomputed layer holds
-    groups = [mesh.get_group(a).group_name for a in plan.axis_names]
-    device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
-    program = generate(gm, plan, groups, device, sharded_outputs=sharded_outputs)
+    device = rank_device()
     params = dict(model.named_parameters())
     on_meta = any(p.is_meta for p in params.values())
     if check_weights and not on_meta:
         world = dist.group.WORLD.group_name
-        if not same_on_all_ranks([p.detach() for p in params.values()], world):
+        if not same_on_all_ranks([p.detach() for p in params.values()], world, device):
             raise AutoparError("the model's weights differ between ranks; seed every rank the same "
                                "(torch.manual_seed) before building the model, or load one checkpoint on all")
     full = {fqn: (p if p.is_meta else p.to(device)) for fqn, p in params.items() if fqn in plan.params}
-    buffers = {name: b for name, b in model.named_buffers()}
-    constants = {k: v for k, v in captured.constant_values.items()}
-    pm = ParallelModule(program, plan, captured, mesh, full, buffers, constants, sharded_outputs=sharded_outputs)
-    if kernels == "triton":
-        local_args = pm._local_args(pytree.tree_leaves((tuple(example_inputs), dict(example_kwargs or {}))))
-        fuse_pass(program.gm, backend=kernels, example_inputs=local_args)
-    return pm
+    # Buffers (rotary frequencies, position ids) and lifted constants run on the program's device too.
+    buffers = {name: (b if b.is_meta else b.to(device)) for name, b in model.named_buffers()}
+    constants = {k: (v.to(device) if isinstance(v, torch.Tensor) and not v.is_meta else v)
+                 for k, v in program.constants.items()}
+    program = dataclasses.replace(program, constants=constants)
+    aliases, persistent = state_dict_names(model, plan.params, buffers)
+    if plan.pipeline:
+        from autopar.runtime.pipeline import PipelineParallelModule
+
+        return PipelineParallelModule(program, plan, mesh, full, buffers, sharded_outputs=sharded_outputs,
+                                      aliases=aliases, persistent=persistent)
+    return ParallelModule(program, plan, mesh, full, buffers, sharded_outputs=sharded_outputs, aliases=aliases,
+                          persistent=persistent)
+
+
+def state_dict_names(model, planned: dict, buffers: dict):
+    """The model's state-dict keys that are not planned parameters: tied names -> the planned name they
+    share a tensor with, and the persistent buffers."""
+    canonical = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        if fqn in planned:
+            canonical[id(p)] = fqn
+    aliases = {fqn: canonical[id(p)] for fqn, p in model.named_parameters(remove_duplicate=False)
+               if fqn not in planned and id(p) in canonical}
+    keys = model.state_dict(keep_vars=True).keys()
+    return aliases, [k for k in keys if k in buffers]
+
+
+def init_mesh(plan: Plan):
+    """The DeviceMesh of ``plan`` on the initialized process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type(), plan.mesh_shape, mesh_dim_names=plan.axis_names)
+
+
+def rank_device() -> torch.device:
+    kind = device_type()
+    return torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")

@@ -56,12 +56,13 @@ def _ce_bwd(
 
 
 def _block(v: int) -> int:
-    # Small blocks under the interpreter make small test vocabularies span several blocks.
-    return min(triton.next_power_of_2(v), 64 if interpreting() else 4096)
+    # Small blocks under the interpreter make small test vocabularies span several blocks. On a GPU,
+    # 16384 with 8 warps was the fastest of `python bench/kernels.py --tune-memory` (H100, V=128256).
+    return min(triton.next_power_of_2(v), 64 if interpreting() else 16384)
 
 
 def _warps(block: int) -> int:
-    return min(max(block // 256, 1), 16)
+    return min(max(block // 256, 1), 8)
 
 
 def _group(group):

@@ -80,8 +80,13 @@ def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _warps(block: int) -> int:
-    return min(max(block // 256, 1), 8)
+def _launch(block: int, backward: bool) -> dict:
+    """num_warps and num_stages of the forward or backward kernel for rows of `block` elements."""
+    return dict(num_warps=min(max(block // 256, 1), 8), num_stages=1)
+
+
+# Backward programs per SM: each keeps fp32 partial weight and bias gradients of one row's width.
+_BWD_PROGRAMS_PER_SM = 4
 
 
 class _Norm(torch.autograd.Function):
@@ -101,7 +106,7 @@ class _Norm(torch.autograd.Function):
             x2, x2 if weight is None else weight, x2 if bias is None else bias, y, mean, rstd,
             x2.stride(0), y.stride(0), n, eps,
             BLOCK=block, RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None,
-            num_warps=_warps(block),
+            **_launch(block, backward=False),
         )
         ctx.save_for_backward(x2, weight, bias, mean, rstd)
         ctx.rms = rms
@@ -113,7 +118,7 @@ class _Norm(torch.autograd.Function):
         m, n = x2.shape
         dy2 = _rows(dy, n)
         dx = torch.empty_like(x2)
-        programs = persistent_programs(x2.device, m)
+        programs = persistent_programs(x2.device, m, per_sm=_BWD_PROGRAMS_PER_SM)
         dw = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
         db = torch.empty_like(dw) if bias is not None else dw
         block = triton.next_power_of_2(n)
@@ -121,7 +126,7 @@ class _Norm(torch.autograd.Function):
             x2, x2 if weight is None else weight, dy2, dx, mean, rstd, dw, db, m, n,
             x2.stride(0), dy2.stride(0), dx.stride(0),
             BLOCK=block, RMS=ctx.rms, HAS_W=weight is not None, HAS_B=bias is not None,
-            num_warps=_warps(block),
+            **_launch(block, backward=True),
         )
         dweight = dw.sum(0).to(weight.dtype) if weight is not None else None
         dbias = db.sum(0).to(bias.dtype) if bias is not None else None

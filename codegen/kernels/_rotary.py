@@ -42,12 +42,16 @@ def _rotary(
     tl.store(y + HALF * sy_d, y2.to(Y.dtype.element_ty), mask=ok)
 
 
+def _block_s(half: int) -> int:
+    # Under the interpreter, small row blocks make small test sequences span several blocks.
+    return 4 if interpreting() else max(1, min(64, 4096 // half))
+
+
 def _apply(x, cos, sin, backward):
     B, H, S, D = x.shape
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     half = triton.next_power_of_2(D // 2)
-    # Under the interpreter, small row blocks make small test sequences span several blocks.
-    block_s = 4 if interpreting() else max(1, min(64, 4096 // half))
+    block_s = _block_s(half)
     _rotary[(triton.cdiv(S, block_s), B * H)](
         x, cos, sin, y, *x.stride(), *cos.stride(), *sin.stride(), *y.stride(),
         H, S, D // 2, BLOCK_S=block_s, BLOCK_HALF=half, BACKWARD=backward,

@@ -37,11 +37,11 @@ if interpreting():
     _squeeze_interpreter_index()
 
 
-def persistent_programs(device: torch.device, work: int) -> int:
+def persistent_programs(device: torch.device, work: int, per_sm: int = 4) -> int:
     """Programs for a grid that loops over `work` items: a few per SM fill a GPU, and every
     program writes one partial row of a reduction, so more would only grow that buffer."""
     if device.type == "cuda" and not interpreting():
-        return max(1, min(work, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
+        return max(1, min(work, per_sm * torch.cuda.get_device_properties(device).multi_processor_count))
     return max(1, min(work, 4))
 
 

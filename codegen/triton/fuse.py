@@ -1,6 +1,6 @@
 """The fusion pass on a rank's local program.
 
-1. Norms and the loss become calls into the kernel library (``autopar.codegen.kernels``).
+1. Norms, the loss and ring attention become calls into the kernel library (``autopar.codegen.kernels``).
 2. Pointwise ops are grouped into regions, walking the graph in order and joining each op to the
    regions of its producers when the result is still one kernel:
    - a pointwise region: every op has the same shape (inputs may broadcast to it);
@@ -26,6 +26,7 @@ from autopar.codegen.graph_order import stable_toposort
 from autopar.codegen.triton.kernel import kernel_for
 from autopar.codegen.triton.ops import FLOAT_DTYPES, ROW_KINDS, Lowered, lower
 from autopar.codegen.triton.source import Input, Op, Output, RegionSpec
+from autopar.passes.meta import program_meta, set_meta, set_program_meta
 
 log = logging.getLogger("autopar")
 aten = torch.ops.aten
@@ -33,18 +34,19 @@ aten = torch.ops.aten
 MAX_ROW = 65536     # a row kernel holds one row in registers; longer rows stay ATen
 
 
-def fuse_pass(gm: fx.GraphModule, *, backend: str = "triton", example_inputs=None) -> fx.GraphModule:
+def fuse_pass(gm: fx.GraphModule, *, backend: str = "triton", example_inputs=None, device=None) -> fx.GraphModule:
     """Replace fusible regions of ``gm`` by Triton kernels (``backend="triton"``; ``"aten"`` leaves
-    ``gm`` as it is). Nodes need ``meta["val"]``; give ``example_inputs`` (one per placeholder, real or
-    fake) to have it recorded first. The generated sources are in ``gm.meta["autopar_kernels"]``."""
+    ``gm`` as it is). Nodes need ``meta["val"]``; give ``example_inputs`` (one per placeholder, real,
+    fake or meta; meta ones stand for tensors on ``device``) to have it recorded first. The generated
+    sources are in ``passes.meta.program_meta(gm).kernels``."""
     if backend == "aten":
         return gm
     if backend != "triton":
         raise ValueError(f"fuse_pass: backend must be 'triton' or 'aten', got {backend!r}")
     if example_inputs is not None:
-        record_meta(gm, example_inputs)
+        record_meta(gm, example_inputs, device=device)
     graph = gm.graph
-    sources = gm.meta.setdefault("autopar_kernels", {})
+    sources = dict(program_meta(gm).kernels)
     for node in list(graph.nodes):
         call = _library_call(node)
         if call is not None:
@@ -60,6 +62,7 @@ def fuse_pass(gm: fx.GraphModule, *, backend: str = "triton", example_inputs=Non
         sources[kernel.name] = kernel.source.text
         _replace(graph, region.nodes, outputs, kernel.fn, inputs)
         fused += 1
+    set_program_meta(gm, kernels=tuple(sources.items()))
     stable_toposort(graph)
     graph.lint()
     gm.recompile()
@@ -70,14 +73,15 @@ def fuse_pass(gm: fx.GraphModule, *, backend: str = "triton", example_inputs=Non
     return gm
 
 
-def record_meta(gm: fx.GraphModule, example_inputs) -> None:
+def record_meta(gm: fx.GraphModule, example_inputs, *, device=None) -> None:
     """Run ``gm`` on fake copies of ``example_inputs`` and keep every node's value in ``meta["val"]``.
-    Meta tensors become fake tensors on the device of the other inputs."""
+    Meta tensors become fake tensors on ``device`` (default: the device of the other inputs)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
-    device = next((x.device for x in tensors if not x.is_meta), torch.device("cpu"))
+    if device is None:
+        device = next((x.device for x in tensors if not x.is_meta), torch.device("cpu"))
 
     def fake(x):
         if not isinstance(x, torch.Tensor):
@@ -109,8 +113,10 @@ def _arg(node, i, name, default):
 
 
 def _library_call(node):
-    """(kernel function, its arguments, library module) for a norm or a loss the library covers."""
+    """(kernel function, its arguments, library module) for a norm, a loss or ring attention the
+    library covers."""
     from autopar.codegen import kernels
+    from autopar.runtime.context_parallel import ring_attention
     from autopar.runtime.sharded_ops import vocab_parallel_cross_entropy
 
     if node.op != "call_function":
@@ -137,6 +143,8 @@ def _library_call(node):
             return None
         args = (node.args[0], node.args[1], _arg(node, 4, "ignore_index", -100), "none" if reduction == 0 else "sum")
         return kernels.cross_entropy, args, "_cross_entropy"
+    if t is ring_attention:
+        return kernels.ring_attention, tuple(node.args), "_attention"
     if t is vocab_parallel_cross_entropy:
         logits, target, ignore_index, reduction, group = node.args
         args = (logits, target, group, ignore_index, ("none", "mean", "sum")[reduction])
@@ -286,7 +294,7 @@ def _replace(graph: fx.Graph, nodes: list, outputs: list, fn, args) -> None:
     members = set(nodes)
     with graph.inserting_after(nodes[-1]):
         call = graph.call_function(fn, tuple(args))
-    call.meta["autopar_fused"] = tuple(n.name for n in nodes)
+    set_meta(call, fused=tuple(n.name for n in nodes))
     if len(outputs) == 1:
         call.meta["val"] = outputs[0].meta.get("val")
         outputs[0].replace_all_uses_with(call, delete_user_cb=lambda u: u not in members)

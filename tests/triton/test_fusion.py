@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
-from autopar.codegen.triton import fuse_pass, resolve_backend
+from autopar.codegen.triton import fuse_pass, resolve_kernels
 from autopar.codegen.triton.kernel import cache_stats
+from autopar.passes.meta import program_meta
 from autopar.errors import AutoparError
 
 aten = torch.ops.aten
@@ -227,7 +228,7 @@ def test_kernel_cache_hits_on_a_repeated_region():
     misses = cache_stats["misses"]
     fuse_pass(gm, backend="triton", example_inputs=p.inputs)
     targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
-    assert len(targets) == 1 and len(gm.meta["autopar_kernels"]) == 1, gm.code
+    assert len(targets) == 1 and len(program_meta(gm).kernels) == 1, gm.code
     assert cache_stats["misses"] - misses <= 1
 
     hits, misses = cache_stats["hits"], cache_stats["misses"]
@@ -240,21 +241,21 @@ def test_kernel_cache_hits_on_a_repeated_region():
 def test_generated_source_is_readable():
     p, gm = _gelu_twice()
     fuse_pass(gm, backend="triton", example_inputs=p.inputs)
-    (name, src), = gm.meta["autopar_kernels"].items()
+    (name, src), = program_meta(gm).kernels
     assert f"def {name}_fwd(" in src and f"def {name}_bwd(" in src and "@triton.jit" in src
     assert "<- aten.sigmoid.default" in src and "<- aten.mul.Tensor" in src     # the header lists the ATen ops
 
 
 def test_backend_choice(monkeypatch):
-    assert resolve_backend("auto", "cpu") == "aten"
-    assert resolve_backend("aten", "cuda") == "aten"
+    assert resolve_kernels("auto", "cpu") == "aten"
+    assert resolve_kernels("aten", "cuda") == "aten"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert resolve_backend("triton", "cpu") == "triton"
+    assert resolve_kernels("triton", "cpu") == "triton"
     with pytest.raises(AutoparError, match="kernels must be one of"):
-        resolve_backend("inductor", "cpu")
+        resolve_kernels("inductor", "cpu")
 
 
 def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(AutoparError, match=r"TRITON_INTERPRET=1.*kernels='aten'"):
-        resolve_backend("triton", "cpu")
+        resolve_kernels("triton", "cpu")

@@ -1,4 +1,5 @@
-"""Which reshardings a chosen assignment implies, deduplicated the way codegen emits them.
+"""The resharding plan of a chosen assignment (``plan_reshards``): which steps bring every value to
+the layout each consumer reads, deduplicated the way codegen emits them. It plans; codegen lowers.
 
 A value read in the same layout, with the same gradient reductions, by several consumers is
 resharded once and shared. Planning reports the collectives from this, and codegen emits exactly
@@ -12,9 +13,9 @@ import torch
 import torch.fx as fx
 
 from autopar.layout import R
-from autopar.passes.costs import CostModel
 from autopar.passes.meta import op_name
-from autopar.passes.strategies import Strategy, Value, input_values, requires_grad
+from autopar.passes.resharding import global_transition
+from autopar.passes.strategies import Strategy, Value, input_values, requires_grad, value_info
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class ReshardKey:
 
 
 @dataclass
-class Lowered:
+class ReshardPlan:
     strategy: dict                                   # node -> Strategy
     reshards: dict = field(default_factory=dict)     # ReshardKey -> list[Step]
     first_consumer: dict = field(default_factory=dict)  # ReshardKey -> consumer node name
@@ -39,13 +40,14 @@ def gathered_output(node: fx.Node, sharded_outputs: bool) -> bool:
     return not sharded_outputs or node.meta["val"].dim() == 0
 
 
-def lower(gm: fx.GraphModule, strategy: dict, cm: CostModel, sharded_outputs: bool = False) -> Lowered:
-    low = Lowered(strategy)
+def plan_reshards(gm: fx.GraphModule, strategy: dict, mesh_shape, sharded_outputs: bool = False) -> ReshardPlan:
+    mesh_shape = tuple(mesh_shape)
+    low = ReshardPlan(strategy)
     for node in gm.graph.nodes:
         if node.op == "call_function":
             s = strategy[node]
             for k, v in enumerate(input_values(node)):
-                key = _reshard(low, cm, v, s.inputs[k], s, node)
+                key = _reshard(low, mesh_shape, v, s.inputs[k], s, node)
                 if key is not None:
                     low.uses[(node, k)] = key
         elif node.op == "output":
@@ -55,21 +57,21 @@ def lower(gm: fx.GraphModule, strategy: dict, cm: CostModel, sharded_outputs: bo
                     if not gathered_output(a, sharded_outputs):
                         low.output_uses.append(None)
                         continue
-                    rep = tuple(R for _ in cm.mesh_shape)
-                    low.output_uses.append(_reshard(low, cm, Value(a), rep, None, node))
+                    rep = tuple(R for _ in mesh_shape)
+                    low.output_uses.append(_reshard(low, mesh_shape, Value(a), rep, None, node))
                 else:
                     low.output_uses.append(None)
     return low
 
 
-def _reshard(low: Lowered, cm: CostModel, v: Value, dst, s: Strategy | None, consumer: fx.Node):
+def _reshard(low: ReshardPlan, mesh_shape, v: Value, dst, s: Strategy | None, consumer: fx.Node):
     src = low.strategy[v.node].outputs[v.index]
     partial = frozenset()
     if s is not None and requires_grad(v.node):
         partial = frozenset(a for a, p in enumerate(dst) if p.is_replicate and s.splits_work[a])
     key = ReshardKey(v, tuple(dst), partial)
     if key not in low.reshards:
-        steps = cm.resharding(v, src, consumer, s, 0, dst_layout=dst)
+        steps = global_transition(tuple(src), tuple(dst), value_info(v).shape, mesh_shape, grad_partial=partial)
         if steps is None:
             raise AssertionError(f"plan reads {v.node.name} as {list(map(str, dst))} but it is produced as "
                                  f"{list(map(str, src))}: no resharding makes a Partial")
@@ -78,9 +80,9 @@ def _reshard(low: Lowered, cm: CostModel, v: Value, dst, s: Strategy | None, con
     return key if low.reshards[key] else None
 
 
-def collectives(low: Lowered, cm: CostModel, axis_names) -> list[dict]:
+def collectives(low: ReshardPlan, cm, axis_names) -> list[dict]:
+    """The plan's collectives under ``low``, priced by ``cm`` (a passes.costs.CostModel)."""
     from autopar.passes.resharding import collective_seconds
-    from autopar.passes.strategies import value_info
 
     out = []
     for key, steps in low.reshards.items():

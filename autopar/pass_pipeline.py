@@ -1,0 +1,100 @@
+"""The compiler's pipeline, stage by stage. Every pass runs through one ``PassRunner``
+(passes/runner.py), which logs, times, lints, skips and checks them; ``PASS_NAMES`` lists them all in
+order, which is how ``skip_passes`` and ``insert_passes`` name them.
+
+1. front end, on every rank: ``capture`` (torch.export), then ``FRONT_END``;
+2. analysis, where planning runs: ``analysis_passes``;
+3. per candidate mesh: ``mesh_passes``, then costs and the solver (autopar/planner.py);
+4. codegen, on every rank, from the Plan: ``codegen_passes``; the result is the runtime's Program.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch.fx as fx
+
+from autopar.codegen.local_program import example_local_inputs, local_program_pass, retarget_devices_pass
+from autopar.codegen.recompute import recompute_pass
+from autopar.codegen.stages import loss_output, split_stages
+from autopar.codegen.triton import fuse_pass
+from autopar.passes.capture import CapturedProgram, capture
+from autopar.passes.costs import count_saving_consumers_pass
+from autopar.passes.layers import layers_pass
+from autopar.passes.memory import saved_activations_pass
+from autopar.passes.meta import program_meta
+from autopar.passes.normalize import normalize_pass
+from autopar.passes.runner import PassRunner, pass_name
+from autopar.passes.strategies import mark_requires_grad_pass, strategies_pass
+from autopar.errors import AutoparError
+from autopar.plan import Plan
+from autopar.runtime.program import Program
+
+FRONT_END = (normalize_pass, layers_pass, mark_requires_grad_pass)
+
+
+def analysis_passes(device_type: str) -> tuple:
+    return (partial(saved_activations_pass, target_device=device_type), count_saving_consumers_pass)
+
+
+def mesh_passes(mesh_shape) -> tuple:
+    return (partial(strategies_pass, mesh_shape=tuple(mesh_shape)),)
+
+
+def codegen_passes(plan: Plan, front: "FrontEnd", group_names, device, *, sharded_outputs: bool,
+                   kernels: str) -> tuple:
+    recompute = plan.recompute["layers"]
+    return (partial(local_program_pass, plan=plan, group_names=group_names, sharded_outputs=sharded_outputs),
+            *((partial(recompute_pass, layers=tuple(recompute)),) if recompute else ()),
+            partial(retarget_devices_pass, device=device),
+            partial(fuse_pass, backend=kernels, device=device,
+                    example_inputs=example_local_inputs(front.gm, plan) if kernels == "triton" else None))
+
+
+PASS_NAMES = tuple(pass_name(p) for p in (*FRONT_END, *analysis_passes("cpu"), *mesh_passes(()),
+                                           local_program_pass, recompute_pass, retarget_devices_pass, fuse_pass))
+
+
+@dataclass
+class FrontEnd:
+    captured: CapturedProgram
+    gm: fx.GraphModule            # the captured graph after the front-end passes
+    runner: PassRunner
+
+
+def new_runner(skip_passes=(), insert_passes=(), debug_dir=None) -> PassRunner:
+    kwargs = {} if debug_dir is None else {"debug_dir": debug_dir}
+    runner = PassRunner(frozenset(skip_passes), tuple(insert_passes), **kwargs)
+    runner.check_names(PASS_NAMES)
+    return runner
+
+
+def front_end(model, example_inputs, example_kwargs, runner: PassRunner) -> FrontEnd:
+    """Capture ``model`` and run the passes that depend only on the model."""
+    captured = capture(model, example_inputs, example_kwargs)
+    runner.dump(captured.gm, "capture")
+    gm = runner.run(FRONT_END, captured.gm, "front end")
+    return FrontEnd(captured, gm, runner)
+
+
+def generate(front: FrontEnd, plan: Plan, group_names, device, *, sharded_outputs: bool,
+             kernels: str) -> Program:
+    """Run codegen on the front end's graph: the finished program of this rank."""
+    stages = ()
+    if plan.pipeline:
+        if kernels == "triton":
+            raise AutoparError("pipeline plans run ATen kernels for now; compile with kernels='aten'")
+        if plan.recompute["layers"]:
+            raise AutoparError("pipeline plans do not recompute activations yet; plan with recompute=False")
+        passes = (partial(local_program_pass, plan=plan, group_names=group_names, sharded_outputs=sharded_outputs),
+                  partial(retarget_devices_pass, device=device))
+        gm = front.runner.run(passes, front.gm, "codegen")
+        stage_of_layer = {inst: st["index"] for st in plan.pipeline["stages"] for inst in st["layers"]}
+        stages = split_stages(gm, stage_of_layer, len(plan.pipeline["stages"]), loss_output(front.gm))
+    else:
+        gm = front.runner.run(codegen_passes(plan, front, group_names, device, sharded_outputs=sharded_outputs,
+                                             kernels=kernels), front.gm, "codegen")
+    info = program_meta(gm)
+    cap = front.captured
+    return Program(gm, info.placeholders, info.output_layouts, cap.in_spec, cap.out_spec, cap.input_shapes,
+                   dict(cap.constant_values), dict(info.kernels), stages)

@@ -1,0 +1,257 @@
+"""Pipeline planning: stages, microbatches and the schedule (docs/pipeline.md).
+
+A pipeline plan has a mesh axis named ``pp``. Every layout is replicated along it; each of its ranks
+holds some stages of the model instead. The search, per candidate (mesh, microbatch count):
+
+1. capture the model at the microbatch's shapes and solve the layouts on the mesh's other axes (the
+   pipeline axis at size 1) with the usual ILP: every instance of a repeated layer shares one solve;
+2. price each layer instance (seconds and activation bytes per microbatch, parameter bytes) from that
+   solution; the nodes before the first layer (embedding) go to the first stage, those after the last
+   (final norm, head, loss) to the last;
+3. per schedule: cut the layers into ``pp * v`` contiguous stages by dynamic programming, minimizing the
+   slowest rank's time under each rank's memory budget with the schedule's in-flight microbatches;
+4. predict the step: ``m * T + bubble * m * T`` plus the slowest rank's optimizer step, ``T`` the slowest
+   rank's seconds per microbatch (forward, backward, its collectives and the stage-to-stage transfers).
+
+The schedule formulas follow Narayanan et al. 2021 and Korthikanti et al. 2022 (../shared/REFERENCES.md);
+zero-bubble schedules follow Qi et al. 2023.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils import _pytree as pytree
+
+from autopar.errors import AutoparError, InfeasiblePlanError
+from autopar.plan import PIPELINE_SCHEDULES
+
+SCHEDULES = PIPELINE_SCHEDULES
+VIRTUAL = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "InterleavedZeroBubble": 2, "ZBVZeroBubble": 2}
+
+
+def bubble_fraction(schedule: str, p: int, m: int, v: int | None = None) -> float:
+    """Idle time of the pipeline as a fraction of the ideal (bubble-free) compute time ``m * T``.
+
+    GPipe and 1F1B: ``(p-1)/m``; interleaved with ``v`` chunks per rank: ``(p-1)/(v*m)`` (Narayanan et
+    al.). Zero-bubble schedules fill about two thirds of the interleaved bubble with weight-gradient
+    passes (ZB-H1 keeps "about a third of its bubble", Qi et al.)."""
+    v = VIRTUAL[schedule] if v is None else v
+    if schedule in ("GPipe", "1F1B"):
+        return (p - 1) / m
+    if schedule == "Interleaved1F1B":
+        return (p - 1) / (v * m)
+    if schedule in ("InterleavedZeroBubble", "ZBVZeroBubble"):
+        return (p - 1) / (3 * v * m)
+    raise AutoparError(f"unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}")
+
+
+def in_flight(schedule: str, p: int, m: int, rank: int = 0) -> float:
+    """How many microbatches' activations (of all the layers the rank holds) rank ``rank`` of the
+    pipeline axis keeps at its peak. GPipe: all ``m``. 1F1B: ``p - rank`` (the first stage ``p``).
+    Interleaved: 1F1B's times ``1 + (p-1)/(p*m)`` (Korthikanti et al.). ZB-H1 (interleaved zero
+    bubble) keeps the interleaved schedule's memory; ZB-V keeps ``p`` on every rank (its V-shaped
+    placement evens the stages out)."""
+    if schedule == "GPipe":
+        return float(m)
+    if schedule == "1F1B":
+        return float(min(m, p - rank))
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        return min(m, p - rank) * (1 + (p - 1) / (p * m))
+    if schedule == "ZBVZeroBubble":
+        return float(min(m, p))
+    raise AutoparError(f"unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}")
+
+
+def rank_of_stage(schedule: str, stage: int, p: int) -> int:
+    """Which rank of the pipeline axis runs ``stage``: round robin (looped), or V-shaped for ZB-V
+    (stages ``i`` and ``2p-1-i`` on rank ``i``)."""
+    if schedule == "ZBVZeroBubble":
+        return stage if stage < p else 2 * p - 1 - stage
+    return stage % p
+
+
+def microbatch_inputs(example_inputs, example_kwargs, m: int):
+    """The first of ``m`` equal microbatches of the example inputs (every tensor split along dim 0)."""
+    args, kwargs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,), \
+        dict(example_kwargs or {})
+
+    def first(x):
+        if x.dim() == 0 or x.shape[0] % m:
+            raise AutoparError(f"an input of shape {tuple(x.shape)} cannot be split into {m} microbatches along "
+                               f"dim 0: pick a microbatch count that divides the batch "
+                               f"({x.shape[0] if x.dim() else 'a scalar'}), or pass microbatches=...")
+        return x[: x.shape[0] // m]
+
+    return pytree.tree_map_only(torch.Tensor, first, (args, kwargs))
+
+
+def batch_size(example_inputs, example_kwargs) -> int:
+    leaves = [x for x in pytree.tree_leaves((example_inputs, example_kwargs)) if isinstance(x, torch.Tensor)]
+    if not leaves or leaves[0].dim() == 0:
+        raise AutoparError("a pipeline plan splits the batch into microbatches along dim 0 of the inputs, but "
+                           "the example inputs have no batch dimension")
+    return int(leaves[0].shape[0])
+
+
+def balance(costs: list[float], pre: float, post: float, n: int) -> list[int]:
+    """Cut ``len(costs)`` layers into ``n`` contiguous, non-empty stages minimizing the largest stage
+    cost (``pre`` is added to the first stage, ``post`` to the last); returns the first layer of each
+    stage. Infinite costs mark cuts that do not fit."""
+    L = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    INF = math.inf
+    # best[k][j]: the smallest max cost of the first j layers in k stages; cut[k][j]: where stage k starts.
+    best = [[INF] * (L + 1) for _ in range(n + 1)]
+    cut = [[0] * (L + 1) for _ in range(n + 1)]
+    best[0][0] = 0.0
+    for k in range(1, n + 1):
+        for j in range(k, L - (n - k) + 1):
+            for i in range(k - 1, j):
+                c = prefix[j] - prefix[i] + (pre if k == 1 else 0.0) + (post if k == n else 0.0)
+                v = max(best[k - 1][i], c)
+                if v < best[k][j]:
+                    best[k][j], cut[k][j] = v, i
+    starts, j = [], L
+    for k in range(n, 0, -1):
+        starts.append(cut[k][j])
+        j = cut[k][j]
+    return starts[::-1]
+
+
+class LayerCosts:
+    """Per-microbatch figures of the solved microbatch program, per layer instance and for the nodes
+    before (``pre``) and after (``post``) the layers."""
+
+    def __init__(self, gm, sub_plan, boundary_bytes: dict):
+        from autopar.passes.meta import meta_of
+
+        self.layers: list[str] = []
+        self.compute, self.comm, self.activations = {}, {}, {}
+        comm_of_node: dict = {}
+        for c in sub_plan.collectives:
+            per = comm_of_node.setdefault(c["node"], {})
+            per[c["axis"]] = per.get(c["axis"], 0.0) + c["seconds"]
+        first_layer_seen = False
+        region_of_node = {}
+        for entry in sub_plan.nodes:
+            inst = entry["layer"]
+            if inst is not None:
+                if inst not in self.compute:
+                    self.layers.append(inst)
+                first_layer_seen = True
+                key = inst
+            else:
+                key = "post" if first_layer_seen else "pre"
+            region_of_node[entry["name"]] = key
+            self.compute[key] = self.compute.get(key, 0.0) + entry["compute_seconds"]
+            comm = self.comm.setdefault(key, {})
+            for a, t in comm_of_node.get(entry["name"], {}).items():
+                comm[a] = comm.get(a, 0.0) + t
+            self.activations[key] = self.activations.get(key, 0.0) + entry["activation_bytes"]
+        self.boundary = boundary_bytes
+        # Parameter bytes (weights, gradients, optimizer states) per region; a parameter read in several
+        # regions (tied embeddings) is held by each.
+        by_param = sub_plan.memory["by_param"]
+        self.param_bytes: dict = {}
+        self.param_regions: dict = {}
+        for n in gm.graph.nodes:
+            role = meta_of(n).role if n.op == "placeholder" else None
+            if role is None or role.kind != "param":
+                continue
+            regions = {region_of_node[u.name] for u in n.users if u.name in region_of_node}
+            self.param_regions[role.target] = regions
+            for r in regions:
+                self.param_bytes[r] = self.param_bytes.get(r, 0.0) + by_param.get(role.target, 0.0)
+        total = sum(by_param.values()) or 1.0
+        self.optimizer_per_byte = sub_plan.breakdown["optimizer"] / total
+
+    def seconds(self, key: str) -> float:
+        return self.compute.get(key, 0.0) + sum(self.comm.get(key, {}).values())
+
+    def stage(self, layers: list[str], first: bool, last: bool) -> dict:
+        keys = list(layers) + (["pre"] if first else []) + (["post"] if last else [])
+        params = sum(self.param_bytes.get(k, 0.0) for k in keys)
+        comm: dict = {}
+        for k in keys:
+            for a, t in self.comm.get(k, {}).items():
+                comm[a] = comm.get(a, 0.0) + t
+        return {"seconds": sum(self.seconds(k) for k in keys), "compute_seconds": sum(self.compute.get(k, 0.0)
+                                                                                      for k in keys),
+                "comm_seconds": comm,
+                "activations": sum(self.activations.get(k, 0.0) for k in keys),
+                "param_bytes": params, "optimizer_seconds": params * self.optimizer_per_byte,
+                "send_bytes": 0.0 if last else self.boundary.get(layers[-1], 0.0) if layers else 0.0}
+
+
+def schedule_plan(costs: LayerCosts, schedule: str, p: int, m: int, budget: float, link: tuple[float, float]):
+    """Stages, predicted step and memory of one schedule, or None when no cut fits the budget."""
+    v = VIRTUAL[schedule]
+    n = p * v
+    L = len(costs.layers)
+    if n > L:
+        return None
+    bw, lat = link
+    # Stage-to-stage transfers: an activation forward and its gradient backward, per microbatch.
+    p2p = {inst: 2 * (lat + costs.boundary.get(inst, 0.0) / bw) for inst in costs.layers}
+    per_layer = [costs.seconds(i) + p2p[i] for i in costs.layers]
+    starts = balance(per_layer, costs.seconds("pre"), costs.seconds("post"), n)
+    bounds = list(zip(starts, starts[1:] + [L]))
+    stages = []
+    for s, (a, b) in enumerate(bounds):
+        layers = costs.layers[a:b]
+        st = costs.stage(layers, s == 0, s == n - 1)
+        st["p2p_seconds"] = 0.0 if s == n - 1 else p2p[layers[-1]]
+        st["seconds"] += st["p2p_seconds"]
+        stages.append({"index": s, "pp_rank": rank_of_stage(schedule, s, p), "layers": layers, **st})
+    ranks = []
+    for r in range(p):
+        mine = [st for st in stages if st["pp_rank"] == r]
+        per_mb = sum(st["seconds"] for st in mine)
+        act = sum(st["activations"] for st in mine)
+        k = in_flight(schedule, p, m, r)
+        static = sum(st["param_bytes"] for st in mine)
+        comm: dict = {}
+        for st in mine:
+            for a, t in st["comm_seconds"].items():
+                comm[a] = comm.get(a, 0.0) + t
+        ranks.append({"rank": r, "seconds_per_microbatch": per_mb, "in_flight": k,
+                      "compute_seconds": sum(st["compute_seconds"] for st in mine), "comm_seconds": comm,
+                      "p2p_seconds": sum(st["p2p_seconds"] for st in mine),
+                      "activation_bytes": act * k, "static_bytes": static, "peak": static + act * k,
+                      "optimizer_seconds": sum(st["optimizer_seconds"] for st in mine)})
+    slowest_rank = max(ranks, key=lambda r: r["seconds_per_microbatch"])
+    slowest = slowest_rank["seconds_per_microbatch"]
+    ideal = m * slowest
+    bubble = bubble_fraction(schedule, p, m, v) * ideal
+    optim = max(r["optimizer_seconds"] for r in ranks)
+    peak = max(r["peak"] for r in ranks)
+    if peak > budget:
+        return None
+    for st in stages:
+        st["in_flight"] = ranks[st["pp_rank"]]["in_flight"]
+    return {"schedule": schedule, "virtual_stages": v, "slowest_rank": slowest_rank["rank"], "microbatches": m, "stages": stages, "ranks": ranks,
+            "step_time": ideal + bubble + optim, "ideal_seconds": ideal, "bubble_seconds": bubble,
+            "bubble_fraction": bubble_fraction(schedule, p, m, v), "optimizer_seconds": optim, "peak": peak}
+
+
+def check_layers(gm, p: int) -> None:
+    from autopar.passes.layers import layer_counts
+
+    counts = layer_counts(gm)
+    n = sum(counts.values())
+    if n == 0:
+        raise AutoparError("a pipeline plan cuts the model between repeated layers (modules in an indexed "
+                           "list such as model.layers.0), and this model has none; plan it without a 'pp' "
+                           "axis")
+    if n < p:
+        raise AutoparError(f"the pipeline axis 'pp' has {p} ranks but the model has only {n} layers to cut "
+                           f"between; use a pipeline axis of at most {n}")
+
+
+def no_fit(p, m, budget):
+    return InfeasiblePlanError(f"no cut of the model into {p} pipeline stages with {m} microbatches fits "
+                               f"{budget / 2**30:.3f} GiB per device under any schedule; use more stages or "
+                               f"microbatches, or raise memory_budget", budget=budget)

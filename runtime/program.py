@@ -1,0 +1,40 @@
+"""What the runtime runs: a finished per-rank program, handed over by ``autopar.compile``.
+
+The runtime knows nothing of capture, planning or code generation; it only needs the program, how to
+call it (which placeholder takes which parameter, buffer, constant or input) and how to give back
+its outputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+
+@dataclass(frozen=True)
+class Program:
+    gm: fx.GraphModule            # this rank's local program, collectives and kernels included
+    placeholders: tuple           # (kind, target) per placeholder, in call order; kind is param, buffer,
+                                  # constant or input
+    output_layouts: tuple         # per returned tensor: its layout (all-R unless kept sharded)
+    in_spec: Any                  # pytree spec of the model's (args, kwargs)
+    out_spec: Any                 # pytree spec of the model's outputs
+    input_shapes: tuple           # shapes of the flattened inputs the program was made for
+    constants: dict[str, torch.Tensor]
+    kernels: dict[str, str]       # generated kernel name -> source (empty with ATen kernels)
+    stages: tuple = ()            # pipeline plans: this rank's StagePrograms (gm is then the whole
+                                  # microbatch program the stages were cut from)
+
+
+@dataclass(frozen=True)
+class StageProgram:
+    """One pipeline stage of a rank's program (codegen/stages.py), for one microbatch."""
+
+    index: int                    # the stage's position in the pipeline
+    gm: fx.GraphModule
+    placeholders: tuple           # (kind, target) per placeholder; kind "recv" takes the next activation
+                                  # received from the previous stage, in order
+    sends: tuple                  # names of the values returned to the next stage (empty on the last
+                                  # stage, which returns the loss)

@@ -1,0 +1,177 @@
+"""Pipeline planning: the schedule formulas against the published ones, stage balancing, the plan's
+pipeline record, and clear errors for what a pipeline cannot do."""
+import json
+import math
+
+import pytest
+import torch
+
+import autopar
+from autopar import pipelining as PL
+from tests.toy_models import Stack, wide_stack
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (8, 32), (4, 4)])
+def test_bubble_matches_narayanan(p, m):
+    # Narayanan et al.: (p-1)/m of the ideal time for GPipe and 1F1B, (p-1)/(v*m) interleaved.
+    assert PL.bubble_fraction("1F1B", p, m) == pytest.approx((p - 1) / m)
+    assert PL.bubble_fraction("GPipe", p, m) == pytest.approx((p - 1) / m)
+    assert PL.bubble_fraction("Interleaved1F1B", p, m, 2) == pytest.approx((p - 1) / (2 * m))
+    assert PL.bubble_fraction("Interleaved1F1B", p, m, 4) == pytest.approx((p - 1) / (4 * m))
+    # ... which is (p-1)/(m+p-1) of the total time.
+    f = PL.bubble_fraction("1F1B", p, m)
+    assert f / (1 + f) == pytest.approx((p - 1) / (m + p - 1))
+    # Zero bubble (Qi et al.): about a third of the corresponding bubble.
+    assert PL.bubble_fraction("InterleavedZeroBubble", p, m, 2) == pytest.approx((p - 1) / (2 * m) / 3)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (8, 32)])
+def test_in_flight_microbatches_match_korthikanti(p, m):
+    # 1F1B: the first stage holds p microbatches, GPipe all m; interleaved multiplies by 1 + (p-1)/(p*m).
+    assert PL.in_flight("1F1B", p, m, 0) == p
+    assert [PL.in_flight("1F1B", p, m, r) for r in range(p)] == [p - r for r in range(p)]
+    assert PL.in_flight("GPipe", p, m, p - 1) == m
+    assert PL.in_flight("Interleaved1F1B", p, m, 0) == pytest.approx(p * (1 + (p - 1) / (p * m)))
+
+
+def test_first_stage_memory_is_korthikanti_whole_model_activations():
+    # s*b*h*L/t*(34 + 5as/h) on the first 1F1B stage: p microbatches of L/p layers each.
+    s, b, h, a, L, p, m = 2048, 1, 4096, 32, 32, 4, 16
+    per_layer = s * b * h * (34 + 5 * a * s / h)
+    per_stage = per_layer * L / p
+    assert PL.in_flight("1F1B", p, m, 0) * per_stage == pytest.approx(s * b * h * L * (34 + 5 * a * s / h))
+    inter = PL.in_flight("Interleaved1F1B", p, m, 0) * per_stage
+    assert inter == pytest.approx(s * b * h * L * (34 + 5 * a * s / h) * (1 + (p - 1) / (p * m)))
+
+
+def test_balance_is_optimal_against_brute_force():
+    import itertools
+
+    costs = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0]
+    for n in (2, 3, 4):
+        starts = PL.balance(costs, 2.0, 7.0, n)
+        got = _max_stage(costs, starts, 2.0, 7.0)
+        best = min(_max_stage(costs, [0, *cut], 2.0, 7.0)
+                   for cut in itertools.combinations(range(1, len(costs)), n - 1))
+        assert starts[0] == 0 and len(starts) == n and got == best
+
+
+def _max_stage(costs, starts, pre, post):
+    bounds = list(zip(starts, starts[1:] + [len(costs)]))
+    loads = [sum(costs[a:b]) for a, b in bounds]
+    loads[0] += pre
+    loads[-1] += post
+    return max(loads)
+
+
+def test_zbv_places_stages_in_a_v():
+    assert [PL.rank_of_stage("ZBVZeroBubble", s, 4) for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert [PL.rank_of_stage("Interleaved1F1B", s, 4) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+
+
+def _stack_plan(layers=8, pp=2, **kw):
+    with torch.device("meta"):
+        model = Stack(256, 4, 1024, layers)
+    x = torch.randn(16, 64, 256, device="meta")
+    return autopar.plan(model, autopar.ClusterSpec.preset("16xH100"), (x,), mesh_shape=(pp, 16 // pp),
+                        axis_names=("pp", "dp"), progress=False, **kw)
+
+
+def test_pipeline_plan_records_stages_schedule_and_bubble(tmp_path):
+    plan = _stack_plan(schedule="1F1B", microbatches=4)
+    pipe = plan.pipeline
+    assert pipe["schedule"] == "1F1B" and pipe["microbatches"] == 4 and len(pipe["stages"]) == 2
+    # Identical layers split evenly; every layer is in exactly one stage, in order.
+    layers = [inst for st in pipe["stages"] for inst in st["layers"]]
+    assert layers == [f"blocks.{i}" for i in range(8)]
+    assert [len(st["layers"]) for st in pipe["stages"]] == [4, 4]
+    assert pipe["bubble_fraction"] == pytest.approx(1 / 4)
+    b = plan.breakdown
+    assert plan.step_time == pytest.approx(b["compute"] + sum(b["communication"].values()) + b["optimizer"]
+                                           + b["bubble"])
+    # The bubble is its fraction of the ideal time: every microbatch of the slowest rank.
+    assert b["bubble"] == pytest.approx(pipe["bubble_fraction"] * (b["compute"] + sum(b["communication"].values())))
+    assert all(lay[0] == "R" for lay in plan.params.values())
+    assert "pipeline: 2 stages" in plan.summary() and "bubble" in plan.summary()
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    again = autopar.Plan.load(path)
+    assert again.pipeline == json.loads(plan.to_json())["pipeline"]
+
+
+def test_planner_chooses_the_schedule_and_microbatches_by_predicted_time():
+    plan = _stack_plan()
+    pipe = plan.pipeline
+    tried = [c for c in plan.solver["candidates"] if "pipeline" in c]
+    times = [t for c in tried for t in c["pipeline"]["schedules"].values() if t is not None]
+    assert plan.step_time == pytest.approx(min(times))
+    assert pipe["schedule"] in PL.SCHEDULES and pipe["microbatches"] in {c["pipeline"]["microbatches"] for c in tried}
+
+
+def test_in_flight_activations_are_in_the_memory_model():
+    gpipe = _stack_plan(schedule="GPipe", microbatches=8)
+    one_f = _stack_plan(schedule="1F1B", microbatches=8)
+    # Same stages and layouts: GPipe keeps all 8 microbatches, 1F1B's first stage 2.
+    act_g = gpipe.pipeline["ranks"][0]["activation_bytes"]
+    act_1 = one_f.pipeline["ranks"][0]["activation_bytes"]
+    assert act_g == pytest.approx(act_1 * 8 / 2)
+
+
+def test_a_budget_below_the_in_flight_activations_rejects_gpipe():
+    one_f = _stack_plan(schedule="1F1B", microbatches=8)
+    budget = one_f.memory["peak"] * 1.01
+    with pytest.raises(autopar.InfeasiblePlanError, match="pipeline stages"):
+        _stack_plan(schedule="GPipe", microbatches=8, memory_budget=budget)
+    assert _stack_plan(microbatches=8, memory_budget=budget).memory["peak"] <= budget
+
+
+def test_batch_that_does_not_split_into_the_microbatches_is_refused():
+    with pytest.raises(autopar.AutoparError, match="does not split into 3 equal microbatches"):
+        _stack_plan(microbatches=3)
+
+
+def test_model_without_repeated_layers_is_refused():
+    class Flat(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.b(self.a(x)).pow(2).mean()
+
+    with pytest.raises(autopar.AutoparError, match="has none"):
+        autopar.plan(Flat(), autopar.ClusterSpec.local_cpu(2), (torch.randn(4, 64),), mesh_shape=(2,),
+                     axis_names=("pp",), progress=False)
+
+
+def test_pipeline_axis_must_be_outermost():
+    with pytest.raises(autopar.AutoparError, match="outermost"):
+        with torch.device("meta"):
+            model = Stack(256, 4, 1024, 4)
+        autopar.plan(model, autopar.ClusterSpec.preset("16xH100"), (torch.randn(16, 64, 256, device="meta"),),
+                     mesh_shape=(8, 2), axis_names=("dp", "pp"), progress=False)
+
+
+def test_malformed_pipeline_entries_are_refused():
+    plan = _stack_plan(schedule="1F1B", microbatches=4)
+    d = json.loads(plan.to_json())
+    d["pipeline"]["schedule"] = "Fancy"
+    with pytest.raises(autopar.PlanFormatError, match="schedule"):
+        autopar.Plan.from_dict(d)
+    d = json.loads(plan.to_json())
+    d["pipeline"]["stages"][1]["layers"].append("blocks.0")
+    with pytest.raises(autopar.PlanFormatError, match="blocks.0"):
+        autopar.Plan.from_dict(d)
+    d = json.loads(plan.to_json())
+    d["pipeline"]["stages"][0]["pp_rank"] = 5
+    with pytest.raises(autopar.PlanFormatError, match="pp_rank"):
+        autopar.Plan.from_dict(d)
+
+
+def test_wide_stack_pipeline_is_balanced_on_8_layers():
+    model = wide_stack(h=1024, heads=8, layers=8)
+    x = torch.randn(32, 256, 1024, dtype=torch.bfloat16, device="meta")
+    plan = autopar.plan(model, autopar.ClusterSpec.preset("32xH100"), (x,), mesh_shape=(4, 8),
+                        axis_names=("pp", "tp"), progress=False, schedule="1F1B", microbatches=8)
+    assert [len(s["layers"]) for s in plan.pipeline["stages"]] == [2, 2, 2, 2]
+    assert math.isclose(plan.pipeline["bubble_fraction"], 3 / 8)
