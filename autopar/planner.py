@@ -21,7 +21,7 @@ from autopar.passes.capture import CapturedProgram
 from autopar.passes.costs import INFEASIBLE, CostModel, OptimizerSpec, VIEW_OPS
 from autopar.passes.layers import layer_counts, layer_instances
 from autopar.passes.reshard_plan import collectives, plan_reshards
-from autopar.passes.meta import meta_of, op_name
+from autopar.passes.meta import meta_of, op_name, set_meta
 from autopar.passes.problem import ProblemIndex, build_problem
 from autopar.passes.runner import PassRunner
 from autopar.passes.strategies import requires_grad, root_of
@@ -364,7 +364,7 @@ def _search(meshes: list[_Mesh], best, prep, cluster, budget, sharded_outputs, t
 
 def _restore_strategies(strategies: dict) -> None:
     for n, sset in strategies.items():
-        meta_of(n).strategies = sset
+        set_meta(n, strategies=sset)
 
 
 def _with_mesh(cluster, mesh_shape, axis_names):

@@ -59,7 +59,7 @@ def reference(model, args, kwargs, tight: bool):
 
 
 @pytest.mark.parametrize("name, tight", [("gpt2-tiny", False), ("gpt2-tiny", True), ("llama-tiny", False),
-                                         ("llama-tiny", True), ("bert-tiny", False), ("gpt-tiny", True)])
+                                         ("bert-tiny", False), ("gpt-tiny", True)])
 def test_plan_within_a_tenth_of_a_percent_of_the_exact_optimum(name, tight):
     model, args, kwargs = zoo.build(name, batch=8)
     budget, ref = reference(model, args, kwargs, tight)
