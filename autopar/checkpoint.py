@@ -60,11 +60,10 @@ def save(path, pmodel, optimizer=None, extra=None) -> None:
     dcp.save(state, checkpoint_id=str(partial), no_dist=not _distributed())
     _barrier()                                  # every rank's shards are on disk
     if rank0:
+        optim = None if optimizer is None else {"class": type(optimizer).__qualname__, "param_groups": groups}
         marker = {"format": FORMAT, "saved_at": time.time(), "extra": json.loads(extra_text),
-                  "aliases": pmodel.aliases, "mesh": {"shape": list(pmodel.plan.mesh_shape),
-                                                             "axes": list(pmodel.plan.axis_names)},
-                  "optimizer": None if optimizer is None else {"class": type(optimizer).__qualname__,
-                                                               "param_groups": groups}}
+                  "aliases": pmodel.aliases, "optimizer": optim,
+                  "mesh": {"shape": list(pmodel.plan.mesh_shape), "axes": list(pmodel.plan.axis_names)}}
         tmp = partial / (MARKER + ".tmp")
         tmp.write_text(json.dumps(marker, indent=1))
         os.replace(tmp, partial / MARKER)
@@ -95,9 +94,10 @@ def load(path, pmodel, optimizer=None):
         state["optim"], _ = _optimizer_state(pmodel, optimizer)
     dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
     with torch.no_grad():
-        for fqn in pmodel.plan.params:
+        for fqn in _held(pmodel, state["model"]):
             local = pmodel.local_parameter(fqn)
-            loaded = state["model"][fqn].to_local()
+            loaded = state["model"][fqn]
+            loaded = loaded.to_local() if hasattr(loaded, "to_local") else loaded
             if loaded.data_ptr() != local.data_ptr():
                 local.copy_(loaded)
     pmodel.load_state_dict({k: v for k, v in state["model"].items() if k not in pmodel.plan.params}, strict=False)
@@ -171,25 +171,29 @@ def read_marker(path) -> dict:
 
 # --- optimizer state ------------------------------------------------------------------------------
 
+def _held(pmodel, model_state: dict) -> list:
+    """The planned parameters this rank holds (a pipeline rank holds its stages' only)."""
+    return [fqn for fqn in pmodel.plan.params if fqn in model_state]
+
+
 def _fqn_of_params(pmodel) -> dict:
-    return {id(pmodel.local_parameter(fqn)): fqn for fqn in pmodel.plan.params}
+    return {id(pmodel.local_parameter(fqn)): fqn for fqn in _held(pmodel, pmodel.state_dict())}
 
 
 def _optimizer_state(pmodel, optimizer):
     """{fqn: {state key: DTensor in the parameter's layout, or a plain scalar tensor}} and the
-    param groups (hyperparameters, and parameters by FQN)."""
+    param groups' hyperparameters."""
     from torch.distributed.tensor import DTensor
 
     fqn_of = _fqn_of_params(pmodel)
     groups = []
     for g in optimizer.param_groups:
-        names = []
         for p in g["params"]:
             if id(p) not in fqn_of:
                 raise CheckpointError(f"the optimizer holds a tensor of shape {tuple(p.shape)} that is not a "
                                       f"parameter of this ParallelModule; build it from pmodel.parameters()")
-            names.append(fqn_of[id(p)])
-        groups.append({"params": names, **{k: _json_value(v) for k, v in g.items() if k != "params"}})
+        # Hyperparameters only: which parameters a group holds on a rank depends on the plan.
+        groups.append({k: _json_value(v) for k, v in g.items() if k != "params"})
     out = {}
     for p, st in optimizer.state.items():
         fqn = fqn_of.get(id(p))
@@ -253,11 +257,8 @@ def _restore_optimizer(pmodel, optimizer, loaded: dict, saved: dict, path) -> No
         raise CheckpointError(f"{path} was saved with {len(saved['param_groups'])} parameter groups, this optimizer "
                               f"has {len(current)}")
     for g, s in zip(current, saved["param_groups"]):
-        names = [fqn_of[id(p)] for p in g["params"]]
-        if sorted(names) != sorted(s["params"]):
-            raise CheckpointError(f"{path}: a parameter group holds other parameters than when it was saved")
         for k, v in s.items():
-            if k != "params" and k in g and v is not None and not isinstance(g[k], torch.Tensor):
+            if k in g and v is not None and not isinstance(g[k], torch.Tensor):
                 g[k] = tuple(v) if isinstance(g[k], tuple) else v
 
 

@@ -34,7 +34,6 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
     ``skip_passes`` and ``insert_passes`` change the pass pipeline on every rank (docs/extending.md)."""
     from autopar.codegen.triton import resolve_kernels
     from autopar.pass_pipeline import front_end, generate, new_runner
-    from autopar.planner import model_fingerprint
     from autopar.runtime.module import build, device_type, init_mesh, rank_device
 
     if not dist.is_available() or not dist.is_initialized():

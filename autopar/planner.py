@@ -553,27 +553,17 @@ def alternatives(gm, prob, idx: ProblemIndex, assignment, cm: CostModel, axis_na
 
 
 def _op_collectives(cm, node, s, axis_names):
-    return [{"kind": oc.kind, "axis": axis_names[oc.axis], "phase": oc.phase, "bytes": int(oc.nbytes),
-             "seconds": cm.op_collective_seconds(oc), "neighbor": node.name, "value": node.name}
-            for oc in cm.op_collectives(node, s)]
+    return [c.record(axis_names, neighbor=node.name, value=node.name) for c in cm.priced_op_collectives(node, s)]
 
 
 def _edge_collectives(cm, v, src, dst_strategy, k, neighbor, axis_names):
-    from autopar.passes.resharding import collective_seconds
     from autopar.passes.strategies import value_info
 
     steps = cm.resharding(v, src, None, dst_strategy, k)
     if steps is None:
         return [{"kind": "impossible", "neighbor": neighbor, "value": v.node.name}]
-    info = value_info(v)
-    out = []
-    for st in steps:
-        bw, lat = cm.links[st.axis]
-        for kind, phase, nbytes in st.collectives(info.dtype.itemsize, requires_grad(v.node)):
-            out.append({"kind": kind, "axis": axis_names[st.axis], "phase": phase, "bytes": int(nbytes),
-                        "seconds": collective_seconds(kind, nbytes, cm.mesh_shape[st.axis], bw, lat),
-                        "neighbor": neighbor, "value": v.node.name})
-    return out
+    priced = cm.priced_steps(steps, value_info(v).dtype.itemsize, requires_grad(v.node))
+    return [c.record(axis_names, neighbor=neighbor, value=v.node.name) for _, c in priced]
 
 
 def _smallest_valid_budget(prob):

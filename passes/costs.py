@@ -23,7 +23,7 @@ import torch.fx as fx
 from autopar.cluster import ClusterSpec
 from autopar.layout import local_fraction, local_shape
 from autopar.passes.meta import meta_of, set_meta
-from autopar.passes.resharding import Step, collective_seconds, transition
+from autopar.passes.resharding import Step, collective_seconds, grad_partial_axes, transition
 from autopar.passes.rules import context_for, rule_for, tensor_inputs
 from autopar.passes.runner import requires
 from autopar.passes.strategies import Strategy, Value, requires_grad, signature, value_info
@@ -36,6 +36,23 @@ VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.transpose.int, at
             aten.squeeze.default, aten.expand.default, aten.slice.Tensor, aten.select.int,
             aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int,
             aten.reshape.default, operator.getitem, aten.alias.default}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective a step runs on one mesh axis, with its price: what ``plan.collectives`` and the
+    alternatives of ``explain`` list (``record``) and what the ILP's edge and op costs sum."""
+
+    kind: str          # all_reduce, all_gather, reduce_scatter or all_to_all
+    axis: int
+    phase: str         # forward or backward
+    nbytes: float      # per device (passes.resharding.Step.collectives)
+    seconds: float
+
+    def record(self, axis_names, **where) -> dict:
+        """The plan's JSON entry, with where it runs (``node``, ``value``, ``step`` or ``neighbor``)."""
+        return {"kind": self.kind, "axis": axis_names[self.axis], "phase": self.phase, "bytes": int(self.nbytes),
+                "seconds": self.seconds, **where}
 
 
 @dataclass(frozen=True)
@@ -114,35 +131,42 @@ class CostModel:
             return []
         return rule.collectives(context_for(node), s.inputs, self.mesh_shape)
 
+    def collective_seconds(self, kind: str, nbytes: float, axis: int) -> float:
+        """The one price of a collective: alpha-beta on the link of mesh axis ``axis``."""
+        bw, lat = self.links[axis]
+        return collective_seconds(kind, nbytes, self.mesh_shape[axis], bw, lat)
+
     def op_collective_seconds(self, oc) -> float:
         """Seconds of an op's own collective that its compute does not hide: a transfer of ``steps``
         steps, each overlapped with ``overlap_flops`` of compute, costs per step max(0, transfer -
         compute) beyond the compute already counted (ring attention's max(compute, transfer))."""
-        bw, lat = self.links[oc.axis]
-        step = collective_seconds(oc.kind, oc.nbytes / oc.steps, self.mesh_shape[oc.axis], bw, lat)
+        step = self.collective_seconds(oc.kind, oc.nbytes / oc.steps, oc.axis)
         hidden = oc.overlap_flops / self.cluster.device.peak_flops(oc.dtype)
         return oc.steps * max(0.0, step - hidden)
 
     def op_comm_seconds(self, node: fx.Node, s: Strategy) -> float:
         return sum(self.op_collective_seconds(oc) for oc in self.op_collectives(node, s))
 
+    def priced_op_collectives(self, node: fx.Node, s: Strategy) -> list[Collective]:
+        return [Collective(oc.kind, oc.axis, oc.phase, oc.nbytes, self.op_collective_seconds(oc))
+                for oc in self.op_collectives(node, s)]
+
+    def priced_steps(self, steps: list[Step], itemsize: int, needs_grad: bool) -> list[tuple[Step, Collective]]:
+        """Every collective of ``steps``, in order, with the step that runs it."""
+        return [(st, Collective(kind, st.axis, phase, nbytes, self.collective_seconds(kind, nbytes, st.axis)))
+                for st in steps for kind, phase, nbytes in st.collectives(itemsize, needs_grad)]
+
     def steps_seconds(self, steps: list[Step], itemsize: int, needs_grad: bool) -> float:
-        total = 0.0
-        for st in steps:
-            bw, lat = self.links[st.axis]
-            for kind, _phase, nbytes in st.collectives(itemsize, needs_grad):
-                total += collective_seconds(kind, nbytes, self.mesh_shape[st.axis], bw, lat)
-        return total
+        return sum(self.collective_seconds(kind, nbytes, st.axis)
+                   for st in steps for kind, _phase, nbytes in st.collectives(itemsize, needs_grad))
 
     def resharding(self, value: Value, src_layout, consumer: fx.Node | None, dst_strategy: Strategy | None,
                    position: int, dst_layout=None):
         """Steps to bring ``value`` from ``src_layout`` to what the consumer's strategy reads."""
         info = value_info(value)
         dst = dst_layout if dst_layout is not None else dst_strategy.inputs[position]
-        grad = requires_grad(value.node)
-        partial_axes = frozenset()
-        if grad and dst_strategy is not None:
-            partial_axes = frozenset(a for a, p in enumerate(dst) if p.is_replicate and dst_strategy.splits_work[a])
+        partial_axes = frozenset() if dst_strategy is None else grad_partial_axes(
+            dst, dst_strategy.splits_work, requires_grad(value.node))
         return _transition_cached(tuple(src_layout), tuple(dst), info.shape, self.mesh_shape, partial_axes)
 
     def transition_seconds(self, value: Value, src_layout, dst_layout, partial_axes: frozenset) -> float:
@@ -184,6 +208,10 @@ class CostModel:
 
     def _activation_bytes(self, node: fx.Node, s: Strategy, saved) -> float:
         ctx = context_for(node)
+        rule = rule_for(node)
+        if rule.saved_sharded is not None:
+            # The op's own sharded form (ring attention) keeps what it keeps on every device.
+            saved = rule.saved_sharded(ctx, s.inputs) or saved
         total = 0.0
         if ctx.outs:
             total += saved.outputs * local_fraction(s.outputs[0], self.mesh_shape)

@@ -316,6 +316,8 @@ def _recompute_choices(gm, prob: Problem, idx: ProblemIndex, per_copy: dict, cm:
 
 
 def _shared_edge(v: Value, rs, count: int, idx: ProblemIndex, cm: CostModel) -> SharedEdge:
+    from autopar.passes.resharding import grad_partial_axes
+
     rp = root_of(v.node)
     n_src = len(meta_of(rp).strategies.strategies)
     grad = requires_grad(v.node)
@@ -333,7 +335,7 @@ def _shared_edge(v: Value, rs, count: int, idx: ProblemIndex, cm: CostModel) -> 
         for j in range(len(meta_of(rc).strategies.strategies)):
             st = strategy_of(c, j)
             dst = st.inputs[k]
-            partial = frozenset(a for a, p in enumerate(dst) if grad and p.is_replicate and st.splits_work[a])
+            partial = grad_partial_axes(dst, st.splits_work, grad)
             row.append(request(dst, partial))
         reader_rows.append((idx.choice_of_key[key_of(rc)], tuple(row)))
     cost = tuple(tuple(cm.transition_seconds(v, output_layout(v, i), dst, partial) for i in range(n_src))

@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from autopar.layout import R
 from autopar.passes.meta import op_name
-from autopar.passes.resharding import global_transition
+from autopar.passes.resharding import global_transition, grad_partial_axes
 from autopar.passes.strategies import Strategy, Value, input_values, requires_grad, value_info
 
 
@@ -66,9 +66,7 @@ def plan_reshards(gm: fx.GraphModule, strategy: dict, mesh_shape, sharded_output
 
 def _reshard(low: ReshardPlan, mesh_shape, v: Value, dst, s: Strategy | None, consumer: fx.Node):
     src = low.strategy[v.node].outputs[v.index]
-    partial = frozenset()
-    if s is not None and requires_grad(v.node):
-        partial = frozenset(a for a, p in enumerate(dst) if p.is_replicate and s.splits_work[a])
+    partial = frozenset() if s is None else grad_partial_axes(dst, s.splits_work, requires_grad(v.node))
     key = ReshardKey(v, tuple(dst), partial)
     if key not in low.reshards:
         steps = global_transition(tuple(src), tuple(dst), value_info(v).shape, mesh_shape, grad_partial=partial)
@@ -82,21 +80,12 @@ def _reshard(low: ReshardPlan, mesh_shape, v: Value, dst, s: Strategy | None, co
 
 def collectives(low: ReshardPlan, cm, axis_names) -> list[dict]:
     """The plan's collectives under ``low``, priced by ``cm`` (a passes.costs.CostModel)."""
-    from autopar.passes.resharding import collective_seconds
-
     out = []
     for key, steps in low.reshards.items():
         info = value_info(key.value)
-        grad = requires_grad(key.value.node)
-        for st in steps:
-            bw, lat = cm.links[st.axis]
-            for kind, phase, nbytes in st.collectives(info.dtype.itemsize, grad):
-                out.append({"kind": kind, "axis": axis_names[st.axis], "bytes": int(nbytes), "phase": phase,
-                            "seconds": collective_seconds(kind, nbytes, cm.mesh_shape[st.axis], bw, lat),
-                            "node": low.first_consumer[key], "value": key.value.node.name, "step": st.op})
+        for st, c in cm.priced_steps(steps, info.dtype.itemsize, requires_grad(key.value.node)):
+            out.append(c.record(axis_names, node=low.first_consumer[key], value=key.value.node.name, step=st.op))
     for node, s in low.strategy.items():
-        for oc in cm.op_collectives(node, s):
-            out.append({"kind": oc.kind, "axis": axis_names[oc.axis], "bytes": int(oc.nbytes), "phase": oc.phase,
-                        "seconds": cm.op_collective_seconds(oc), "node": node.name, "value": node.name,
-                        "step": op_name(node)})
+        out += [c.record(axis_names, node=node.name, value=node.name, step=op_name(node))
+                for c in cm.priced_op_collectives(node, s)]
     return out

@@ -116,6 +116,14 @@ def transition(src: Sequence[Placement], dst: Sequence[Placement], local_src_sha
     return [st if st.op != "all_gather" or st.grad != "none" else replace(st, grad="slice") for st in steps]
 
 
+def grad_partial_axes(dst: Sequence[Placement], splits_work: Sequence[bool], needs_grad: bool) -> frozenset:
+    """The mesh axes along which a consumer leaves the gradient of an input it reads as ``dst`` partial:
+    those it reads the input replicated on while splitting its work (the convention above)."""
+    if not needs_grad:
+        return frozenset()
+    return frozenset(a for a, p in enumerate(dst) if p.is_replicate and splits_work[a])
+
+
 def global_transition(src: Sequence[Placement], dst: Sequence[Placement], shape: Sequence[int],
                       mesh_shape: Sequence[int], *, grad_partial: frozenset = frozenset()) -> list[Step] | None:
     """``transition`` for a tensor of global ``shape``; None also when ``src`` cannot hold it."""

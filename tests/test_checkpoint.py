@@ -105,28 +105,34 @@ def test_incomplete_checkpoints_are_never_taken(tmp_path):
 
 
 def test_run_resumes_after_a_rank_dies_under_torchrun(tmp_path):
-    """torchrun --max-restarts 1; the last rank dies (os._exit) after writing its part of the step-6
+    """torchrun --max-restarts; the last rank dies (os._exit) after writing its part of the step-6
     checkpoint. The restarted run resumes from step 4, the newest complete checkpoint, never from the
-    step-6 one, and repeats steps 4 and 5 with bit-identical losses; every loss matches eager training."""
+    step-6 one, and repeats steps 4 and 5 with bit-identical losses; every loss matches eager training.
+    (More than one restart is allowed: on a loaded machine a restart can fail to connect its ranks.)"""
     import os
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "1", "--monitor-interval", "0.5", "-m", "tests.scripts.train_resumable",
+           "--max-restarts", "3", "--monitor-interval", "0.5", "-m", "tests.scripts.train_resumable",
            str(tmp_path), "--steps", "8", "--die-at", "6"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     rows = [json.loads(line) for line in (tmp_path / "losses.jsonl").read_text().splitlines()]
-    first = {r["step"]: r["loss"] for r in rows if r["attempt"] == 0}
-    second = {r["step"]: r["loss"] for r in rows if r["attempt"] == 1}
-    assert sorted(first) == list(range(6)) and sorted(second) == list(range(4, 8)), rows
-    assert {Path(r["resumed_from"]).name for r in rows if r["attempt"] == 1} == {"step_000004"}
-    assert second[4] == first[4] and second[5] == first[5]
+    first = [r["step"] for r in rows if r["attempt"] == 0]
+    assert first == list(range(6)), rows                      # died saving step 6
+    resumed = [r for r in rows if r["attempt"] > 0]
+    assert resumed and Path(resumed[0]["resumed_from"]).name == "step_000004", rows
+    assert resumed[0]["step"] == 4, rows
+    losses: dict = {}
+    for r in rows:
+        losses.setdefault(r["step"], set()).add(r["loss"])
+    assert sorted(losses) == list(range(8)), rows
+    assert all(len(v) == 1 for v in losses.values()), f"a repeated step gave another loss: {losses}"
     eager = _eager_steps(8)
-    for step, loss in {**first, **second}.items():
+    for step, (loss,) in losses.items():
         assert abs(loss - eager[step]) <= 1e-5 * abs(eager[step]), (step, loss, eager[step])
     assert not list((tmp_path / "ckpt").glob("*.partial"))      # the restarted run saved step 6 again
 
@@ -143,3 +149,33 @@ def _eager_steps(n):
         opt.step(), opt.zero_grad()
         out.append(loss.item())
     return out
+
+
+def _pipeline_checkpoint(rank, world, root):
+    import autopar
+
+    eager = _eager_steps(STEPS)
+    ids, labels = batch()
+    cluster = autopar.ClusterSpec.local_cpu(world)
+
+    def pipeline(seed):
+        torch.manual_seed(seed)
+        return autopar.compile(build("gpt2"), cluster, (ids,), {"labels": labels}, mesh_shape=(world,),
+                               axis_names=("pp",), schedule="GPipe", microbatches=2)
+
+    pm = pipeline(0)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    for _ in range(SAVE_AT):
+        pm.train_step(ids, labels=labels)
+        opt.step(), opt.zero_grad()
+    ckpt = Path(root) / "pipeline"
+    autopar.checkpoint.save(ckpt, pm, opt, extra={"step": SAVE_AT, "data": "position"})
+    mesh, pins = _plans(world)["data parallel"]
+    _resume_and_compare(_compile(world, mesh, pins, seed=1), ckpt, eager, "pipeline plan -> data parallel")
+    _resume_and_compare(pipeline(2), ckpt, eager, "pipeline plan -> pipeline plan")
+
+
+def test_checkpoint_of_a_pipeline_plan_loads_under_another_plan(tmp_path):
+    """Saved by the two stages of a pipeline plan (each rank holds half the parameters); resumed under
+    data parallelism and under the pipeline plan again."""
+    run_distributed(_pipeline_checkpoint, 2, str(tmp_path), timeout=600)

@@ -143,8 +143,13 @@ def _sdpa_local_call(ctx, in_layouts, args, kwargs, group_names):
         args[0], args[1], args[2], mask, causal, kwargs.get("scale"), group_names[axis]), {}
 
 
+def _sdpa_saved_sharded(ctx, in_layouts):
+    """Ring attention keeps what flash attention keeps, whatever the device."""
+    return _sdpa_saved_on_gpu(ctx) if _sharding_axis(in_layouts[1], 2) is not None else None
+
+
 @register_rule(aten.scaled_dot_product_attention.default, flops=_sdpa_flops, saved_on_gpu=_sdpa_saved_on_gpu,
-               collectives=_sdpa_collectives, local_call=_sdpa_local_call)
+               collectives=_sdpa_collectives, local_call=_sdpa_local_call, saved_sharded=_sdpa_saved_sharded)
 def sdpa_rule(ctx):
     """Batch, heads (Ulysses is a head split between sequence-split neighbors: the resharding is the
     all-to-all), query rows against whole keys (all-gathered keys and values), and ring attention."""
