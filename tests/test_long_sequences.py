@@ -17,7 +17,8 @@ SEQUENCE = {"input_ids": ["S(1)"], "labels": ["S(1)"], "*.weight": ["R"], "*.bia
 def _sdpa_pin(model_name, layout, mask=None):
     """Pin every attention call to read q, k, v in ``layout`` (and the mask, which HF LLaMA passes
     explicitly, [B, 1, S, S], in ``mask``); a pin on one layer's copy holds for every copy."""
-    return {"scaled_dot_product_attention*": {"inputs": [layout] * 3 + ([mask or layout] if model_name == "llama" else [])}}
+    hf = model_name in ("llama", "qwen2")
+    return {"scaled_dot_product_attention*": {"inputs": [layout] * 3 + ([mask or layout] if hf else [])}}
 
 
 def _plans(model_name, mesh):
@@ -44,7 +45,12 @@ def _check(rank, world, model_name, mesh):
     import autopar
 
     torch.manual_seed(0)
-    model = build(model_name)
+    if model_name == "qwen2":
+        from tests.test_hf_families import build as build_family
+
+        model = build_family(model_name)
+    else:
+        model = build(model_name)
     ref = copy.deepcopy(model)
     ids, labels = batch()
     cluster = autopar.ClusterSpec.local_cpu(world)
@@ -62,6 +68,7 @@ def _check(rank, world, model_name, mesh):
     ("llama", 2, (2,)),         # explicit causal mask, GQA (4 heads, 2 KV heads); and Ulysses
     ("gpt", 4, (4,)),           # is_causal=True: load-balanced half-chunks
     ("llama", 4, (2, 2)),       # tensor parallel heads x ring
+    ("qwen2", 2, (2,)),         # q, k, v biases, GQA, explicit mask
 ])
 def test_sequence_split_attention_trains_like_eager(model_name, world, mesh):
     run_distributed(_check, world, model_name, mesh, timeout=600)
