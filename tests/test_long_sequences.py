@@ -138,3 +138,34 @@ def _budget_demands_a_sequence_split(rank, world):
 
 def test_a_budget_below_whole_attention_makes_the_solver_split_the_sequence():
     run_distributed(_budget_demands_a_sequence_split, 2, timeout=300)
+
+
+@pytest.mark.parametrize("seq", [512, 262144])
+def test_ring_steps_cost_the_larger_of_compute_and_transfer(seq):
+    """Each of the n-1 forward ring steps costs max(block compute, block transfer); the compute is in
+    the op's FLOPs, so the plan charges only the transfer beyond it: all of it for short sequences
+    (little compute per block), none for long ones (attention's compute grows as s^2, its transfer
+    as s)."""
+    from autopar.passes.costs import CostModel
+    from autopar.passes.resharding import collective_seconds
+    from autopar.passes.strategies import node_strategies
+    from autopar.layout import S
+    from tests.reference_executor import single_op_node
+
+    import autopar
+
+    n, b, h, hkv, d = 8, 1, 8, 2, 128
+    q, k = torch.empty(b, h, seq, d, device="meta"), torch.empty(b, hkv, seq, d, device="meta")
+    node = single_op_node(torch.ops.aten.scaled_dot_product_attention.default, (q, k, k.clone()),
+                          {"enable_gqa": True})
+    ring = next(s for s in node_strategies(node, (n,)) if s.inputs == ((S(2),),) * 3)
+    cluster = autopar.ClusterSpec.preset("8xH100")
+    cm = CostModel(cluster, (n,))
+    forward = next(oc for oc in cm.op_collectives(node, ring) if oc.phase == "forward")
+    block_bytes = 2 * b * hkv * (seq // n) * d * 4
+    assert (forward.kind, forward.steps, forward.nbytes) == ("send_recv", n - 1, (n - 1) * block_bytes)
+    bw, lat = cluster.axis_link((n,), 0)
+    transfer = collective_seconds("send_recv", block_bytes, n, bw, lat)
+    compute = 4.0 * b * h * (seq // n) ** 2 * d / cluster.device.peak_flops(torch.float32)
+    assert cm.op_collective_seconds(forward) == pytest.approx((n - 1) * max(0.0, transfer - compute))
+    assert (compute < transfer) == (seq == 512)
