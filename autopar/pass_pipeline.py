@@ -15,6 +15,7 @@ from functools import partial
 import torch.fx as fx
 
 from autopar.codegen.local_program import example_local_inputs, local_program_pass, retarget_devices_pass
+from autopar.codegen.grad_buckets import grad_buckets_pass
 from autopar.codegen.overlap import overlap_pass
 from autopar.codegen.recompute import recompute_pass
 from autopar.codegen.stages import loss_output, split_stages
@@ -50,12 +51,12 @@ def codegen_passes(plan: Plan, front: "FrontEnd", group_names, device, *, sharde
             partial(retarget_devices_pass, device=device),
             partial(fuse_pass, backend=kernels, device=device,
                     example_inputs=example_local_inputs(front.gm, plan) if kernels == "triton" else None),
-            *((overlap_pass,) if overlap else ()))
+            *((overlap_pass, grad_buckets_pass) if overlap else ()))
 
 
 PASS_NAMES = tuple(pass_name(p) for p in (*FRONT_END, *analysis_passes("cpu"), *mesh_passes(()),
                                            local_program_pass, recompute_pass, retarget_devices_pass, fuse_pass,
-                                           overlap_pass))
+                                           overlap_pass, grad_buckets_pass))
 
 
 @dataclass
@@ -81,10 +82,13 @@ def front_end(model, example_inputs, example_kwargs, runner: PassRunner) -> Fron
 
 
 def generate(front: FrontEnd, plan: Plan, group_names, device, *, sharded_outputs: bool,
-             kernels: str, overlap: bool = True) -> Program:
+             kernels: str, overlap: bool = True, bucket_mb: float = 25) -> Program:
     """Run codegen on the front end's graph: the finished program of this rank. With ``overlap``,
     forward collectives are issued early and waited at the first use of their result
-    (codegen/overlap.py); pipeline stages keep them waiting at once."""
+    (codegen/overlap.py), and data-parallel gradients are all-reduced in buckets of ``bucket_mb``
+    MiB during backward (codegen/grad_buckets.py); pipeline stages keep both as they were."""
+    if not bucket_mb >= 0:
+        raise AutoparError(f"bucket_mb={bucket_mb}: a gradient bucket's size in MiB is 0 or more")
     stages = ()
     if plan.pipeline:
         if kernels == "triton":
@@ -102,4 +106,5 @@ def generate(front: FrontEnd, plan: Plan, group_names, device, *, sharded_output
     info = program_meta(gm)
     cap = front.captured
     return Program(gm, info.placeholders, info.output_layouts, cap.in_spec, cap.out_spec, cap.input_shapes,
-                   dict(cap.constant_values), dict(info.kernels), stages)
+                   dict(cap.constant_values), dict(info.kernels), grad_reductions=info.grad_reductions,
+                   bucket_bytes=int(bucket_mb * 2**20), stages=stages)

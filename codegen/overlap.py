@@ -25,7 +25,6 @@ def overlap_pass(gm: fx.GraphModule) -> fx.GraphModule:
     graph = gm.graph
     position = {n: i for i, n in enumerate(graph.nodes)}
     previous_wait = None
-    first_op = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr"))
     for node in [n for n in graph.nodes if n.op == "call_function" and n.target in C.SPLIT]:
         start_fn, wait_fn, wait_args = C.SPLIT[node.target]
         users = sorted(node.users, key=position.__getitem__)
@@ -33,6 +32,7 @@ def overlap_pass(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         # Issue after the latest of: the inputs, the previous collective's wait.
         after = max((*node.all_input_nodes, *((previous_wait,) if previous_wait else ())), key=position.__getitem__)
+        first_op = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr"))
         with graph.inserting_before(first_op) if position[after] < position[first_op] else graph.inserting_after(after):
             start = graph.call_function(start_fn, node.args, dict(node.kwargs))
         with graph.inserting_before(users[0]):

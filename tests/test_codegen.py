@@ -90,6 +90,14 @@ def _collectives_match(rank, world, model_name, mesh, pins, options):
                          mesh_shape=mesh, pins=pins, **options)
     planned = collections.Counter(pm.plan.collective_counts())
     assert planned, "the plan has no collectives to check"
+    # Data-parallel gradients reduced in buckets (codegen/grad_buckets.py): one all-reduce per bucket
+    # in place of one per use of each parameter.
+    axis_of = {pm.mesh.get_group(a).group_name: a for a in pm.plan.axis_names}
+    for _, group, uses in pm._program.grad_reductions:
+        planned[("all_reduce", axis_of[group], "backward")] -= uses
+    if pm._grad_buckets is not None:
+        for group in pm._grad_buckets.groups:
+            planned[("all_reduce", axis_of[group], "backward")] += 1
     forward_planned = collections.Counter({k: v for k, v in planned.items() if k[2] == "forward"})
     assert _graph_forward_counts(pm) == forward_planned
     assert _count_executed(pm, ids, labels) == planned
@@ -225,3 +233,42 @@ def _sharded_outputs(rank, world):
 
 def test_outputs_can_stay_sharded_as_dtensors():
     run_distributed(_sharded_outputs, 2, timeout=300)
+
+
+def _bucketed_gradients(rank, world):
+    import autopar
+
+    torch.manual_seed(0)
+    model = build("gpt2")
+    ids, labels = batch()
+    import dataclasses
+
+    # Links fast enough that splitting the batch pays: replicated weights, data-parallel gradients.
+    cluster = dataclasses.replace(autopar.ClusterSpec.local_cpu(world), intra_node_bandwidth=1e13,
+                                  intra_node_latency=1e-9)
+    pins = {"*.weight": ["R"], "*.bias": ["R"], "input_ids": ["S(0)"], "labels": ["S(0)"]}
+    one = autopar.compile(model, cluster, (ids,), {"labels": labels}, pins=pins)              # 25 MiB buckets
+    each = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=one.plan, bucket_mb=0)
+    plain = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=one.plan, overlap=False)
+    reduced = one._program.grad_reductions
+    assert len(reduced) >= 10, reduced
+    assert all(f"grad_all_reduce(p_{t.replace('.', '_')}," not in one.code for t, _, _ in reduced)
+    assert all(f"grad_all_reduce(p_{t.replace('.', '_')}," in plain.code for t, _, _ in reduced)
+    assert len(one._grad_buckets.buckets) == 1 and len(each._grad_buckets.buckets) == len(reduced)
+
+    # One bucket per parameter: all but the last bucket are launched before backward ends.
+    last = each.local_parameter(reduced[-1][0])
+    launched = []
+    last.register_post_accumulate_grad_hook(lambda p: launched.append(len(each._grad_buckets.works)))
+    for step in range(2):            # the second backward accumulates onto the first one's gradients
+        for m in (one, each, plain):
+            m(ids, labels=labels).loss.backward()
+        assert launched[-1] == len(reduced), launched
+        for (name, a), (_, b), (_, c) in zip(one.named_parameters(), each.named_parameters(),
+                                             plain.named_parameters()):
+            assert torch.equal(a.grad, b.grad), f"step {step}: {name} differs between bucket sizes"
+            torch.testing.assert_close(a.grad, c.grad, rtol=1e-5, atol=1e-7, msg=f"step {step}: {name}")
+
+
+def test_bucketed_reductions_match_unbucketed_bitwise():
+    run_distributed(_bucketed_gradients, 2, timeout=300)
