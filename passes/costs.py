@@ -144,6 +144,14 @@ class CostModel:
         hidden = oc.overlap_flops / self.cluster.device.peak_flops(oc.dtype)
         return oc.steps * max(0.0, step - hidden)
 
+    def workspace_bytes(self, node: fx.Node, s: Strategy) -> float:
+        """Bytes ``node``'s own sharded computation holds while it runs, beyond its inputs and output
+        (the rule's ``workspace``): part of the transient at that point of the step."""
+        if node.op != "call_function":
+            return 0.0
+        rule = rule_for(node)
+        return rule.workspace(context_for(node), s.inputs, self.mesh_shape) if rule.workspace else 0.0
+
     def op_comm_seconds(self, node: fx.Node, s: Strategy) -> float:
         return sum(self.op_collective_seconds(oc) for oc in self.op_collectives(node, s))
 
