@@ -65,7 +65,8 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
          optimizer: OptimizerSpec | None = None, progress: bool | None = None, skip_passes=(),
          insert_passes=(), pins: dict | None = None, kernels: str = "aten", sharded_outputs: bool = False,
          recompute: bool | dict = True, cost_model: type[CostModel] = CostModel,
-         front: FrontEnd | None = None, microbatches: int | None = None, schedule: str | None = None) -> Plan:
+         front: FrontEnd | None = None, microbatches: int | None = None, schedule: str | None = None,
+         pipeline: bool | None = None) -> Plan:
     """Find the fastest layout of ``model`` on ``cluster`` that fits ``memory_budget`` bytes per device.
 
     ``pins`` forces layouts by hand: ``{"*.mlp.c_fc.weight": ["R", "S(1)"], "input_ids": ["S(0)", "R"]}``
@@ -84,7 +85,8 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     one that looks op times up in a measured table; docs/extending.md).
     A mesh axis named ``pp`` makes a pipeline plan (autopar/pipelining.py, docs/pipeline.md):
     ``microbatches`` and ``schedule`` (one of ``pipelining.SCHEDULES``) fix what is otherwise chosen by
-    predicted step time.
+    predicted step time. With the mesh left to the planner, ``pipeline=None`` also tries pipeline meshes
+    on clusters of several nodes (``pipeline_meshes``), ``True`` on any cluster, ``False`` never.
     """
     t0 = time.perf_counter()
     if mesh_shape is not None:
@@ -94,19 +96,29 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     if kernels not in ("auto", "triton", "aten"):
         raise ValueError(f"kernels must be 'auto', 'triton' or 'aten', got {kernels!r}")
     fused = kernels == "triton" or (kernels == "auto" and cluster.device_type == "cuda")
-    candidates = cluster.mesh_candidates() if cluster.mesh_shape is None else [cluster.mesh_shape]
+    if cluster.mesh_shape is None:
+        candidates = [(shape, default_axis_names(shape)) for shape in cluster.mesh_candidates()]
+        if pipeline or (pipeline is None and cluster.num_nodes > 1):
+            candidates += pipeline_meshes(cluster)
+    else:
+        candidates = [(cluster.mesh_shape, tuple(cluster.axis_names or default_axis_names(cluster.mesh_shape)))]
     with _progress(progress, total=2 + 4 * len(candidates)) as report:
         report("capturing")
         prep = prepare(model, example_inputs, example_kwargs, cluster, skip_passes=skip_passes,
                        insert_passes=insert_passes, front=front)
         best, tried, infeasible = None, [], []
-        for shape in candidates:
-            names = tuple(cluster.axis_names) if cluster.mesh_shape is not None and cluster.axis_names \
-                else default_axis_names(shape)
+        for shape, names in candidates:
             if "pp" in names:
-                p = _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget, optimizer,
-                                   fused, pins, sharded_outputs, recompute, time_limit, skip_passes, insert_passes,
-                                   microbatches, schedule, tried, report, cost_model)
+                try:
+                    p = _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget,
+                                       optimizer, fused, pins, sharded_outputs, recompute, time_limit, skip_passes,
+                                       insert_passes, microbatches, schedule, tried, report, cost_model)
+                except AutoparError as e:
+                    if cluster.mesh_shape is not None:
+                        raise
+                    # A pipeline mesh the planner added itself: this model cannot use it.
+                    tried.append({"mesh": list(shape), "status": "skipped", "reason": str(e)})
+                    continue
                 if p is not None and (best is None or p.step_time < best.step_time):
                     best = p
                 continue
@@ -132,7 +144,8 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
                             constraints=sol.num_constraints, backend=sol.backend)
             if best is None or p.step_time < best.step_time:
                 best = p
-        if best is None and not infeasible and tried and all("pipeline" in t for t in tried):
+        if best is None and not infeasible and tried and all("pipeline" in t for t in tried) \
+                and cluster.mesh_shape is not None:
             from autopar.pipelining import no_fit
 
             raise no_fit(tried[-1]["mesh"][0], tried[-1]["pipeline"]["microbatches"], budget)
@@ -144,6 +157,20 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
                                  for r in prep.runner.records]
         report("done")
     return best
+
+
+def pipeline_meshes(cluster: ClusterSpec) -> list:
+    """Pipeline meshes to try beside ``cluster.mesh_candidates()``, after Megatron-LM's rule: tensor
+    parallel inside a node, pipeline across nodes, data parallel over the rest. ``pp`` is 2, 4 or 8
+    ranks, whole nodes each."""
+    k = cluster.devices_per_node
+    out = []
+    for p in (2, 4, 8):
+        if cluster.num_devices % (p * k) or cluster.num_devices < p * k:
+            continue
+        rest = cluster.num_devices // (p * k)
+        out.append(((p, rest, k), ("pp", "dp", "tp")) if rest > 1 else ((p, k), ("pp", "tp")))
+    return out
 
 
 def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget, optimizer, fused, pins,
@@ -173,9 +200,12 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
     else:
         counts = sorted({k * p for k in (1, 2, 4, 8) if batch % (k * p) == 0} or {batch})
     schedules = [schedule] if schedule else list(PL.SCHEDULES)
-    sub_shape = tuple(1 if i == axis else s for i, s in enumerate(shape))
+    # Layouts are solved on the other axes; a pipeline axis alone leaves a mesh of one device.
+    sub_shape, sub_names = (tuple(shape[1:]), tuple(names[1:])) if len(shape) > 1 else ((1,), names)
     sub_cluster = dataclasses.replace(cluster, num_devices=math.prod(sub_shape), mesh_shape=sub_shape,
-                                      axis_names=names)
+                                      axis_names=sub_names)
+    if len(shape) > 1:
+        pins = _drop_first_axis(pins)
     link = cluster.axis_link(shape, axis)
     best = None
     for m in counts:
@@ -197,7 +227,7 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
         tried.append(entry)
         if sol.status == "infeasible" or prob.objective(sol.assignment) >= INFEASIBLE:
             continue
-        sub = evaluate(prep, idx, sol.assignment, cm, sub_shape, names, sub_cluster, budget, sharded_outputs)
+        sub = evaluate(prep, idx, sol.assignment, cm, sub_shape, sub_names, sub_cluster, budget, sharded_outputs)
         chosen = {n: meta_of(n).strategies.strategies[idx.option_of(n, sol.assignment)] for n in prep.gm.graph.nodes
                   if n.op in ("placeholder", "call_function") and meta_of(n).strategies is not None}
         instance_of = {n: meta_of(n).layer.layer for n in chosen if n.op == "call_function" and meta_of(n).layer}
@@ -219,7 +249,7 @@ def _pipeline_plan(sub: Plan, found: dict, shape, names, axis, cluster, budget, 
     """The sub-mesh plan of one microbatch, widened to the whole mesh, with its pipeline."""
 
     def widen(lay):
-        return ["R" if i == axis else x for i, x in enumerate(lay)]
+        return ["R", *lay] if len(shape) > 1 else ["R"]
 
     sub.mesh = {"shape": list(shape), "axes": list(names)}
     sub.cluster = cluster.to_dict()
@@ -237,6 +267,8 @@ def _pipeline_plan(sub: Plan, found: dict, shape, names, axis, cluster, budget, 
     slow = found["ranks"][found["slowest_rank"]]
     comm = {a: m * slow["comm_seconds"].get(a, 0.0) for a in names}
     comm["pp"] += m * slow["p2p_seconds"]
+    for a, t in found["ranks"][found["tail_rank"]]["grad_sync_seconds"].items():
+        comm[a] += t
     # The slowest rank's microbatches, the pipeline's idle time, the slowest optimizer step: they add up
     # to step_time.
     sub.breakdown = {"compute": m * slow["compute_seconds"], "communication": comm,
@@ -244,10 +276,31 @@ def _pipeline_plan(sub: Plan, found: dict, shape, names, axis, cluster, budget, 
     sub.step_time = found["step_time"]
     sub.pipeline = {"axis": "pp", "schedule": found["schedule"], "microbatches": m,
                     "virtual_stages": found["virtual_stages"], "bubble_fraction": found["bubble_fraction"],
-                    "bubble_seconds": found["bubble_seconds"], "stages": found["stages"], "ranks": found["ranks"]}
+                    "bubble_seconds": found["bubble_seconds"], "grad_sync_seconds": found["grad_sync_seconds"],
+                    "stages": found["stages"], "ranks": found["ranks"]}
     sub.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
                       constraints=sol.num_constraints, backend=sol.backend)
     return sub
+
+
+def _drop_first_axis(pins):
+    """Pins written for the whole mesh, without their first (pipeline) axis's placement."""
+    if not pins:
+        return pins
+
+    def drop(v):
+        if isinstance(v, list) and v and all(isinstance(x, str) for x in v):
+            if v[0] != "R":
+                raise AutoparError(f"pin {v}: a pipeline plan replicates every layout along its first axis 'pp' "
+                                   f"(each rank holds whole stages); pin 'R' there")
+            return v[1:]
+        if isinstance(v, list):
+            return [drop(x) for x in v]
+        if isinstance(v, dict):
+            return {k: drop(x) for k, x in v.items()}
+        return v
+
+    return {k: drop(v) for k, v in pins.items()}
 
 
 def _with_mesh(cluster, mesh_shape, axis_names):
