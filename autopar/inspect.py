@@ -178,6 +178,7 @@ def _node_lines(ix: _Index, name: str) -> list[str]:
     lines = [f"node {name}: {n['op']}" + (f", output shape {n['shape']}" if n["shape"] is not None else "")]
     if n["layer"]:
         lines.append(f"  {ix.instances_note(n['layer'])}")
+    lines += _stage_lines(plan, n["layer"], n["name"])
     ins = " ".join(_lay(l) for l in n["inputs"])
     outs = " ".join(_lay(l) for l in n["outputs"])
     role = _role(n["op"], ",".join(_lay(l) for l in n["outputs"]), n["shape"], plan.axis_names)
@@ -194,6 +195,24 @@ def _node_lines(ix: _Index, name: str) -> list[str]:
             "has the same position in the first instance"
         lines.append(f"  decided by {key}: this node {why}")
     return lines + _decision_lines(ix, key)
+
+
+def _stage_lines(plan, layer, node_name) -> list[str]:
+    """Where a pipeline plan runs a node: its stage and the rank of the pipeline axis."""
+    pipe = plan.pipeline
+    if not pipe:
+        return []
+    stages = pipe["stages"]
+    st = next((s for s in stages if layer in s["layers"]), None)
+    if st is None:
+        names = [n["name"] for n in plan.nodes]
+        first = next((n["layer"] for n in plan.nodes if n["layer"]), None)
+        before = first is not None and names.index(node_name) < names.index(
+            next(n["name"] for n in plan.nodes if n["layer"] == first))
+        st = stages[0] if before else stages[-1]
+    return [f"  pipeline stage {st['index']} of {len(stages)} (rank {st['pp_rank']} of axis '{pipe['axis']}'), "
+            f"schedule {pipe['schedule']} over {pipe['microbatches']} microbatches; the figures below are "
+            f"per microbatch"]
 
 
 def _param_lines(ix: _Index, fqn: str) -> list[str]:
@@ -326,8 +345,11 @@ class PlanDiff:
 
 def _describe(plan) -> str:
     mesh = " x ".join(f"{a}={s}" for a, s in zip(plan.axis_names, plan.mesh_shape))
+    pipe = plan.pipeline
+    stages = (f", pipeline of {len(pipe['stages'])} stages ({pipe['schedule']}, {pipe['microbatches']} microbatches, "
+              f"bubble {_s(pipe['bubble_seconds'])})") if pipe else ""
     return (f"{plan.model['class']} on {plan.cluster.get('name') or plan.cluster.get('num_devices')} "
-            f"(mesh {mesh}), step {_s(plan.step_time)}, peak {_b(plan.memory['peak'])}")
+            f"(mesh {mesh}{stages}), step {_s(plan.step_time)}, peak {_b(plan.memory['peak'])}")
 
 
 def _axis_layout(layout, plan) -> str:
@@ -428,8 +450,10 @@ def _summary_html(plan) -> str:
     parts = [(f"compute {_s(bd['compute'])}", bd["compute"], "#59a14f")]
     parts += [(f"communication on {a} {_s(t)}", t, _PALETTE[i % len(_PALETTE)]) for i, (a, t) in enumerate(comm.items())]
     parts.append((f"optimizer {_s(bd['optimizer'])}", bd["optimizer"], "#9c755f"))
+    if bd.get("bubble"):
+        parts.append((f"pipeline bubble {_s(bd['bubble'])}", bd["bubble"], "#bab0ac"))
     total_comm = sum(comm.values())
-    exposed = max(plan.step_time - bd["compute"] - bd["optimizer"], 0.0)
+    exposed = max(plan.step_time - bd["compute"] - bd["optimizer"] - bd.get("bubble", 0.0), 0.0)
     m = plan.memory
     budget = m.get("budget") or 0.0
     frac = m["peak"] / budget if budget else 0.0
@@ -456,7 +480,41 @@ def _summary_html(plan) -> str:
  <b>{_s(exposed)}</b>{" &mdash; the cost model overlaps none of it" if exposed >= total_comm * 0.999 else ""}.</p>
 <h3>Peak memory per device: {_b(m['peak'])} of {_b(budget)} budget ({100 * frac:.1f}%)</h3>
 {_stacked_bar(mem_parts + [("free", max(budget - m['peak'], 0.0), "#e8e8e8")], max(budget, m['peak']))}
-{_legend([(p[0], p[2]) for p in mem_parts])}"""
+{_legend([(p[0], p[2]) for p in mem_parts])}
+{_pipeline_html(plan)}"""
+
+
+def _pipeline_html(plan) -> str:
+    """The stages of a pipeline plan and a timeline of one step on each rank of the pipeline axis."""
+    pipe = plan.pipeline
+    if not pipe:
+        return ""
+    rows = "".join(
+        f"<tr><td>{st['index']}</td><td>{st['pp_rank']}</td><td>{len(st['layers'])} ({_e(st['layers'][0])} &hellip; "
+        f"{_e(st['layers'][-1])})</td><td>{_s(st['seconds'])}</td><td>{_b(st['activations'])}</td>"
+        f"<td>{st['in_flight']:.3g}</td></tr>" for st in pipe["stages"])
+    return f"""
+<h3 id="pipeline">Pipeline: {len(pipe['stages'])} stages, schedule {_e(pipe['schedule'])}, {pipe['microbatches']}
+ microbatches, bubble {100 * pipe['bubble_fraction']:.1f}% of the ideal time ({_s(pipe['bubble_seconds'])})</h3>
+<table class="stages"><tr><th>stage</th><th>pp rank</th><th>layers</th><th>seconds / microbatch</th>
+<th>activations / microbatch</th><th>in flight</th></tr>{rows}</table>
+{_timeline_svg(pipe)}"""
+
+
+def _timeline_svg(pipe, width=640) -> str:
+    """Each rank's busy time (its microbatches) and idle time (its share of the bubble), to scale."""
+    ranks = pipe["ranks"]
+    busy = [r["seconds_per_microbatch"] * pipe["microbatches"] for r in ranks]
+    total = max(busy) + pipe["bubble_seconds"] or 1.0
+    bars = []
+    for i, (r, b) in enumerate(zip(ranks, busy)):
+        y = 4 + 18 * i
+        w = width * b / total
+        bars.append(f'<text x="0" y="{y + 11}" font-size="10">rank {r["rank"]}</text>'
+                    f'<rect x="50" y="{y}" width="{w:.1f}" height="14" fill="#59a14f"><title>busy {_s(b)}</title></rect>'
+                    f'<rect x="{50 + w:.1f}" y="{y}" width="{width - w:.1f}" height="14" fill="#e8e8e8">'
+                    f'<title>idle {_s(total - b)}</title></rect>')
+    return (f'<svg class="timeline" width="{width + 60}" height="{8 + 18 * len(ranks)}">{"".join(bars)}</svg>')
 
 
 def _graph_data(plan, ix: _Index, color) -> dict:

@@ -103,16 +103,19 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     else:
         candidates = [(cluster.mesh_shape, tuple(cluster.axis_names or default_axis_names(cluster.mesh_shape)))]
     with _progress(progress, total=2 + 4 * len(candidates)) as report:
-        report("capturing")
-        prep = prepare(model, example_inputs, example_kwargs, cluster, skip_passes=skip_passes,
-                       insert_passes=insert_passes, front=front)
+        prep = None
+        if any("pp" not in names for _, names in candidates):
+            report("capturing")
+            prep = prepare(model, example_inputs, example_kwargs, cluster, skip_passes=skip_passes,
+                           insert_passes=insert_passes, front=front)
         best, tried, infeasible = None, [], []
         for shape, names in candidates:
             if "pp" in names:
                 try:
                     p = _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget,
                                        optimizer, fused, pins, sharded_outputs, recompute, time_limit, skip_passes,
-                                       insert_passes, microbatches, schedule, tried, report, cost_model)
+                                       insert_passes, microbatches, schedule, tried, report, cost_model,
+                                       added=cluster.mesh_shape is None)
                 except AutoparError as e:
                     if cluster.mesh_shape is not None:
                         raise
@@ -154,15 +157,49 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
         best.solver["candidates"] = tried
         best.solver["planning_seconds"] = time.perf_counter() - t0
         best.solver["passes"] = [{"name": r.name, "stage": r.stage, "seconds": r.seconds, "skipped": r.skipped}
-                                 for r in prep.runner.records]
+                                 for r in (prep.runner.records if prep is not None else [])]
         report("done")
     return best
+
+
+def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
+    """``cost_model`` for one of ``microbatches`` microbatches of a pipeline step: a parameter's
+    gradient all-reduce and the optimizer step run once per step, so each microbatch pays 1/m of them."""
+    from autopar.passes.costs import _transition_cached
+    from autopar.passes.resharding import collective_seconds
+    from autopar.passes.strategies import value_info
+
+    class PerMicrobatch(cost_model):
+        microbatches = 1
+
+        def transition_seconds(self, value, src_layout, dst_layout, partial_axes):
+            role = meta_of(value.node).role
+            if value.node.op != "placeholder" or role is None or role.kind != "param":
+                return super().transition_seconds(value, src_layout, dst_layout, partial_axes)
+            if super().transition_seconds(value, src_layout, dst_layout, partial_axes) >= INFEASIBLE:
+                return INFEASIBLE
+            info = value_info(value)
+            steps = _transition_cached(tuple(src_layout), tuple(dst_layout), info.shape, self.mesh_shape,
+                                       partial_axes)
+            total = 0.0
+            for st in steps:
+                bw, lat = self.links[st.axis]
+                once = st.op == "grad_all_reduce"
+                for kind, _phase, nbytes in st.collectives(info.dtype.itemsize, requires_grad(value.node)):
+                    t = collective_seconds(kind, nbytes, self.mesh_shape[st.axis], bw, lat)
+                    total += t / self.microbatches if once else t
+            return total
+
+        def optimizer_seconds(self, node, layout):
+            return super().optimizer_seconds(node, layout) / self.microbatches
+
+    return PerMicrobatch
 
 
 def pipeline_meshes(cluster: ClusterSpec) -> list:
     """Pipeline meshes to try beside ``cluster.mesh_candidates()``, after Megatron-LM's rule: tensor
     parallel inside a node, pipeline across nodes, data parallel over the rest. ``pp`` is 2, 4 or 8
-    ranks, whole nodes each."""
+    ranks, whole nodes each; the two largest that fit are tried."""
     k = cluster.devices_per_node
     out = []
     for p in (2, 4, 8):
@@ -170,13 +207,15 @@ def pipeline_meshes(cluster: ClusterSpec) -> list:
             continue
         rest = cluster.num_devices // (p * k)
         out.append(((p, rest, k), ("pp", "dp", "tp")) if rest > 1 else ((p, k), ("pp", "tp")))
-    return out
+    return out[-2:]
 
 
 def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget, optimizer, fused, pins,
                    sharded_outputs, recompute, time_limit, skip_passes, insert_passes, microbatches, schedule,
-                   tried, report, cost_model=CostModel) -> Plan | None:
-    """The fastest pipeline plan on mesh ``shape`` (axis ``pp`` among ``names``), or None when none fits."""
+                   tried, report, cost_model=CostModel, added=False) -> Plan | None:
+    """The fastest pipeline plan on mesh ``shape`` (axis ``pp`` among ``names``), or None when none fits.
+    On a mesh the planner ``added`` itself, only the most microbatches that leave every data-parallel
+    rank a whole sample are tried (each count is one more capture and solve)."""
     import math
 
     from autopar import pipelining as PL
@@ -199,6 +238,10 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
         counts = [microbatches]
     else:
         counts = sorted({k * p for k in (1, 2, 4, 8) if batch % (k * p) == 0} or {batch})
+        if added:
+            spread = math.prod(shape[1:-1]) if len(shape) > 2 else 1     # the data-parallel axis
+            whole = [c for c in counts if (batch // c) % spread == 0]
+            counts = whole[-1:] or counts[:1]
     schedules = [schedule] if schedule else list(PL.SCHEDULES)
     # Layouts are solved on the other axes; a pipeline axis alone leaves a mesh of one device.
     sub_shape, sub_names = (tuple(shape[1:]), tuple(names[1:])) if len(shape) > 1 else ((1,), names)
@@ -217,8 +260,11 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
         prep.runner.run(mesh_passes(sub_shape), prep.gm, f"mesh {shape}")
         cm = cost_model(sub_cluster, sub_shape, optimizer, fused=fused)
         # Each stage holds about 1/p of the model: the whole microbatch program gets p budgets here, and
-        # every stage is checked against one budget, in-flight microbatches included, below.
-        prob, idx = build_problem(prep.gm, cm, budget * p, pins, sharded_outputs, False)
+        # every stage is checked against one budget, in-flight microbatches included, below. The ILP
+        # prices one microbatch, with what runs once per step (gradient sync, optimizer) divided by m.
+        scaled = _per_microbatch(cost_model)(sub_cluster, sub_shape, optimizer, fused=fused)
+        scaled.microbatches = m
+        prob, idx = build_problem(prep.gm, scaled, budget * p, pins, sharded_outputs, False)
         report(f"mesh {shape}, {m} microbatches: solving {len(prob.choices)} decisions")
         sol = solve(prob, time_limit=time_limit)
         entry = {"mesh": list(shape), "status": sol.status, "objective": sol.objective, "seconds": sol.seconds,

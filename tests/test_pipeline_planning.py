@@ -183,7 +183,7 @@ def test_multi_node_clusters_try_pipeline_meshes():
     from autopar.planner import pipeline_meshes
 
     assert pipeline_meshes(autopar.ClusterSpec.preset("1024xH100")) == [
-        ((2, 64, 8), ("pp", "dp", "tp")), ((4, 32, 8), ("pp", "dp", "tp")), ((8, 16, 8), ("pp", "dp", "tp"))]
+        ((4, 32, 8), ("pp", "dp", "tp")), ((8, 16, 8), ("pp", "dp", "tp"))]
     assert pipeline_meshes(autopar.ClusterSpec.preset("16xH100")) == [((2, 8), ("pp", "tp"))]
     with torch.device("meta"):
         model = Stack(256, 4, 1024, 4)
@@ -194,3 +194,18 @@ def test_multi_node_clusters_try_pipeline_meshes():
     assert any(t is not None for c in tried for t in c["pipeline"]["schedules"].values())
     single = autopar.plan(model, autopar.ClusterSpec.preset("16xH100"), (x,), progress=False, pipeline=False)
     assert not any("pipeline" in c for c in single.solver["candidates"])
+
+
+def test_explain_report_and_diff_show_the_pipeline(tmp_path):
+    plan = _stack_plan(schedule="1F1B", microbatches=4)
+    node = next(n["name"] for n in plan.nodes if n["layer"] == "blocks.6")
+    text = plan.explain(node)
+    assert "pipeline stage 1 of 2 (rank 1 of axis 'pp')" in text and "per microbatch" in text
+    html_path = tmp_path / "plan.html"
+    plan.to_html(html_path)
+    html = html_path.read_text()
+    assert 'id="pipeline"' in html and "pipeline bubble" in html and "blocks.4" in html
+    from autopar.inspect import diff
+
+    other = _stack_plan(schedule="GPipe", microbatches=4)
+    assert "pipeline of 2 stages (GPipe, 4 microbatches" in str(diff(plan, other))
