@@ -95,19 +95,22 @@ def _dp_pins():
 
 
 def test_pipeline_parity_two_ranks():
-    """pp=2: the built-in GPT (tied embedding and head on different stages), GPT-2 and LLaMA, under
-    1F1B and GPipe; a 4-layer GPT under interleaved 1F1B and the zero-bubble V schedule."""
+    """pp=2: the built-in GPT (tied embedding and head on different stages), GPT-2, LLaMA and BERT,
+    under 1F1B and GPipe; a 4-layer GPT under interleaved 1F1B and the zero-bubble V schedule."""
     cases = [("gpt", (2,), ("pp",), "1F1B", 4, None),
              ("gpt2", (2,), ("pp",), "GPipe", 2, None),
              ("llama", (2,), ("pp",), "1F1B", 4, None),
+             ("bert", (2,), ("pp",), "GPipe", 4, None),
              ("gpt-4-layers", (2,), ("pp",), "Interleaved1F1B", 4, None),
              ("gpt-4-layers", (2,), ("pp",), "ZBVZeroBubble", 2, None)]
     run_distributed(_check, 2, cases, timeout=400)
 
 
 def test_pipeline_parity_four_ranks():
-    """pp=2 x dp=2 (batch split inside each stage) and pp=2 x tp=2 (Megatron layers inside each stage)."""
-    cases = [("llama", (2, 2), ("pp", "dp"), "1F1B", 2, _dp_pins()),
+    """pp=4 (a 4-layer GPT), pp=2 x dp=2 (batch split inside each stage) and pp=2 x tp=2 (Megatron
+    layers inside each stage)."""
+    cases = [("gpt-4-layers", (4,), ("pp",), "1F1B", 4, None),
+             ("llama", (2, 2), ("pp", "dp"), "1F1B", 2, _dp_pins()),
              ("gpt2", (2, 2), ("pp", "tp"), "GPipe", 2, _tp_pins("gpt2")),
              ("gpt", (2, 2), ("pp", "tp"), "1F1B", 4, _tp_pins("gpt"))]
     run_distributed(_check, 4, cases, timeout=600)
