@@ -4,9 +4,10 @@
     plan = autopar.plan(model, autopar.ClusterSpec.preset("64xH100"), example_inputs=(ids,))
 """
 from autopar.cluster import ClusterSpec, DeviceSpec
-from autopar.errors import (AutoparError, CaptureError, ClusterMismatchError, InfeasiblePlanError, MeshError,
-                            PlanFormatError, ShardingError)
+from autopar.errors import (AutoparError, AutoparWarning, CaptureError, ClusterMismatchError, InfeasiblePlanError,
+                            MeshError, PlanFormatError, ShapeMismatchError, ShardingError)
 from autopar.plan import Plan
+from autopar import checkpoint
 
 __version__ = "0.1.0"
 
@@ -29,10 +30,11 @@ def compile(model, cluster, example_inputs=(), example_kwargs=None, *, memory_bu
 
 def diff(a: Plan, b: Plan):
     """What differs between two plans: layouts, collectives, step time and memory."""
-    from autopar.inspect import diff as _diff
+    from autopar.inspection import diff as _diff
 
     return _diff(a, b)
 
 
-__all__ = ["ClusterSpec", "DeviceSpec", "Plan", "plan", "compile", "diff", "AutoparError", "CaptureError",
-           "ClusterMismatchError", "InfeasiblePlanError", "MeshError", "PlanFormatError", "ShardingError"]
+__all__ = ["ClusterSpec", "DeviceSpec", "Plan", "plan", "compile", "diff", "checkpoint", "AutoparError",
+           "AutoparWarning", "CaptureError", "ClusterMismatchError", "InfeasiblePlanError", "MeshError",
+           "PlanFormatError", "ShapeMismatchError", "ShardingError"]

@@ -1,6 +1,6 @@
 """``autopar.compile``: the stages in order, on every rank.
 
-1. capture and the front-end passes (autopar/pipeline.py), once;
+1. capture and the front-end passes (autopar/pass_pipeline.py), once;
 2. the plan: made on rank 0 from that front end (autopar/planner.py) and broadcast, or the one given;
 3. codegen: this rank's local program with its collectives and kernels (codegen/);
 4. the runtime gets the finished Program and the model's weights (runtime/module.py).
@@ -11,8 +11,10 @@ import json
 import math
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from autopar.cluster import ClusterSpec
 from autopar.errors import ClusterMismatchError, PlanFormatError
@@ -30,9 +32,8 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
     (the loss) are returned whole. The default is the given plan's setting, else False.
     ``kernels`` is "auto" (Triton on CUDA, ATen on CPU), "triton" or "aten" (docs/kernels.md).
     ``skip_passes`` and ``insert_passes`` change the pass pipeline on every rank (docs/extending.md)."""
-    from autopar.codegen.triton import resolve_backend
-    from autopar.pipeline import front_end, generate, new_runner
-    from autopar.planner import model_fingerprint
+    from autopar.codegen.triton import resolve_kernels
+    from autopar.pass_pipeline import front_end, generate, new_runner
     from autopar.runtime.module import build, device_type, init_mesh, rank_device
 
     if not dist.is_available() or not dist.is_initialized():
@@ -44,7 +45,7 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
         raise ClusterMismatchError(f"the process group has {world} ranks but the ClusterSpec describes "
                                    f"{cluster.num_devices} devices; use ClusterSpec.from_env() or a spec of "
                                    f"{world} devices")
-    kernels = resolve_backend(kernels, device_type())
+    kernels = resolve_kernels(kernels, device_type())
     runner = new_runner(skip_passes, insert_passes)
     if runner.debug_dir is not None and world > 1:
         runner.debug_dir = Path(runner.debug_dir) / f"rank{dist.get_rank()}"
@@ -54,14 +55,7 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
         plan = _plan_on_rank0(model, cluster, example_inputs, example_kwargs, memory_budget, front,
                               {**plan_options, "kernels": kernels, "sharded_outputs": bool(sharded_outputs)})
     else:
-        if plan.model.get("fingerprint") != model_fingerprint(model):
-            raise PlanFormatError(f"this plan was made for another model ({plan.model.get('class')}, fingerprint "
-                                  f"{plan.model.get('fingerprint')}) than {type(model).__qualname__} "
-                                  f"(fingerprint {model_fingerprint(model)}); plan this model again")
-        n = math.prod(plan.mesh_shape)
-        if n != world:
-            raise ClusterMismatchError(f"the plan's mesh {plan.mesh_shape} has {n} devices but the process "
-                                       f"group has {world} ranks")
+        check_plan(plan, model, example_inputs, example_kwargs, world, memory_budget=memory_budget, **plan_options)
     if sharded_outputs is None:
         sharded_outputs = plan.sharded_outputs
     if plan.pipeline:
@@ -91,3 +85,72 @@ def _plan_on_rank0(model, cluster, example_inputs, example_kwargs, memory_budget
     if isinstance(payload[0], Exception):
         raise payload[0]
     return Plan.from_dict(json.loads(payload[0]))
+
+
+def check_plan(plan: Plan, model: nn.Module, example_inputs=(), example_kwargs=None, world: int | None = None, *,
+               memory_budget=None, pins=None, mesh_shape=None, axis_names=None, progress=None, **options) -> None:
+    """Check a given plan against the model, the example inputs and the options beside it.
+
+    A plan fixes every shape, so inputs of other shapes are refused (plan again for them). Planning
+    options cannot change a finished plan: ``memory_budget``, ``pins``, ``mesh_shape`` and
+    ``axis_names`` are checked against it, and any other planning option is refused rather than
+    ignored."""
+    from autopar.errors import InfeasiblePlanError, ShapeMismatchError
+    from autopar.planner import model_fingerprint
+
+    if plan.model.get("fingerprint") != model_fingerprint(model):
+        raise PlanFormatError(f"this plan was made for another model ({plan.model.get('class')}, fingerprint "
+                              f"{plan.model.get('fingerprint')}) than {type(model).__qualname__} "
+                              f"(fingerprint {model_fingerprint(model)}); plan this model again")
+    n = math.prod(plan.mesh_shape)
+    if world is not None and n != world:
+        raise ClusterMismatchError(f"the plan's mesh {plan.mesh_shape} has {n} devices but the process "
+                                   f"group has {world} ranks")
+    if options:
+        raise PlanFormatError(f"options {sorted(options)} only apply when planning, and plan= gives a finished "
+                              f"plan; drop them, or plan again with them (autopar.plan(..., "
+                              f"{', '.join(f'{k}=...' for k in sorted(options))}))")
+    flat = pytree.tree_leaves((tuple(example_inputs), dict(example_kwargs or {})))
+    got = [list(x.shape) if isinstance(x, torch.Tensor) else None for x in flat]
+    planned = plan.model.get("input_shapes")
+    if planned is not None and got != planned:
+        raise ShapeMismatchError(f"this plan was made for inputs of shapes {planned} but the example inputs have "
+                                 f"shapes {got}. Layouts, memory and time are planned for one shape: plan again "
+                                 f"for these inputs (autopar.compile without plan=), or call with the planned shapes")
+    if mesh_shape is not None and tuple(mesh_shape) != plan.mesh_shape:
+        raise PlanFormatError(f"mesh_shape={tuple(mesh_shape)} but the plan's mesh is {plan.mesh_shape}")
+    if axis_names is not None and tuple(axis_names) != plan.axis_names:
+        raise PlanFormatError(f"axis_names={tuple(axis_names)} but the plan's mesh axes are {plan.axis_names}")
+    if memory_budget is not None and plan.memory["peak"] > float(memory_budget):
+        raise InfeasiblePlanError(f"the plan's predicted peak, {plan.memory['peak']:.0f} bytes per device, exceeds "
+                                  f"memory_budget={float(memory_budget):.0f}; plan again with this budget",
+                                  budget=float(memory_budget))
+    for pattern, pin in (pins or {}).items():
+        _check_pin(plan, pattern, pin)
+
+
+def _check_pin(plan: Plan, pattern: str, pin) -> None:
+    """A pin beside plan=: the plan must already give what the pin asks for."""
+    import fnmatch
+
+    from autopar.passes.problem import unmatched_pin_error
+
+    want = pin if isinstance(pin, dict) else {"output": pin}
+    layouts = {**{k: {"output": v} for k, v in plan.params.items()},
+               **{k: {"output": v} for k, v in plan.inputs.items()},
+               **{n["name"]: {"output": n["outputs"][0] if n["outputs"] else None, "inputs": n["inputs"]}
+                  for n in plan.nodes}}
+    matched = [name for name in layouts if fnmatch.fnmatchcase(name, pattern)]
+    if not matched:
+        raise unmatched_pin_error(pattern, list(layouts))
+    for name in matched:
+        asked = {}
+        if "output" in want:
+            asked["output"] = [str(p) for p in want["output"]]
+        if "inputs" in want:
+            asked["inputs"] = [[str(p) for p in lay] for lay in want["inputs"]]
+        for key, lay in asked.items():
+            if lay != layouts[name].get(key):
+                raise PlanFormatError(f"pin {pattern!r} asks {name} for {key} {lay}, but the plan gives it "
+                                      f"{layouts[name].get(key)}; plan again with the pin "
+                                      f"(autopar.plan(..., pins=...))")

@@ -37,3 +37,11 @@ class CaptureError(AutoparError):
 
 class ClusterMismatchError(AutoparError):
     """The running process group does not match the ClusterSpec or the Plan."""
+
+
+class ShapeMismatchError(AutoparError):
+    """Inputs have other shapes than the ones the plan was made for."""
+
+
+class AutoparWarning(UserWarning):
+    """A plan is valid but likely not what was meant (a mesh axis that splits no work)."""

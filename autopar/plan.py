@@ -5,6 +5,7 @@ The schema is documented in docs/plan-format.md. Loading validates the file and 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,13 +98,13 @@ class Plan:
 
     def explain(self, name: str) -> str:
         """Why ``name`` (a node or a parameter FQN) has its layout: the alternatives and their costs."""
-        from autopar.inspect import explain
+        from autopar.inspection import explain
 
         return explain(self, name)
 
     def to_html(self, path) -> None:
         """Write a self-contained HTML report of this plan."""
-        from autopar.inspect import to_html
+        from autopar.inspection import to_html
 
         to_html(self, path)
 
@@ -116,6 +117,197 @@ class Plan:
         return self.summary()
 
 
+# --- schema ------------------------------------------------------------------------------------
+# Every field is checked before a Plan is made, so a malformed file fails here, naming the field,
+# and never later inside code generation. A check is a function (value, where) that raises.
+
+def _fail(where, message):
+    raise PlanFormatError(f"plan field {where}: {message}")
+
+
+def _number(v, where):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        _fail(where, f"must be a finite non-negative number, got {v!r}")
+
+
+def _cost(v, where):
+    """Seconds or bytes of an alternative, where an impossible option is priced infinite."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
+        _fail(where, f"must be a non-negative number or Infinity, got {v!r}")
+
+
+def _integer(low=0):
+    def check(v, where):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            _fail(where, f"must be an integer >= {low}, got {v!r}")
+    return check
+
+
+def _string(v, where):
+    if not isinstance(v, str) or not v:
+        _fail(where, f"must be a non-empty string, got {v!r}")
+
+
+def _boolean(v, where):
+    if not isinstance(v, bool):
+        _fail(where, f"must be true or false, got {v!r}")
+
+
+def _one_of(options):
+    def check(v, where):
+        if not isinstance(v, str) or v not in options:
+            _fail(where, f"must be one of {list(options)}, got {v!r}")
+    return check
+
+
+def _optional(check):
+    def inner(v, where):
+        if v is not None:
+            check(v, where)
+    return inner
+
+
+def _list_of(check):
+    def inner(v, where):
+        if not isinstance(v, list):
+            _fail(where, f"must be a list, got {type(v).__name__}")
+        for i, x in enumerate(v):
+            check(x, f"{where}[{i}]")
+    return inner
+
+
+def _dict_of(check):
+    def inner(v, where):
+        if not isinstance(v, dict):
+            _fail(where, f"must be an object, got {type(v).__name__}")
+        for k, x in v.items():
+            if not isinstance(k, str) or not k:
+                _fail(where, f"keys must be non-empty strings, got {k!r}")
+            check(x, f"{where}.{k}")
+    return inner
+
+
+def _object(required: dict, optional: dict | None = None, *, open_ended: bool = True):
+    """An object with ``required`` and ``optional`` fields; ``open_ended`` allows other keys."""
+    optional = optional or {}
+
+    def inner(v, where):
+        if not isinstance(v, dict):
+            _fail(where, f"must be an object, got {type(v).__name__}")
+        missing = [k for k in required if k not in v]
+        if missing:
+            _fail(where, f"is missing {missing}")
+        if not open_ended:
+            unknown = sorted(set(map(str, v)) - set(required) - set(optional))
+            if unknown:
+                _fail(where, f"has unknown fields {unknown}")
+        for k, check in {**required, **optional}.items():
+            if k in v:
+                check(v[k], f"{where}.{k}")
+    return inner
+
+
+def _layout(axes, *, partial_ok=True):
+    def check(v, where):
+        if not isinstance(v, list) or len(v) != len(axes):
+            _fail(where, f"layout {v!r} must list one placement per mesh axis {list(axes)}")
+        dims = []
+        for x in v:
+            if not isinstance(x, str):
+                _fail(where, f"placement {x!r} must be a string 'R', 'P' or 'S(<dim>)'")
+            try:
+                p = Placement.parse(x)
+            except ShardingError as e:
+                _fail(where, str(e))
+            if p.is_partial and not partial_ok:
+                _fail(where, f"layout {v} is a partial sum, which a parameter or an input cannot be")
+            if p.is_shard:
+                if p.dim in dims:
+                    _fail(where, f"layout {v} shards dim {p.dim} along two mesh axes")
+                dims.append(p.dim)
+    return check
+
+
+def _mesh(v, where):
+    _object({"shape": _list_of(_integer(1)), "axes": _list_of(_string)}, open_ended=False)(v, where)
+    if not v["shape"] or len(v["shape"]) != len(v["axes"]):
+        _fail(where, f"shape {v['shape']} and axes {v['axes']} must be non-empty and of equal length")
+    if len(set(v["axes"])) != len(v["axes"]):
+        _fail(where, f"axis names {v['axes']} must be distinct")
+
+
+def _cluster(v, where):
+    from autopar.cluster import ClusterSpec
+
+    try:
+        ClusterSpec.from_dict(v)
+    except PlanFormatError as e:
+        _fail(where, str(e))
+    except Exception as e:           # a wrong type reaching ClusterSpec's own checks
+        _fail(where, f"{type(e).__name__}: {e}")
+
+
+def _node(axes):
+    layout = _layout(axes)
+
+    def check(v, where):
+        _object({"name": _string, "op": _string, "inputs": _list_of(layout), "outputs": _list_of(layout),
+                 "split_axes": _list_of(_one_of(axes)), "compute_seconds": _number, "comm_seconds": _number,
+                 "activation_bytes": _number, "layer": _optional(_string), "layer_class": _optional(_string),
+                 "follows": _optional(_string), "shape": _optional(_list_of(_integer(0)))})(v, where)
+        shape = v.get("shape")
+        if shape is not None and v["outputs"]:
+            for x in v["outputs"][0]:
+                p = Placement.parse(x)
+                if p.is_shard and p.dim >= len(shape):
+                    _fail(f"{where}.outputs", f"S({p.dim}) for a tensor of shape {shape}")
+    return check
+
+
+def _schema(axes) -> dict:
+    """The check of every top-level field, for a mesh of these axis names."""
+    collective = _object({"kind": _one_of(KINDS), "axis": _one_of(axes), "phase": _one_of(PHASES),
+                          "bytes": _number, "seconds": _number, "node": _string},
+                         {"value": _string, "step": _string, "recompute": _boolean})
+    alternative = _object({"layout": _string, "chosen": _boolean},
+                          {"inputs": _list_of(_layout(axes)), "own_seconds": _cost, "resharding_seconds": _cost,
+                           "total_seconds": _cost, "memory_bytes": _cost,
+                           "collectives": _list_of(_object(
+                               {"kind": _string, "neighbor": _string, "value": _string},
+                               {"axis": _one_of(axes), "phase": _one_of(PHASES), "bytes": _number,
+                                "seconds": _number}))})
+    timeline = _object({"phase": _one_of(("forward", "backward")), "node": _string, "params": _number,
+                        "optimizer": _number, "grads": _number, "activations": _number, "transient": _number})
+    return {
+        "model": _object({"class": _string, "fingerprint": _string, "num_params": _integer(0)},
+                         {"input_shapes": _list_of(_optional(_list_of(_integer(0)))),
+                          "layers": _dict_of(_integer(1))}),
+        "cluster": _cluster,
+        "mesh": _mesh,
+        "params": _dict_of(_layout(axes, partial_ok=False)),
+        "inputs": _dict_of(_layout(axes, partial_ok=False)),
+        "nodes": _list_of(_node(axes)),
+        "collectives": _list_of(collective),
+        "memory": _object({k: _number for k in MEMORY_KEYS},
+                          {"budget": _number, "by_param": _dict_of(_number), "timeline": _list_of(timeline)}),
+        "step_time": _number,
+        "breakdown": _object({"compute": _number, "communication": _dict_of(_number), "optimizer": _number},
+                             {"recompute": _number}),
+        "solver": _object({}, {"status": _string, "seconds": _number, "variables": _integer(0),
+                               "constraints": _integer(0), "backend": _string, "planning_seconds": _number,
+                               "candidates": _list_of(_object({"mesh": _list_of(_integer(1)), "status": _string},
+                                                              {"objective": _optional(_cost)})),
+                               "passes": _list_of(_object({"name": _string, "seconds": _number,
+                                                           "skipped": _boolean}))}),
+        "alternatives": _dict_of(_list_of(alternative)),
+        "sharded_outputs": _boolean,
+        "recompute": _object({"classes": _dict_of(_object({"count": _integer(0), "of": _integer(1),
+                                                            "layers": _list_of(_string)})),
+                              "layers": _list_of(_string)}, open_ended=False),
+        "extra": _object({}, {"warnings": _list_of(_string)}),
+    }
+
+
 def _validate(d: Any) -> None:
     if not isinstance(d, dict):
         raise PlanFormatError(f"a plan is a JSON object, got {type(d).__name__}")
@@ -123,55 +315,34 @@ def _validate(d: Any) -> None:
     if version != PLAN_VERSION:
         raise PlanFormatError(f"plan format version {version!r} is not supported (this autopar reads "
                               f"version {PLAN_VERSION}); plan the model again with this version")
-    required = [k for k, f in Plan.__dataclass_fields__.items() if k not in ("version", "extra", "alternatives",
-                                                                                   "sharded_outputs", "recompute",
-                                                                                   "pipeline")]
-    missing = [k for k in required if k not in d]
+    optional = ("version", "extra", "alternatives", "sharded_outputs", "recompute", "pipeline")
+    missing = [k for k in Plan.__dataclass_fields__ if k not in optional and k not in d]
     if missing:
         raise PlanFormatError(f"plan is missing fields {missing}")
-    mesh = d["mesh"]
-    if not (isinstance(mesh, dict) and isinstance(mesh.get("shape"), list) and isinstance(mesh.get("axes"), list)
-            and len(mesh["shape"]) == len(mesh["axes"]) and all(isinstance(s, int) and s > 0 for s in mesh["shape"])):
-        raise PlanFormatError(f"plan mesh must be {{'shape': [ints > 0], 'axes': [names]}} of equal length, got {mesh!r}")
-    nax = len(mesh["shape"])
-
-    def check_layout(where, lay):
-        if not isinstance(lay, list) or len(lay) != nax:
-            raise PlanFormatError(f"{where}: layout {lay!r} must list one placement per mesh axis ({nax})")
-        for p in lay:
-            try:
-                Placement.parse(p)
-            except (ShardingError, AttributeError) as e:
-                raise PlanFormatError(f"{where}: {e}") from e
-
-    if not isinstance(d["params"], dict):
-        raise PlanFormatError("plan 'params' must map parameter names to layouts")
-    for fqn, lay in d["params"].items():
-        check_layout(f"param {fqn}", lay)
-    if not isinstance(d["nodes"], list):
-        raise PlanFormatError("plan 'nodes' must be a list")
-    for n in d["nodes"]:
-        if not isinstance(n, dict) or not {"name", "op", "inputs", "outputs"} <= n.keys():
-            raise PlanFormatError(f"plan node entry {n!r} needs name, op, inputs and outputs")
-        for lay in n["inputs"] + n["outputs"]:
-            check_layout(f"node {n['name']}", lay)
-    for c in d["collectives"]:
-        if not isinstance(c, dict) or c.get("kind") not in KINDS or c.get("phase") not in PHASES \
-                or c.get("axis") not in mesh["axes"]:
-            raise PlanFormatError(f"plan collective {c!r}: kind must be one of {KINDS}, phase one of {PHASES}, "
-                                  f"axis one of {mesh['axes']}")
-    if not isinstance(d["memory"], dict) or any(k not in d["memory"] for k in MEMORY_KEYS):
-        raise PlanFormatError(f"plan memory must give {MEMORY_KEYS}")
-    rc = d.get("recompute", {"classes": {}, "layers": []})
-    if not (isinstance(rc, dict) and isinstance(rc.get("layers"), list) and isinstance(rc.get("classes"), dict)
-            and all(isinstance(x, str) for x in rc["layers"])):
-        raise PlanFormatError(f"plan recompute must be {{'classes': {{...}}, 'layers': [layer names]}}, got {rc!r}")
-    if not isinstance(d.get("sharded_outputs", False), bool):
-        raise PlanFormatError(f"plan sharded_outputs must be true or false, got {d['sharded_outputs']!r}")
+    unknown = sorted(set(map(str, d)) - set(Plan.__dataclass_fields__))
+    if unknown:
+        raise PlanFormatError(f"plan has unknown fields {unknown}; a plan of another autopar version?")
+    _mesh(d["mesh"], "mesh")
+    schema = _schema(tuple(d["mesh"]["axes"]))
+    for key, check in schema.items():
+        if key in d:
+            check(d[key], key)
+    names = [n["name"] for n in d["nodes"]]
+    if len(set(names)) != len(names):
+        _fail("nodes", "node names must be unique")
+    if set(d["breakdown"]["communication"]) - set(d["mesh"]["axes"]):
+        _fail("breakdown.communication", f"names axes {sorted(d['breakdown']['communication'])} outside the "
+                                         f"mesh's {d['mesh']['axes']}")
+    rc = d.get("recompute")
+    if rc is not None:
+        listed = {x for c in rc["classes"].values() for x in c["layers"]}
+        for cls, c in rc["classes"].items():
+            if c["count"] > c["of"] or len(c["layers"]) != c["count"]:
+                _fail(f"recompute.classes.{cls}", f"count {c['count']} of {c['of']} with {len(c['layers'])} layers")
+        if set(rc["layers"]) != listed:
+            _fail("recompute.layers", f"{rc['layers']} must be the layers its classes list ({sorted(listed)})")
     if d.get("pipeline") is not None:
-        _validate_pipeline(d["pipeline"], mesh)
-    if not isinstance(d["step_time"], (int, float)) or d["step_time"] < 0:
-        raise PlanFormatError(f"plan step_time must be a non-negative number, got {d['step_time']!r}")
+        _validate_pipeline(d["pipeline"], d["mesh"])
 
 
 def _validate_pipeline(pipe: Any, mesh: dict) -> None:

@@ -6,23 +6,24 @@ import dataclasses
 import hashlib
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from autopar.cluster import ClusterSpec, default_axis_names
-from autopar.errors import AutoparError, InfeasiblePlanError
+from autopar.errors import AutoparError, AutoparWarning, InfeasiblePlanError
 from autopar.layout import format_layout
 from autopar.passes.capture import CapturedProgram
 from autopar.passes.costs import INFEASIBLE, CostModel, OptimizerSpec, VIEW_OPS
 from autopar.passes.layers import layer_counts, layer_instances
-from autopar.passes.lowering import collectives, lower
+from autopar.passes.reshard_plan import collectives, plan_reshards
 from autopar.passes.meta import meta_of, op_name
 from autopar.passes.problem import ProblemIndex, build_problem
 from autopar.passes.runner import PassRunner
 from autopar.passes.strategies import requires_grad, root_of
-from autopar.pipeline import FrontEnd, analysis_passes, front_end, mesh_passes, new_runner
+from autopar.pass_pipeline import FrontEnd, analysis_passes, front_end, mesh_passes, new_runner
 from autopar.plan import Plan
 from autopar.solver import minimum_feasible_budget, solve
 
@@ -80,7 +81,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     activations are recomputed in backward) where memory is short; ``False`` keeps every activation;
     ``{"model.layers.*": "all"}`` (or a count) fixes it for the layer classes a glob names.
     ``skip_passes`` names passes not to run; ``insert_passes`` is a sequence of (name of a pass, a pass
-    to run right after it) (autopar/pipeline.py lists the passes; docs/extending.md).
+    to run right after it) (autopar/pass_pipeline.py lists the passes; docs/extending.md).
     ``cost_model`` is the class that prices every candidate, ``CostModel`` or a subclass of it (e.g.
     one that looks op times up in a measured table; docs/extending.md).
     A mesh axis named ``pp`` makes a pipeline plan (autopar/pipelining.py, docs/pipeline.md):
@@ -154,6 +155,9 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
             raise no_fit(tried[-1]["mesh"][0], tried[-1]["pipeline"]["microbatches"], budget)
         if best is None:
             _raise_infeasible(prep, infeasible, cluster, budget)
+        best.extra["warnings"] = idle_axis_warnings(prep.gm, best) if prep is not None else []
+        for w in best.extra["warnings"]:
+            warnings.warn(w, AutoparWarning, stacklevel=2)
         best.solver["candidates"] = tried
         best.solver["planning_seconds"] = time.perf_counter() - t0
         best.solver["passes"] = [{"name": r.name, "stage": r.stage, "seconds": r.seconds, "skipped": r.skipped}
@@ -166,7 +170,6 @@ def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
     """``cost_model`` for one of ``microbatches`` microbatches of a pipeline step: a parameter's
     gradient all-reduce and the optimizer step run once per step, so each microbatch pays 1/m of them."""
     from autopar.passes.costs import _transition_cached
-    from autopar.passes.resharding import collective_seconds
     from autopar.passes.strategies import value_info
 
     class PerMicrobatch(cost_model):
@@ -176,19 +179,14 @@ def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
             role = meta_of(value.node).role
             if value.node.op != "placeholder" or role is None or role.kind != "param":
                 return super().transition_seconds(value, src_layout, dst_layout, partial_axes)
-            if super().transition_seconds(value, src_layout, dst_layout, partial_axes) >= INFEASIBLE:
-                return INFEASIBLE
             info = value_info(value)
             steps = _transition_cached(tuple(src_layout), tuple(dst_layout), info.shape, self.mesh_shape,
                                        partial_axes)
-            total = 0.0
-            for st in steps:
-                bw, lat = self.links[st.axis]
-                once = st.op == "grad_all_reduce"
-                for kind, _phase, nbytes in st.collectives(info.dtype.itemsize, requires_grad(value.node)):
-                    t = collective_seconds(kind, nbytes, self.mesh_shape[st.axis], bw, lat)
-                    total += t / self.microbatches if once else t
-            return total
+            if steps is None:
+                return INFEASIBLE
+            grad = requires_grad(value.node)
+            return sum(self.steps_seconds([st], info.dtype.itemsize, grad)
+                       / (self.microbatches if st.op == "grad_all_reduce" else 1) for st in steps)
 
         def optimizer_seconds(self, node, layout):
             return super().optimizer_seconds(node, layout) / self.microbatches
@@ -208,6 +206,33 @@ def pipeline_meshes(cluster: ClusterSpec) -> list:
         rest = cluster.num_devices // (p * k)
         out.append(((p, rest, k), ("pp", "dp", "tp")) if rest > 1 else ((p, k), ("pp", "tp")))
     return out[-2:]
+
+
+def idle_axis_warnings(gm, p: Plan) -> list[str]:
+    """Warnings for mesh axes along which no work is split (every device along one computes the same
+    thing), and for inputs whose batch dim does not divide by an axis, so the data cannot be split along
+    it and the plan falls back to other dims (or to none)."""
+    out = []
+    split = {a for n in p.nodes for a in n["split_axes"]}
+    batches = [(meta_of(n).role.target, tuple(n.meta["val"].shape)) for n in gm.graph.nodes
+               if n.op == "placeholder" and meta_of(n).role and meta_of(n).role.kind == "input"
+               and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0]
+    for axis, size in zip(p.axis_names, p.mesh_shape):
+        if size == 1 or (p.pipeline and axis == p.pipeline["axis"]):     # stages split the work there
+            continue
+        # A batch of one is never split by data, which surprises nobody.
+        odd = [(name, shape[0]) for name, shape in batches if shape[0] > 1 and shape[0] % size]
+        cause = ""
+        if odd:
+            cause = (f"the batch dim of {', '.join(f'{name} ({b})' for name, b in odd)} does not divide by "
+                     f"{size}, so the data cannot be split along mesh axis {axis!r}; ")
+        if axis not in split:
+            out.append(f"{cause}mesh axis {axis!r} ({size} devices) splits no work: every device along it "
+                       f"computes the same thing. Use a batch that divides by {size}, or fewer devices")
+        elif odd:
+            out.append(f"{cause}the plan splits other dims along it instead. Use a batch that divides by "
+                       f"{size} for data parallelism")
+    return out
 
 
 def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget, optimizer, fused, pins,
@@ -394,7 +419,7 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "call_function") and meta_of(n).strategies is not None:
             chosen[n] = meta_of(n).strategies.strategies[idx.option_of(n, assignment)]
-    low = lower(gm, chosen, cm.mesh_shape, sharded_outputs)
+    low = plan_reshards(gm, chosen, cm.mesh_shape, sharded_outputs)
     colls = collectives(low, cm, axis_names)
     recompute = recomputed_layers(gm, idx.recompute_counts(assignment))
     instance_of = {n: meta_of(n).layer.layer for n in chosen
@@ -535,27 +560,17 @@ def alternatives(gm, prob, idx: ProblemIndex, assignment, cm: CostModel, axis_na
 
 
 def _op_collectives(cm, node, s, axis_names):
-    return [{"kind": oc.kind, "axis": axis_names[oc.axis], "phase": oc.phase, "bytes": int(oc.nbytes),
-             "seconds": cm.op_collective_seconds(oc), "neighbor": node.name, "value": node.name}
-            for oc in cm.op_collectives(node, s)]
+    return [c.record(axis_names, neighbor=node.name, value=node.name) for c in cm.priced_op_collectives(node, s)]
 
 
 def _edge_collectives(cm, v, src, dst_strategy, k, neighbor, axis_names):
-    from autopar.passes.resharding import collective_seconds
     from autopar.passes.strategies import value_info
 
     steps = cm.resharding(v, src, None, dst_strategy, k)
     if steps is None:
         return [{"kind": "impossible", "neighbor": neighbor, "value": v.node.name}]
-    info = value_info(v)
-    out = []
-    for st in steps:
-        bw, lat = cm.links[st.axis]
-        for kind, phase, nbytes in st.collectives(info.dtype.itemsize, requires_grad(v.node)):
-            out.append({"kind": kind, "axis": axis_names[st.axis], "phase": phase, "bytes": int(nbytes),
-                        "seconds": collective_seconds(kind, nbytes, cm.mesh_shape[st.axis], bw, lat),
-                        "neighbor": neighbor, "value": v.node.name})
-    return out
+    priced = cm.priced_steps(steps, value_info(v).dtype.itemsize, requires_grad(v.node))
+    return [c.record(axis_names, neighbor=neighbor, value=v.node.name) for _, c in priced]
 
 
 def _smallest_valid_budget(prob):

@@ -65,6 +65,8 @@ def summary(plan) -> str:
             cs = ", ".join(f"{c['kind']}({c['axis']},{c['phase'][:3]}) {_b(c['bytes'])} {_s(c['seconds'])}"
                            for c in colls_by_node.get(n["name"], []))
             lines.append(f"  {n['name'][:34]:<34} {n['op'][:28]:<28} {out[:16]:<16} {_s(n['compute_seconds']):>10}  {cs}")
+    for w in plan.extra.get("warnings", []):
+        lines.append(f"\nwarning: {w}")
     sharded = {k: v for k, v in plan.params.items() if any(p != "R" for p in v)}
     lines.append(f"\nparameters: {len(plan.params)}, sharded: {len(sharded)}")
     for k, v in list(sharded.items())[:12]:

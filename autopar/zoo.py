@@ -73,6 +73,9 @@ _ZOO = {
     "gpt2-xl": (_gpt2(1600, 48, 25), 1024),
     "llama3-8b": (_llama(4096, 32, 32, 8, 14336, 128256, 8192, 500000.0), 4096),
     "llama2-70b": (_llama(8192, 80, 64, 8, 28672, 32000, 4096, 10000.0), 4096),
+    # Qwen2-7B's shape as a LLaMA (no q/k/v biases) at 128k tokens: 4 KV heads cap the head split at
+    # 4 ways, so long context on 8 GPUs must split the sequence.
+    "gqa-7b-128k": (_llama(3584, 28, 28, 4, 18944, 152064, 131072, 1000000.0), 131072),
     "bert-large": (_bert(1024, 24, 16, 4096), 512),
     "gpt2-tiny": (_gpt2(64, 2, 4, vocab_size=128, n_positions=64), 16),
     "llama-tiny": (_llama(64, 2, 4, 2, 128, 128, 64, 10000.0), 16),

@@ -2,7 +2,7 @@
 
 Every node runs its own ATen op on local shards; view, reshape and expand sizes are rewritten to local
 sizes; every resharding the plan implies becomes an explicit call into ``autopar.runtime.collectives``
-(the same steps ``passes.lowering`` reports in ``plan.collectives``). The result is an fx.GraphModule
+(the same steps ``passes.reshard_plan`` reports in ``plan.collectives``). The result is an fx.GraphModule
 whose ``code`` is readable Python; ``passes.meta.program_meta(gm)`` says how to call it.
 """
 from __future__ import annotations
@@ -15,13 +15,13 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from autopar.errors import PlanFormatError
-from autopar.layout import local_shape, parse_layout
-from autopar.passes.lowering import gathered_output, lower
+from autopar.errors import PlanFormatError, ShardingError
+from autopar.layout import format_layout, local_shape, parse_layout
+from autopar.passes.reshard_plan import gathered_output, plan_reshards
 from autopar.passes.meta import meta_of, op_name, set_meta, set_program_meta
 from autopar.passes.rules import context_for, rule_for
 from autopar.passes.runner import requires
-from autopar.passes.strategies import Strategy, input_values
+from autopar.passes.strategies import Strategy, input_values, node_strategies
 from autopar.plan import Plan
 from autopar.runtime import collectives as C
 
@@ -49,7 +49,7 @@ def strategies_from_plan(gm: fx.GraphModule, plan: Plan) -> dict:
     nax = len(axes)
     by_name = {n["name"]: n for n in plan.nodes}
     rep = tuple(parse_layout(["R"] * nax))
-    out = {}
+    out, legal = {}, {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             role = meta_of(node).role
@@ -61,7 +61,14 @@ def strategies_from_plan(gm: fx.GraphModule, plan: Plan) -> dict:
                 lay = parse_layout(plan.params[role.target])
             elif role.kind == "input" and role.target in plan.inputs:
                 lay = parse_layout(plan.inputs[role.target])
-            outs = (lay,) if isinstance(node.meta.get("val"), torch.Tensor) else ()
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                field = f"params[{role.target!r}]" if role.kind == "param" else f"inputs[{role.target!r}]"
+                try:
+                    local_shape(tuple(val.shape), lay, plan.mesh_shape, what=f"plan {field} {format_layout(lay)}")
+                except ShardingError as e:
+                    raise PlanFormatError(str(e)) from e
+            outs = (lay,) if isinstance(val, torch.Tensor) else ()
             out[node] = Strategy((), outs, (False,) * nax)
         elif node.op == "call_function":
             entry = by_name.get(node.name)
@@ -71,9 +78,15 @@ def strategies_from_plan(gm: fx.GraphModule, plan: Plan) -> dict:
                 raise PlanFormatError(f"the plan does not match this model at node {node.name!r} "
                                       f"({op_name(node)}): it was made for another model or another "
                                       f"version of it ({plan.model.get('class')}); plan this model again")
-            out[node] = Strategy(tuple(parse_layout(l) for l in entry["inputs"]),
-                                 tuple(parse_layout(l) for l in entry["outputs"]),
-                                 tuple(a in entry["split_axes"] for a in axes))
+            s = Strategy(tuple(parse_layout(l) for l in entry["inputs"]),
+                         tuple(parse_layout(l) for l in entry["outputs"]),
+                         tuple(a in entry["split_axes"] for a in axes))
+            if node.target is not operator.getitem and s not in node_strategies(node, plan.mesh_shape, legal):
+                raise PlanFormatError(f"plan node {node.name!r} ({op_name(node)}): inputs {entry['inputs']} -> "
+                                      f"outputs {entry['outputs']} splitting work on {entry['split_axes']} is "
+                                      f"not a strategy of its op for shape {shape} on mesh {list(plan.mesh_shape)}; "
+                                      f"the plan was edited or made by another version: plan this model again")
+            out[node] = s
     return out
 
 
@@ -82,10 +95,10 @@ def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str]
                        sharded_outputs: bool = False) -> fx.GraphModule:
     """The local program of one rank. ``group_names[a]`` is the c10d group of mesh axis ``a``.
     With ``sharded_outputs=True`` non-scalar outputs are returned in the layout they are computed in
-    (passes.lowering.gathered_output), whatever the plan was priced for."""
+    (passes.reshard_plan.gathered_output), whatever the plan was priced for."""
     mesh_shape = plan.mesh_shape
     strategy = strategies_from_plan(gm, plan)
-    low = lower(gm, strategy, mesh_shape, sharded_outputs)
+    low = plan_reshards(gm, strategy, mesh_shape, sharded_outputs)
 
     g = fx.Graph()
     env: dict = {}

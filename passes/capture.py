@@ -48,7 +48,7 @@ def capture(model: torch.nn.Module, example_inputs=(), example_kwargs=None) -> C
     example_kwargs = dict(example_kwargs or {})
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
-    _refuse_aliased_inputs(example_inputs, example_kwargs)
+    example_inputs, example_kwargs = _distinct_inputs(example_inputs, example_kwargs)
     # Example inputs only describe shapes: they follow the model's device (meta included), so a
     # model still on the CPU or the meta device captures with a batch already on the GPU.
     device = torch.device("meta") if any(p.is_meta for p in model.parameters()) else _model_device(model)
@@ -122,14 +122,19 @@ def _merge_tied_parameters(model, graph, params):
             set_meta(node, role=Role("param", target))
 
 
-def _refuse_aliased_inputs(args, kwargs):
-    # export folds two arguments that are the same tensor into one placeholder, which would tie
-    # e.g. input_ids to labels in the plan; refuse it rather than plan something the user did not mean.
-    seen = {}
-    for path, x in torch.utils._pytree.tree_flatten_with_path((tuple(args), kwargs))[0]:
+def _distinct_inputs(args, kwargs):
+    """The example inputs with every repeated tensor object replaced by a copy.
+
+    export folds two arguments that are one tensor object into one placeholder, which would tie
+    ``labels`` to ``input_ids`` in the plan; Hugging Face's own examples pass ``labels=input_ids``.
+    The examples only describe shapes, so a copy keeps the two arguments apart at no cost to the user."""
+    seen = set()
+
+    def distinct(x):
         if isinstance(x, torch.Tensor):
-            key = id(x)
-            if key in seen:
-                raise CaptureError(f"example inputs {seen[key]} and {torch.utils._pytree.keystr(path)} are "
-                                   f"the same tensor object; pass a copy (e.g. labels=ids.clone())")
-            seen[key] = torch.utils._pytree.keystr(path)
+            if id(x) in seen:
+                return x.clone()
+            seen.add(id(x))
+        return x
+
+    return torch.utils._pytree.tree_map(distinct, (tuple(args), kwargs))

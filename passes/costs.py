@@ -6,7 +6,9 @@
   link from ``ClusterSpec.axis_link`` (intra-node or inter-node).
 - Memory per device: parameters, gradients and optimizer states under each parameter's layout, and the
   activations each node keeps for backward under its layouts.
-- Communication does not overlap compute in this model: the step time is their sum.
+- Communication does not overlap compute in this model: the step time is their sum; the exception is
+  an op that overlaps its own transfers with its own compute (ring attention), where each step costs
+  max(compute, transfer) (``op_collective_seconds``).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch.fx as fx
 from autopar.cluster import ClusterSpec
 from autopar.layout import local_fraction, local_shape
 from autopar.passes.meta import meta_of, set_meta
-from autopar.passes.resharding import Step, collective_seconds, transition
+from autopar.passes.resharding import Step, collective_seconds, grad_partial_axes, transition
 from autopar.passes.rules import context_for, rule_for, tensor_inputs
 from autopar.passes.runner import requires
 from autopar.passes.strategies import Strategy, Value, requires_grad, signature, value_info
@@ -34,6 +36,23 @@ VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.transpose.int, at
             aten.squeeze.default, aten.expand.default, aten.slice.Tensor, aten.select.int,
             aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int,
             aten.reshape.default, operator.getitem, aten.alias.default}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective a step runs on one mesh axis, with its price: what ``plan.collectives`` and the
+    alternatives of ``explain`` list (``record``) and what the ILP's edge and op costs sum."""
+
+    kind: str          # all_reduce, all_gather, reduce_scatter or all_to_all
+    axis: int
+    phase: str         # forward or backward
+    nbytes: float      # per device (passes.resharding.Step.collectives)
+    seconds: float
+
+    def record(self, axis_names, **where) -> dict:
+        """The plan's JSON entry, with where it runs (``node``, ``value``, ``step`` or ``neighbor``)."""
+        return {"kind": self.kind, "axis": axis_names[self.axis], "phase": self.phase, "bytes": int(self.nbytes),
+                "seconds": self.seconds, **where}
 
 
 @dataclass(frozen=True)
@@ -112,30 +131,42 @@ class CostModel:
             return []
         return rule.collectives(context_for(node), s.inputs, self.mesh_shape)
 
+    def collective_seconds(self, kind: str, nbytes: float, axis: int) -> float:
+        """The one price of a collective: alpha-beta on the link of mesh axis ``axis``."""
+        bw, lat = self.links[axis]
+        return collective_seconds(kind, nbytes, self.mesh_shape[axis], bw, lat)
+
     def op_collective_seconds(self, oc) -> float:
-        bw, lat = self.links[oc.axis]
-        return collective_seconds(oc.kind, oc.nbytes, self.mesh_shape[oc.axis], bw, lat)
+        """Seconds of an op's own collective that its compute does not hide: a transfer of ``steps``
+        steps, each overlapped with ``overlap_flops`` of compute, costs per step max(0, transfer -
+        compute) beyond the compute already counted (ring attention's max(compute, transfer))."""
+        step = self.collective_seconds(oc.kind, oc.nbytes / oc.steps, oc.axis)
+        hidden = oc.overlap_flops / self.cluster.device.peak_flops(oc.dtype)
+        return oc.steps * max(0.0, step - hidden)
 
     def op_comm_seconds(self, node: fx.Node, s: Strategy) -> float:
         return sum(self.op_collective_seconds(oc) for oc in self.op_collectives(node, s))
 
+    def priced_op_collectives(self, node: fx.Node, s: Strategy) -> list[Collective]:
+        return [Collective(oc.kind, oc.axis, oc.phase, oc.nbytes, self.op_collective_seconds(oc))
+                for oc in self.op_collectives(node, s)]
+
+    def priced_steps(self, steps: list[Step], itemsize: int, needs_grad: bool) -> list[tuple[Step, Collective]]:
+        """Every collective of ``steps``, in order, with the step that runs it."""
+        return [(st, Collective(kind, st.axis, phase, nbytes, self.collective_seconds(kind, nbytes, st.axis)))
+                for st in steps for kind, phase, nbytes in st.collectives(itemsize, needs_grad)]
+
     def steps_seconds(self, steps: list[Step], itemsize: int, needs_grad: bool) -> float:
-        total = 0.0
-        for st in steps:
-            bw, lat = self.links[st.axis]
-            for kind, _phase, nbytes in st.collectives(itemsize, needs_grad):
-                total += collective_seconds(kind, nbytes, self.mesh_shape[st.axis], bw, lat)
-        return total
+        return sum(self.collective_seconds(kind, nbytes, st.axis)
+                   for st in steps for kind, _phase, nbytes in st.collectives(itemsize, needs_grad))
 
     def resharding(self, value: Value, src_layout, consumer: fx.Node | None, dst_strategy: Strategy | None,
                    position: int, dst_layout=None):
         """Steps to bring ``value`` from ``src_layout`` to what the consumer's strategy reads."""
         info = value_info(value)
         dst = dst_layout if dst_layout is not None else dst_strategy.inputs[position]
-        grad = requires_grad(value.node)
-        partial_axes = frozenset()
-        if grad and dst_strategy is not None:
-            partial_axes = frozenset(a for a, p in enumerate(dst) if p.is_replicate and dst_strategy.splits_work[a])
+        partial_axes = frozenset() if dst_strategy is None else grad_partial_axes(
+            dst, dst_strategy.splits_work, requires_grad(value.node))
         return _transition_cached(tuple(src_layout), tuple(dst), info.shape, self.mesh_shape, partial_axes)
 
     def transition_seconds(self, value: Value, src_layout, dst_layout, partial_axes: frozenset) -> float:

@@ -56,6 +56,7 @@ class AutoparMeta:
     requires_grad: bool = False           # whether a gradient flows through this value
     signature: tuple | None = None        # what strategies and costs depend on (passes.strategies)
     strategies: Any = None                # passes.strategies.StrategySet under the current mesh
+    refused: tuple[str, ...] = ()         # why rule options were refused here (named in pin errors)
     # In a rank's local program (codegen):
     source: str | None = None             # the planned node this node computes
     step: Any = None                      # the resharding step (passes.resharding.Step) it runs

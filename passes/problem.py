@@ -6,6 +6,7 @@ edge between two decisions sums the resharding costs of every graph edge it stan
 """
 from __future__ import annotations
 
+import fnmatch
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -92,17 +93,44 @@ def _pinned_options(rep: fx.Node, pins: dict, mesh_axes: int):
         allowed = {o for o, s in enumerate(opts)
                    if (out is None or (s.outputs and format_layout(s.outputs[0]) == out))
                    and (ins is None or [format_layout(l) for l in s.inputs] == ins)}
+        refused = "".join(f"; refused: {r}" for r in meta_of(rep).refused[:8])
         if not allowed and ins is None:
             offered = sorted({str(format_layout(s.outputs[0])) for s in opts if s.outputs})
             raise ShardingError(f"pin {pattern!r} asks {name} for layout {out}, which its op cannot "
-                                f"produce here; it can take {offered}")
+                                f"produce here; it can take {offered}{refused}")
         if not allowed:
             offered = sorted({f"{[format_layout(l) for l in s.inputs]} -> {format_layout(s.outputs[0])}"
                               for s in opts if s.outputs})
             raise ShardingError(f"pin {pattern!r} asks {name} for {want}, which its op cannot do here; "
-                                f"it can take (inputs -> output) {offered}")
+                                f"it can take (inputs -> output) {offered}{refused}")
         return allowed
     return None
+
+
+def unmatched_pin_error(pattern: str, names):
+    """The error for a pin whose glob names no decision: it would be silently ignored otherwise."""
+    import difflib
+
+    from autopar.errors import ShardingError
+
+    close = difflib.get_close_matches(pattern, list(names), n=3, cutoff=0.5)
+    hint = f"; close matches: {close}" if close else ""
+    return ShardingError(f"pin {pattern!r} matches no parameter, input or node{hint}. Pins are globs over "
+                         f"parameter FQNs (a tied parameter under its first name), input names and node names "
+                         f"(plan.nodes, python -m autopar explain)")
+
+
+def _unmatched(pattern, decided_names, nodes):
+    """A pin that names only nodes without a decision of their own says which decision they follow."""
+    followers = [n for n in nodes if n.op == "call_function" and root_of(n) is not n
+                 and fnmatch.fnmatchcase(n.name, pattern)]
+    if followers:
+        from autopar.errors import ShardingError
+
+        f = followers[0]
+        return ShardingError(f"pin {pattern!r} names {f.name}, whose layout follows {decision_name(root_of(f))}'s "
+                             f"decision; pin {decision_name(root_of(f))!r} instead")
+    return unmatched_pin_error(pattern, decided_names)
 
 
 def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
@@ -110,7 +138,7 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
                   recompute: bool | dict = True) -> tuple[Problem, ProblemIndex]:
     """``pins`` maps a glob over decision names (parameter FQNs, input names, node names) to a layout
     that decision must take. A pin on one copy of a repeated layer applies to every copy. With
-    ``sharded_outputs`` only scalar user outputs are priced as gathered (passes.lowering). With
+    ``sharded_outputs`` only scalar user outputs are priced as gathered (passes.reshard_plan). With
     ``recompute``, each layer class gets a decision of how many of its instances recompute their
     activations in backward (``_recompute_choices``); a dict fixes it for the classes it names."""
     nodes = _decided_nodes(gm)
@@ -124,6 +152,7 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
 
     prob = Problem(memory_limit=memory_limit)
     fwd_terms, bwd_terms = [], []
+    decided_names = set()
     per_copy = {}        # choice -> (activation bytes, forward seconds) of one copy, per option
     for key, roots in idx.roots_of_key.items():
         rep = roots[0]
@@ -147,6 +176,7 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
             state.append(st * len(roots))
             state_bwd.append(stb * len(roots))
         allowed = None
+        decided_names.update(decision_name(r) for r in roots)
         for r in roots:
             allowed = _pinned_options(r, pins or {}, len(cm.mesh_shape))
             if allowed is not None:
@@ -160,6 +190,9 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
         per_copy[ci] = (tuple(a / len(roots) for a in act), tuple(fwd))
         fwd_terms.append((ci, tuple(x + y for x, y in zip(act, state))))
         bwd_terms.append((ci, tuple(state_bwd)))
+    for pattern in pins or {}:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in decided_names):
+            raise _unmatched(pattern, decided_names, nodes)
     fwd_pairs = _recompute_choices(gm, prob, idx, per_copy, cm, recompute) if recompute else ()
 
     # A value read outside its own decision by one reader is a plain edge (a tight formulation); a value
@@ -283,6 +316,8 @@ def _recompute_choices(gm, prob: Problem, idx: ProblemIndex, per_copy: dict, cm:
 
 
 def _shared_edge(v: Value, rs, count: int, idx: ProblemIndex, cm: CostModel) -> SharedEdge:
+    from autopar.passes.resharding import grad_partial_axes
+
     rp = root_of(v.node)
     n_src = len(meta_of(rp).strategies.strategies)
     grad = requires_grad(v.node)
@@ -300,7 +335,7 @@ def _shared_edge(v: Value, rs, count: int, idx: ProblemIndex, cm: CostModel) -> 
         for j in range(len(meta_of(rc).strategies.strategies)):
             st = strategy_of(c, j)
             dst = st.inputs[k]
-            partial = frozenset(a for a, p in enumerate(dst) if grad and p.is_replicate and st.splits_work[a])
+            partial = grad_partial_axes(dst, st.splits_work, grad)
             row.append(request(dst, partial))
         reader_rows.append((idx.choice_of_key[key_of(rc)], tuple(row)))
     cost = tuple(tuple(cm.transition_seconds(v, output_layout(v, i), dst, partial) for i in range(n_src))
@@ -309,10 +344,10 @@ def _shared_edge(v: Value, rs, count: int, idx: ProblemIndex, cm: CostModel) -> 
 
 
 def _output_values(out_node: fx.Node, sharded_outputs: bool) -> list[Value]:
-    """The user outputs that are returned replicated (passes.lowering.gathered_output)."""
+    """The user outputs that are returned replicated (passes.reshard_plan.gathered_output)."""
     import torch
 
-    from autopar.passes.lowering import gathered_output
+    from autopar.passes.reshard_plan import gathered_output
 
     leaves = torch.utils._pytree.tree_leaves(out_node.args)
     return [Value(a) for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)

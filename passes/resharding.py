@@ -116,6 +116,14 @@ def transition(src: Sequence[Placement], dst: Sequence[Placement], local_src_sha
     return [st if st.op != "all_gather" or st.grad != "none" else replace(st, grad="slice") for st in steps]
 
 
+def grad_partial_axes(dst: Sequence[Placement], splits_work: Sequence[bool], needs_grad: bool) -> frozenset:
+    """The mesh axes along which a consumer leaves the gradient of an input it reads as ``dst`` partial:
+    those it reads the input replicated on while splitting its work (the convention above)."""
+    if not needs_grad:
+        return frozenset()
+    return frozenset(a for a, p in enumerate(dst) if p.is_replicate and splits_work[a])
+
+
 def global_transition(src: Sequence[Placement], dst: Sequence[Placement], shape: Sequence[int],
                       mesh_shape: Sequence[int], *, grad_partial: frozenset = frozenset()) -> list[Step] | None:
     """``transition`` for a tensor of global ``shape``; None also when ``src`` cannot hold it."""
@@ -129,9 +137,12 @@ def global_transition(src: Sequence[Placement], dst: Sequence[Placement], shape:
 
 
 def collective_seconds(kind: str, nbytes: float, n: int, bandwidth: float, latency: float) -> float:
-    """Alpha-beta cost on a ring of ``n`` devices (REFERENCES.md)."""
+    """Alpha-beta cost on a ring of ``n`` devices (REFERENCES.md); ``send_recv`` is one point-to-point
+    transfer of ``nbytes`` to a neighbor (at the same time as one from the other neighbor)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
+    if kind == "send_recv":
+        return latency + nbytes / bandwidth
     if kind == "all_reduce":
         return latency + 2.0 * (n - 1) / n * nbytes / bandwidth
     if kind == "all_to_all":

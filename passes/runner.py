@@ -1,4 +1,4 @@
-"""The one pass runner. Every pass of the pipeline (autopar/pipeline.py) runs through it.
+"""The one pass runner. Every pass of the pipeline (autopar/pass_pipeline.py) runs through it.
 
 A pass is a plain function ``GraphModule -> GraphModule`` (or ``None`` for an analysis that only
 writes ``node.meta``); options are bound with ``functools.partial``, and the pass's name is its

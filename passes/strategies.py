@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.layout import R, S, divides
+from autopar.layout import R, S, divides, format_layout, local_shape
 from autopar.passes.meta import meta_of, set_meta
 from autopar.passes.rules import (AxisOption, TensorInfo, axis_options, context_for, output_infos)
 from autopar.passes.runner import requires
@@ -106,13 +106,30 @@ def _distinct_dims(layout) -> bool:
     return len(dims) == len(set(dims))
 
 
-def _combine(options: list[AxisOption], ins: list[TensorInfo], outs: list[TensorInfo], mesh_shape):
-    """One strategy per mesh axis option tuple, when every tensor stays valid under it."""
+def _combine(options: list[AxisOption], ins: list[TensorInfo], outs: list[TensorInfo], mesh_shape,
+             refused: list | None = None):
+    """One strategy per mesh axis option tuple, when every tensor stays valid under it. An option's
+    own size requirement that fails is described in ``refused``."""
     in_layouts = tuple(tuple(o.inputs[i] for o in options) for i in range(len(ins)))
     out_layouts = tuple(tuple(o.outputs[i] for o in options) for i in range(len(outs)))
-    for lay, info in zip(in_layouts + out_layouts, ins + outs):
-        if not _distinct_dims(lay) or not divides(info.shape, lay, mesh_shape):
+    for k, (lay, info) in enumerate(zip(in_layouts + out_layouts, ins + outs)):
+        if not _distinct_dims(lay):
             return None
+        if not divides(info.shape, lay, mesh_shape):
+            if refused is not None:
+                what = f"input {k}" if k < len(ins) else f"output {k - len(ins)}"
+                refused.append(f"{what} of shape {info.shape} cannot take {format_layout(lay)} on mesh "
+                               f"{tuple(mesh_shape)}: a sharded dim does not divide by its mesh axes")
+            return None
+    for axis, o in enumerate(options):
+        for i, dim, factor, why in o.requires:
+            size = local_shape(ins[i].shape, in_layouts[i], mesh_shape)[dim]
+            if size % factor:
+                if refused is not None:
+                    refused.append(f"{why}: on mesh axis {axis} ({mesh_shape[axis]} devices) each rank's dim {dim} "
+                                   f"of input {i} has {size} elements, which does not divide by {factor} "
+                                   f"(global shape {ins[i].shape})")
+                return None
     return Strategy(in_layouts, out_layouts, tuple(not o.trivial for o in options))
 
 
@@ -148,8 +165,10 @@ def node_strategies(node: fx.Node, mesh_shape, cache: dict | None = None) -> lis
     if cache is not None:
         key = signature(node)
         if key not in cache:
-            cache[key] = _node_strategies(node, mesh_shape)
-        return cache[key]
+            cache[key] = _node_strategies(node, mesh_shape), meta_of(node).refused
+        strategies, refused = cache[key]
+        set_meta(node, refused=refused)
+        return strategies
     return _node_strategies(node, mesh_shape)
 
 
@@ -160,11 +179,12 @@ def _node_strategies(node: fx.Node, mesh_shape) -> list[Strategy]:
     opts = axis_options(ctx)
     rep_only = [opts[0]]
     per_axis = [opts if n > 1 else rep_only for n in mesh_shape]
-    out = []
+    out, refused = [], []
     for combo in itertools.product(*per_axis):
-        s = _combine(list(combo), ctx.ins, ctx.outs, mesh_shape)
+        s = _combine(list(combo), ctx.ins, ctx.outs, mesh_shape, refused)
         if s is not None and s not in out:
             out.append(s)
+    set_meta(node, refused=tuple(dict.fromkeys(refused)))
     return out
 
 
@@ -193,8 +213,24 @@ def _try_follow(node: fx.Node, own: list[Strategy], producer_set: StrategySet, v
 
 @requires("mark_requires_grad_pass")
 def strategies_pass(gm: fx.GraphModule, mesh_shape) -> fx.GraphModule:
-    """Write a ``StrategySet`` on every placeholder and call_function node."""
+    """Write a ``StrategySet`` on every placeholder and call_function node.
+
+    The copies of a repeated layer share one decision per position, so they must offer the same
+    strategies. They can differ where a strategy is reachable from one copy's outside input and not
+    from another's (the first layer reads the embedding, the others a residual add): such strategies
+    are dropped from every copy, and the pass runs again until the copies agree."""
     mesh_shape = tuple(mesh_shape)
+    drop: dict = {}
+    while True:
+        _assign_strategies(gm, mesh_shape, drop)
+        extra = _disagreeing_copies(gm)
+        if not extra:
+            return gm
+        for key, bad in extra.items():
+            drop.setdefault(key, set()).update(bad)
+
+
+def _assign_strategies(gm, mesh_shape, drop: dict) -> None:
     cache: dict = {}
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", "call_function"):
@@ -204,11 +240,30 @@ def strategies_pass(gm: fx.GraphModule, mesh_shape) -> fx.GraphModule:
             continue
         ins = input_values(node) if node.op == "call_function" else []
         own = _reachable(node_strategies(node, mesh_shape, cache), ins)
+        tag = meta_of(node).layer
+        bad = drop.get((tag.cls, tag.index)) if tag is not None else None
+        if bad:
+            own = [s for s in own if s not in bad]
         sset = None
         if len(ins) == 1 and ins[0].node.op != "placeholder" and _same_layer(node, ins[0].node):
             sset = _try_follow(node, own, meta_of(ins[0].node).strategies, ins[0])
         set_meta(node, strategies=sset or StrategySet(tuple(own)))
-    return gm
+
+
+def _disagreeing_copies(gm) -> dict:
+    """(layer class, position) -> the strategies some copies offer there and others do not."""
+    offered: dict = {}
+    for node in gm.graph.nodes:
+        tag = meta_of(node).layer if node.op in ("placeholder", "call_function") else None
+        if tag is not None and meta_of(node).strategies is not None:
+            offered.setdefault((tag.cls, tag.index), []).append(meta_of(node).strategies.strategies)
+    out = {}
+    for key, lists in offered.items():
+        if any(lst != lists[0] for lst in lists):
+            bad = set().union(*lists) - set(lists[0]).intersection(*lists[1:])
+            if bad:
+                out[key] = bad
+    return out
 
 
 def _same_layer(a: fx.Node, b: fx.Node) -> bool:

@@ -86,6 +86,15 @@ def _all_reduce(x: torch.Tensor, name: str, *, op: str = "sum") -> torch.Tensor:
     return _ops.wait_tensor(_ops.all_reduce(x.contiguous(), op, name))
 
 
+def _p2p(sends, recvs, name: str) -> list:
+    """Start point-to-point transfers in the group called ``name``: ``sends`` and ``recvs`` are
+    (rank in the group, tensor) pairs, a received tensor being filled in place. Returns the requests,
+    to ``wait()`` before reading what was received."""
+    group = _resolve_process_group(name)
+    reqs = [dist.irecv(t, dist.get_global_rank(group, r), group=group) for r, t in recvs]
+    return reqs + [dist.isend(t.contiguous(), dist.get_global_rank(group, r), group=group) for r, t in sends]
+
+
 def _chunk(x: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
     n = x.size(dim) // size
     return x.narrow(dim, rank * n, n)

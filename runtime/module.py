@@ -15,16 +15,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, ShapeMismatchError
 from autopar.layout import global_shape, parse_layout
 from autopar.plan import Plan
 from autopar.runtime.program import Program
 
 log = logging.getLogger("autopar")
-
-
-class ShapeMismatchError(AutoparError):
-    """A call's inputs have other shapes than the ones the plan was made for."""
 
 
 def shard_of(full: torch.Tensor, layout, mesh_shape, coords) -> torch.Tensor:
@@ -39,7 +35,7 @@ def shard_of(full: torch.Tensor, layout, mesh_shape, coords) -> torch.Tensor:
 
 class ParallelModule(nn.Module):
     def __init__(self, program: Program, plan: Plan, mesh, full_params: dict, buffers: dict, *,
-                 sharded_outputs: bool = False):
+                 sharded_outputs: bool = False, aliases: dict | None = None, persistent=None):
         super().__init__()
         self.plan = plan
         self.sharded_outputs = sharded_outputs
@@ -54,6 +50,10 @@ class ParallelModule(nn.Module):
             self.shards[self._fqn_to_key[fqn]] = nn.Parameter(local.detach().clone(),
                                                               requires_grad=full.requires_grad)
         self._buffers_by_name = buffers
+        # The model's state-dict keys beyond the plan's parameters: tied names -> the one they share,
+        # and the buffers a state dict holds (torch leaves out non-persistent ones).
+        self._aliases = dict(aliases or {})
+        self._persistent = [b for b in (buffers if persistent is None else persistent) if b in buffers]
         self._constants = program.constants
         self._materialized = False
         self.local_program = program.gm       # registered as a submodule: its attributes move with .to()
@@ -148,8 +148,9 @@ class ParallelModule(nn.Module):
 
     # --- state ---------------------------------------------------------------------------------
     def state_dict(self, *args, **kwargs):
-        """Parameter FQN -> DTensor with the plan's placements (for torch.distributed.checkpoint)."""
-        from torch.distributed.tensor import DTensor
+        """Parameter FQN -> DTensor with the plan's placements, and each persistent buffer as a
+        replicated DTensor: what torch.distributed.checkpoint saves and loads under any plan."""
+        from torch.distributed.tensor import DTensor, Replicate
 
         out = {}
         for fqn, lay in self._layouts.items():
@@ -157,28 +158,53 @@ class ParallelModule(nn.Module):
             out[fqn] = DTensor.from_local(local.detach(), self.mesh, [p.to_dtensor() for p in lay],
                                           run_check=False, shape=self._full_shape(fqn),
                                           stride=_contiguous_stride(self._full_shape(fqn)))
+        for name in self._persistent:
+            out[name] = DTensor.from_local(self._buffers_by_name[name].detach(), self.mesh,
+                                           [Replicate()] * self.mesh.ndim, run_check=False)
         return out
 
     def _full_shape(self, fqn):
         return torch.Size(global_shape(self.local_parameter(fqn).shape, self._layouts[fqn], self.plan.mesh_shape))
 
+    @property
+    def aliases(self) -> dict:
+        """State-dict names of tied parameters -> the planned name whose tensor they share."""
+        return dict(self._aliases)
+
     def full_state_dict(self) -> dict:
-        """Parameter FQN -> full plain tensor, equal on every rank; loads into the original model."""
-        return {fqn: t.full_tensor() for fqn, t in self.state_dict().items()}
+        """The original model's state dict as full plain tensors, equal on every rank: every parameter
+        under each of its names (tied ones too) and the persistent buffers, so that
+        ``model.load_state_dict(pmodel.full_state_dict())`` is strict."""
+        full = {fqn: t.full_tensor() for fqn, t in self.state_dict().items()}
+        for name, canonical in self._aliases.items():
+            full[name] = full[canonical]
+        return full
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load a full or DTensor state dict of any plan: parameters (under any of their tied names)
+        and buffers, non-persistent ones included (a model built on the meta device needs them)."""
         from torch.distributed.tensor import DTensor
 
-        missing = [f for f in self._layouts if f not in state_dict]
-        unexpected = [k for k in state_dict if k not in self._layouts and k not in self._buffers_by_name]
+        values = {}
+        for key, value in state_dict.items():
+            fqn = self._aliases.get(key, key)
+            if fqn in self._layouts and (fqn not in values or key == fqn):
+                values[fqn] = value
+        missing = [f for f in self._layouts if f not in values] + \
+                  [b for b in self._persistent if b not in state_dict]
+        unexpected = [k for k in state_dict if self._aliases.get(k, k) not in self._layouts
+                      and k not in self._buffers_by_name]
         if strict and (missing or unexpected):
             raise KeyError(f"load_state_dict: missing {missing[:5]}, unexpected {unexpected[:5]}")
         with torch.no_grad():
-            for fqn, value in state_dict.items():
-                if fqn in self._buffers_by_name:
-                    self._buffers_by_name[fqn] = value.detach().clone()     # buffers run replicated
-                if fqn not in self._layouts:
-                    continue
+            for name, value in state_dict.items():
+                if name in self._buffers_by_name:       # buffers run replicated
+                    if isinstance(value, DTensor):
+                        value = value.full_tensor()
+                    old = self._buffers_by_name[name]
+                    self._buffers_by_name[name] = value.detach().to(old.device if not old.is_meta
+                                                                    else value.device).clone()
+            for fqn, value in values.items():
                 if isinstance(value, DTensor):
                     value = value.full_tensor()
                 local = shard_of(value, self._layouts[fqn], self.plan.mesh_shape, self._coords)
@@ -241,11 +267,27 @@ def build(model, program: Program, plan: Plan, mesh, *, check_weights=True,
     constants = {k: (v.to(device) if isinstance(v, torch.Tensor) and not v.is_meta else v)
                  for k, v in program.constants.items()}
     program = dataclasses.replace(program, constants=constants)
+    aliases, persistent = state_dict_names(model, plan.params, buffers)
     if plan.pipeline:
         from autopar.runtime.pipeline import PipelineParallelModule
 
-        return PipelineParallelModule(program, plan, mesh, full, buffers, sharded_outputs=sharded_outputs)
-    return ParallelModule(program, plan, mesh, full, buffers, sharded_outputs=sharded_outputs)
+        return PipelineParallelModule(program, plan, mesh, full, buffers, sharded_outputs=sharded_outputs,
+                                      aliases=aliases, persistent=persistent)
+    return ParallelModule(program, plan, mesh, full, buffers, sharded_outputs=sharded_outputs, aliases=aliases,
+                          persistent=persistent)
+
+
+def state_dict_names(model, planned: dict, buffers: dict):
+    """The model's state-dict keys that are not planned parameters: tied names -> the planned name they
+    share a tensor with, and the persistent buffers."""
+    canonical = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        if fqn in planned:
+            canonical[id(p)] = fqn
+    aliases = {fqn: canonical[id(p)] for fqn, p in model.named_parameters(remove_duplicate=False)
+               if fqn not in planned and id(p) in canonical}
+    keys = model.state_dict(keep_vars=True).keys()
+    return aliases, [k for k in keys if k in buffers]
 
 
 def init_mesh(plan: Plan):

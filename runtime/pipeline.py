@@ -66,7 +66,8 @@ class StageModule(nn.Module):
 class PipelineParallelModule(ParallelModule):
     """The ParallelModule of a pipeline plan: holds this rank's stages; ``train_step`` runs a step."""
 
-    def __init__(self, program, plan, mesh, full_params: dict, buffers: dict, *, sharded_outputs=False):
+    def __init__(self, program, plan, mesh, full_params: dict, buffers: dict, *, sharded_outputs=False,
+                 **state_names):
         pipe = plan.pipeline
         self.pp_axis = plan.axis_names.index(pipe["axis"])
         coords = tuple(mesh.get_coordinate())
@@ -76,7 +77,7 @@ class PipelineParallelModule(ParallelModule):
         held = {t for s in mine for k, t in s.placeholders if k == "param"}
         self_full = {f: (tuple(p.shape), p.dtype) for f, p in full_params.items()}
         super().__init__(program, plan, mesh, {f: p for f, p in full_params.items() if f in held}, buffers,
-                         sharded_outputs=sharded_outputs)
+                         sharded_outputs=sharded_outputs, **state_names)
         self._held = [f for f in self._layouts if f in held]
         self._full_meta = self_full           # FQN -> (global shape, dtype), for every parameter
         self._stage_programs = mine
@@ -242,11 +243,17 @@ class PipelineParallelModule(ParallelModule):
         for part in gathered:
             out.update(part)
         device = rank_device()
-        return {f: out[f].to(device) for f in self._layouts}
+        full = {f: out[f].to(device) for f in self._layouts}
+        full.update({name: full[canonical] for name, canonical in self._aliases.items()})
+        full.update({name: self._buffers_by_name[name].detach().clone() for name in self._persistent})
+        return full
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         from torch.distributed.tensor import DTensor
 
+        # a tied parameter's other names (full_state_dict gives them) stand for the planned one
+        state_dict = {self._aliases.get(k, k): v for k, v in state_dict.items()
+                      if k not in self._aliases or self._aliases[k] not in state_dict}
         missing = [f for f in self._layouts if f not in state_dict]
         unexpected = [k for k in state_dict if k not in self._layouts and k not in self._buffers_by_name]
         if strict and (missing or unexpected):

@@ -4,7 +4,8 @@ with no process group, and reassembles the global result from the per-rank piece
 Partial inputs are split into random terms that sum to the value, so an op wrongly declared linear
 fails. Replicated outputs must be equal on every coordinate. An op whose sharded form communicates by
 itself (a rule's ``local_call``, e.g. the vocab-parallel loss) runs every coordinate in its own thread,
-with the runtime's group lookup and all-reduce replaced by an exchange between those threads.
+with the runtime's group lookup, all-reduce and point-to-point transfers replaced by exchanges
+between those threads.
 """
 import itertools
 import threading
@@ -83,17 +84,36 @@ class _SimulatedMesh:
         stacked = torch.stack(parts)
         return {"sum": stacked.sum(0), "max": stacked.amax(0)}[op]
 
+    def p2p(self, sends, recvs, name):
+        """Point-to-point transfers between the coordinates of one group: the n-th message from a to
+        b meets the n-th receive at b from a. Done when this call returns (no requests to wait)."""
+        a = int(name[len("axis"):])
+        coord = self.local.coord
+        peers = coord[:a] + (None,) + coord[a + 1:]
+        me = coord[a]
+        with self.cond:
+            for dst, t in sends:
+                n = self.calls[coord, name, "to", dst] = self.calls.get((coord, name, "to", dst), 0) + 1
+                self.pending[(name, peers, me, dst, n)] = t.clone()
+            self.cond.notify_all()
+            for src, buf in recvs:
+                n = self.calls[coord, name, "from", src] = self.calls.get((coord, name, "from", src), 0) + 1
+                key = (name, peers, src, me, n)
+                self.cond.wait_for(lambda: key in self.pending, timeout=30)
+                buf.copy_(self.pending.pop(key))
+        return []
+
 
 @contextmanager
 def _simulated(mesh):
     from autopar.runtime import collectives as C
 
-    saved = C._group, C._all_reduce
-    C._group, C._all_reduce = mesh.group, mesh.all_reduce
+    saved = C._group, C._all_reduce, C._p2p
+    C._group, C._all_reduce, C._p2p = mesh.group, mesh.all_reduce, mesh.p2p
     try:
         yield
     finally:
-        C._group, C._all_reduce = saved
+        C._group, C._all_reduce, C._p2p = saved
 
 
 def run_strategy(node: fx.Node, strategy, mesh_shape):

@@ -11,7 +11,7 @@ STAGES = {"passes": "autopar.passes", "solver": "autopar.solver", "codegen": "au
 # The face's data types, which every stage may use; they and the modules that present them (the
 # summary, explain, diff and HTML report) import no stage.
 DATA = ("autopar.cluster", "autopar.errors", "autopar.plan", "autopar.layout")
-PRESENTATION = ("autopar.report", "autopar.inspect")
+PRESENTATION = ("autopar.report", "autopar.inspection")
 ALLOWED = {
     "autopar.solver": ("autopar.solver", "autopar.errors"),
     "autopar.passes": ("autopar.passes", "autopar.solver") + DATA,

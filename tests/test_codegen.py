@@ -159,7 +159,7 @@ def _meta_model_and_checkpoint(rank, world, ckpt_dir):
         assert torch.equal(fresh.full_state_dict()[k], v), k
         assert torch.equal(v, full[k]), k
     model = build("llama")
-    model.load_state_dict(pm.full_state_dict(), strict=False)
+    model.load_state_dict(pm.full_state_dict())                  # strict
 
 
 def test_meta_model_load_state_dict_and_dcp_checkpoint(tmp_path):

@@ -205,7 +205,7 @@ def test_explain_report_and_diff_show_the_pipeline(tmp_path):
     plan.to_html(html_path)
     html = html_path.read_text()
     assert 'id="pipeline"' in html and "pipeline bubble" in html and "blocks.4" in html
-    from autopar.inspect import diff
+    from autopar.inspection import diff
 
     other = _stack_plan(schedule="GPipe", microbatches=4)
     assert "pipeline of 2 stages (GPipe, 4 microbatches" in str(diff(plan, other))

@@ -140,7 +140,8 @@ def test_infeasible_budget_names_the_smallest_feasible_one():
     (lambda d: d.pop("mesh"), "missing"),
     (lambda d: d["params"].update({"w": ["S(x)"]}), "cannot parse placement"),
     (lambda d: d["params"].update({"w": ["R", "R", "R"]}), "one placement per mesh axis"),
-    (lambda d: d["collectives"].append({"kind": "teleport", "phase": "forward", "axis": "dp"}), "kind must be"),
+    (lambda d: d["collectives"].append({"kind": "teleport", "phase": "forward", "axis": "dp", "bytes": 8,
+                                        "seconds": 1e-6, "node": "mm"}), r"collectives\[\d+\].kind: must be one of"),
 ])
 def test_malformed_plan_files_are_refused(tmp_path, megatron_plan, mutate, message):
     d = json.loads(megatron_plan.to_json())

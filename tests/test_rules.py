@@ -91,6 +91,13 @@ CASES = {
                                 (rand(b, 2, m, k), rand(b, 2, n, k), rand(b, 2, n, k), rand(m, n) > -0.5), {}),
     "sdpa_causal": lambda m, k, n, b: (aten.scaled_dot_product_attention.default,
                                        (rand(b, 2, m, k), rand(b, 2, m, k), rand(b, 2, m, k)), {"is_causal": True}),
+    # Self-attention, where ring attention (keys split too) is offered: a mask, and GQA with causal.
+    "sdpa_self_masked": lambda m, k, n, b: (aten.scaled_dot_product_attention.default,
+                                            (rand(b, 2, m, k), rand(b, 2, m, k), rand(b, 2, m, k),
+                                             (rand(b, 1, m, m) > -0.5) | torch.eye(m, dtype=torch.bool)), {}),
+    "sdpa_gqa_causal": lambda m, k, n, b: (aten.scaled_dot_product_attention.default,
+                                           (rand(b, 4, 2 * m, k), rand(b, 2, 2 * m, k), rand(b, 2, 2 * m, k)),
+                                           {"is_causal": True, "enable_gqa": True}),
     "cross_entropy_sum": lambda m, k, n, b: (aten.cross_entropy_loss.default,
                                              (rand(b * m, k + 1), torch.randint(0, k + 1, (b * m,)), None, 2), {}),
     "embedding_padding": lambda m, k, n, b: (aten.embedding.default,

@@ -21,6 +21,7 @@ FULL_SIZE = {
     "gpt2-xl": (1_557_611_200, 1024),
     "llama3-8b": (8_030_261_248, 4096),
     "llama2-70b": (68_976_648_192, 4096),
+    "gqa-7b-128k": (7_615_487_488, 131072),     # Qwen2-7B's 7,615,616,512 less its q/k/v biases
     "bert-large": (335_174_458, 512),
 }
 TINY = ("gpt2-tiny", "llama-tiny", "bert-tiny", "gpt-tiny")
@@ -188,12 +189,13 @@ def _gpt_parity(rank, world):
         ref_opt.step()
         ref_opt.zero_grad()
     full = pm.full_state_dict()
-    assert set(full) == set(ref_params) - {"lm_head.weight"}     # tied: the canonical name only
+    assert "lm_head.weight" not in pm.plan.params and set(full) == set(ref.state_dict())   # tied name too
+    copy.deepcopy(ref).load_state_dict(full)                     # strict
     for fqn, value in full.items():
         # Adam divides by sqrt(v) + 1e-8: where a gradient element is within ~1e-7 of zero, the 1e-9
         # rounding difference of a sharded sum changes that element's step by a few percent of lr
         # (1e-3). Three steps stay far below 1e-4; a wrong shard moves elements by ~lr per step.
-        torch.testing.assert_close(value, ref_params[fqn].detach(), rtol=1e-5, atol=1e-4, msg=fqn)
+        torch.testing.assert_close(value, ref.state_dict()[fqn], rtol=1e-5, atol=1e-4, msg=fqn)
 
 
 def test_builtin_gpt_trains_with_parity_on_two_ranks():

@@ -67,8 +67,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
             say(f"{step:>4}  {loss:>14.8f}  {ref_loss.item():>14.8f}  {rel:>9.2e}{flag}", flush=True)
     full = pm.full_state_dict()       # a collective: every rank takes part
     if ref is not None:
-        ref_params = dict(ref.named_parameters())
-        param_diff = max((full[k] - ref_params[k]).abs().max().item() for k in full)
+        ref_state = ref.state_dict()
+        param_diff = max((full[k] - ref_state[k]).abs().max().item() for k in full)
         say(f"final parameters: max |autopar - single-device| = {param_diff:.2e} (informational: Adam "
             f"magnifies rounding where a gradient is near zero)")
         if worst <= RTOL:

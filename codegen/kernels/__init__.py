@@ -22,6 +22,7 @@ __all__ = [
     "vocab_parallel_cross_entropy",
     "attention",
     "combine_attention",
+    "ring_attention",
     "rotary_embedding",
 ]
 
@@ -95,6 +96,16 @@ def attention(q, k, v, *, causal: bool = False, mask=None, scale: float | None =
     differentiable, so results merged by `combine_attention` backpropagate exactly.
     """
     return _impl("_attention").attention(q, k, v, causal=causal, mask=mask, scale=scale)
+
+
+def ring_attention(q, k, v, mask, is_causal: bool, scale, group: str):
+    """``autopar.runtime.context_parallel.ring_attention`` (q, k, v split along the sequence over the
+    group called ``group``) with each ring step's block on this library's flash attention, which
+    returns the logsumexp the ring merges with; its backward uses the kernels' backward with the
+    merged logsumexp."""
+    from autopar.runtime.context_parallel import ring_attention as ring
+
+    return ring(q, k, v, mask, is_causal, scale, group, blocks=_impl("_attention").RingBlocks)
 
 
 def rotary_embedding(x, cos, sin):

@@ -229,27 +229,59 @@ def _mask_args(mask, shape):
     return mask, mask.stride(), 1 if mask.dtype == torch.bool else 2
 
 
+def _launch_forward(q, k, v, causal, mask, scale):
+    """(out, lse, mask tensor, mask strides, mask kind) of attention over q [B, H, Sq, D], k, v
+    [B, H, Skv, D]."""
+    same_bhd = q.shape[:2] == k.shape[:2] and q.shape[3:] == k.shape[3:]
+    if q.dim() != 4 or k.shape != v.shape or not same_bhd or not q.dtype == k.dtype == v.dtype:
+        raise ValueError(
+            "attention wants q [B, H, Sq, D] and k, v [B, H, Skv, D] of one dtype, got "
+            f"{tuple(q.shape)} {q.dtype}, {tuple(k.shape)} {k.dtype}, {tuple(v.shape)} {v.dtype}"
+        )
+    B, H, Sq, D = q.shape
+    Skv = k.shape[2]
+    mask_t, mask_strides, mask_kind = _mask_args(mask, (B, H, Sq, Skv))
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    cfg = _config(q, "fwd")
+    grid = (triton.cdiv(Sq, cfg["BLOCK_M"]), B * H)
+    _attn_fwd[grid](
+        q, k, v, q if mask_t is None else mask_t, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *mask_strides, *out.stride(),
+        H, Sq, Skv, D, scale, CAUSAL=causal, MASK_KIND=mask_kind, **cfg,
+    )
+    return out, lse, mask_t, mask_strides, mask_kind
+
+
+def _launch_backward(q, k, v, mask_t, mask_strides, mask_kind, causal, scale, dout, lse, delta):
+    """(dq, dk, dv) given the rows' lse and delta = rowsum(dout * out), both fp32 and contiguous."""
+    B, H, Sq, D = q.shape
+    Skv = k.shape[2]
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    common = (
+        *q.stride(), *k.stride(), *v.stride(), *mask_strides, *dout.stride(),
+        H, Sq, Skv, D, scale,
+    )
+    mask_arg = q if mask_t is None else mask_t
+    cfg = _config(q, "dkdv")
+    _attn_bwd_dkdv[(triton.cdiv(Skv, cfg["BLOCK_N"]), B * H)](
+        q, k, v, mask_arg, dout, lse, delta, dk, dv, *common,
+        CAUSAL=causal, MASK_KIND=mask_kind, **cfg,
+    )
+    cfg = _config(q, "dq")
+    _attn_bwd_dq[(triton.cdiv(Sq, cfg["BLOCK_M"]), B * H)](
+        q, k, v, mask_arg, dout, lse, delta, dq, *common,
+        CAUSAL=causal, MASK_KIND=mask_kind, **cfg,
+    )
+    return dq, dk, dv
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, mask, scale):
-        same_bhd = q.shape[:2] == k.shape[:2] and q.shape[3:] == k.shape[3:]
-        if q.dim() != 4 or k.shape != v.shape or not same_bhd or not q.dtype == k.dtype == v.dtype:
-            raise ValueError(
-                "attention wants q [B, H, Sq, D] and k, v [B, H, Skv, D] of one dtype, got "
-                f"{tuple(q.shape)} {q.dtype}, {tuple(k.shape)} {k.dtype}, {tuple(v.shape)} {v.dtype}"
-            )
-        B, H, Sq, D = q.shape
-        Skv = k.shape[2]
-        mask_t, mask_strides, mask_kind = _mask_args(mask, (B, H, Sq, Skv))
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
-        cfg = _config(q, "fwd")
-        grid = (triton.cdiv(Sq, cfg["BLOCK_M"]), B * H)
-        _attn_fwd[grid](
-            q, k, v, q if mask_t is None else mask_t, out, lse,
-            *q.stride(), *k.stride(), *v.stride(), *mask_strides, *out.stride(),
-            H, Sq, Skv, D, scale, CAUSAL=causal, MASK_KIND=mask_kind, **cfg,
-        )
+        out, lse, mask_t, mask_strides, mask_kind = _launch_forward(q, k, v, causal, mask, scale)
         ctx.save_for_backward(q, k, v, mask_t, out, lse)
         ctx.causal, ctx.scale, ctx.mask_strides, ctx.mask_kind = causal, scale, mask_strides, mask_kind
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not zeros
@@ -258,8 +290,6 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, mask_t, out, lse = ctx.saved_tensors
-        B, H, Sq, D = q.shape
-        Skv = k.shape[2]
         if dout is None:
             dout = torch.zeros_like(out)
         # dL/ds = p * (dp - delta) with delta = rowsum(dout * out); a gradient on lse adds
@@ -268,25 +298,45 @@ class _Attention(torch.autograd.Function):
         delta = (dout.float() * out.float()).sum(-1)
         if dlse is not None:
             delta = delta - torch.where(lse == float("-inf"), torch.zeros_like(dlse), dlse)
-        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-        common = (
-            *q.stride(), *k.stride(), *v.stride(), *ctx.mask_strides, *dout.stride(),
-            H, Sq, Skv, D, ctx.scale,
-        )
-        mask_arg = q if mask_t is None else mask_t
-        cfg = _config(q, "dkdv")
-        _attn_bwd_dkdv[(triton.cdiv(Skv, cfg["BLOCK_N"]), B * H)](
-            q, k, v, mask_arg, dout, lse, delta, dk, dv, *common,
-            CAUSAL=ctx.causal, MASK_KIND=ctx.mask_kind, **cfg,
-        )
-        cfg = _config(q, "dq")
-        _attn_bwd_dq[(triton.cdiv(Sq, cfg["BLOCK_M"]), B * H)](
-            q, k, v, mask_arg, dout, lse, delta, dq, *common,
-            CAUSAL=ctx.causal, MASK_KIND=ctx.mask_kind, **cfg,
-        )
+        dq, dk, dv = _launch_backward(q, k, v, mask_t, ctx.mask_strides, ctx.mask_kind, ctx.causal, ctx.scale,
+                                      dout, lse, delta)
         return dq, dk, dv, None, None, None
+
+
+class RingBlocks:
+    """Block attention for ``runtime.context_parallel.ring_attention`` on these kernels (its
+    ``MathBlocks`` interface): grouped q [B, Hkv, G, Lq, D] against one key/value block
+    [B, Hkv, 1, Lk, D]; the key/value heads are expanded to the query heads for the kernels, and their
+    gradients summed back."""
+
+    @staticmethod
+    def _flat(q, k, v, mask):
+        b, hkv, g, lq, d = q.shape
+        lk = k.shape[3]
+        q4 = q.reshape(b, hkv * g, lq, d)
+        k4 = k.expand(b, hkv, g, lk, d).reshape(b, hkv * g, lk, d)
+        v4 = v.expand(b, hkv, g, lk, d).reshape(b, hkv * g, lk, d)
+        m4 = None if mask is None else mask.reshape(mask.shape[0], mask.shape[1] * mask.shape[2], *mask.shape[3:])
+        return q4, k4, v4, m4
+
+    @staticmethod
+    def forward(q, k, v, mask, kind, scale):
+        q4, k4, v4, m4 = RingBlocks._flat(q, k, v, mask)
+        out, lse, *_ = _launch_forward(q4, k4, v4, kind == "diagonal", m4, scale)
+        return out.view(q.shape), lse.view(q.shape[:-1])
+
+    @staticmethod
+    def backward(q, k, v, mask, kind, scale, dout, lse, delta):
+        q4, k4, v4, m4 = RingBlocks._flat(q, k, v, mask)
+        b, h, lq, d = q4.shape
+        mask_t, mask_strides, mask_kind = _mask_args(m4, (b, h, lq, k4.shape[2]))
+        rows = (b, h, lq)
+        dq, dk, dv = _launch_backward(
+            q4, k4, v4, mask_t, mask_strides, mask_kind, kind == "diagonal", scale, dout.reshape(q4.shape),
+            lse.reshape(rows).float().contiguous(), delta.reshape(rows).float().contiguous())
+        grouped = (b, k.shape[1], q.shape[2], k4.shape[2], d)
+        return (dq.view(q.shape), dk.view(grouped).sum(2, keepdim=True, dtype=torch.float32),
+                dv.view(grouped).sum(2, keepdim=True, dtype=torch.float32))
 
 
 def attention(q, k, v, *, causal, mask, scale):

@@ -1,6 +1,6 @@
 """Generated Triton kernels for fused regions of a rank's local program, and the backend choice.
 
-    backend = resolve_backend("auto", "cuda")        # "triton" or "aten"
+    backend = resolve_kernels("auto", "cuda")        # "triton" or "aten"
     fuse_pass(local_gm, backend=backend, example_inputs=local_args)
 
 Importing this package does not import Triton; compiling the first kernel does. The functions that
@@ -15,7 +15,7 @@ from autopar.errors import AutoparError
 BACKENDS = ("auto", "triton", "aten")
 
 
-def resolve_backend(kernels: str, device_type: str) -> str:
+def resolve_kernels(kernels: str, device_type: str) -> str:
     """The backend that ``kernels=`` selects on ``device_type`` ("cuda" or "cpu"): "triton" or "aten".
 
     "auto" is Triton on CUDA (when Triton is installed) and ATen elsewhere. "triton" on CPU runs the
@@ -37,4 +37,4 @@ def resolve_backend(kernels: str, device_type: str) -> str:
     return "triton"
 
 
-__all__ = ["BACKENDS", "resolve_backend", "fuse_pass", "record_meta"]
+__all__ = ["BACKENDS", "resolve_kernels", "fuse_pass", "record_meta"]

@@ -1,6 +1,6 @@
 """The fusion pass on a rank's local program.
 
-1. Norms and the loss become calls into the kernel library (``autopar.codegen.kernels``).
+1. Norms, the loss and ring attention become calls into the kernel library (``autopar.codegen.kernels``).
 2. Pointwise ops are grouped into regions, walking the graph in order and joining each op to the
    regions of its producers when the result is still one kernel:
    - a pointwise region: every op has the same shape (inputs may broadcast to it);
@@ -113,8 +113,10 @@ def _arg(node, i, name, default):
 
 
 def _library_call(node):
-    """(kernel function, its arguments, library module) for a norm or a loss the library covers."""
+    """(kernel function, its arguments, library module) for a norm, a loss or ring attention the
+    library covers."""
     from autopar.codegen import kernels
+    from autopar.runtime.context_parallel import ring_attention
     from autopar.runtime.sharded_ops import vocab_parallel_cross_entropy
 
     if node.op != "call_function":
@@ -141,6 +143,8 @@ def _library_call(node):
             return None
         args = (node.args[0], node.args[1], _arg(node, 4, "ignore_index", -100), "none" if reduction == 0 else "sum")
         return kernels.cross_entropy, args, "_cross_entropy"
+    if t is ring_attention:
+        return kernels.ring_attention, tuple(node.args), "_attention"
     if t is vocab_parallel_cross_entropy:
         logits, target, ignore_index, reduction, group = node.args
         args = (logits, target, group, ignore_index, ("none", "mean", "sum")[reduction])

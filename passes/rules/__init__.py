@@ -53,6 +53,11 @@ class AxisOption:
 
     inputs: tuple[Placement, ...]
     outputs: tuple[Placement, ...]
+    # Sizes the option needs beyond the usual "a sharded dim divides by its axes": (tensor input,
+    # dim, factor, why) asks the input's local size of that dim to divide by ``factor`` (ring
+    # attention's causal half-chunks). A strategy that misses one is refused, and the reason kept for
+    # the pin errors (``passes.strategies``).
+    requires: tuple[tuple[int, int, int, str], ...] = ()
 
     @property
     def trivial(self) -> bool:
@@ -81,10 +86,11 @@ class OpContext:
             return self.node.args[index]
         return self.node.kwargs.get(name, default)
 
-    def option(self, inputs: Sequence[Placement], outputs: Sequence[Placement] | Placement) -> AxisOption:
+    def option(self, inputs: Sequence[Placement], outputs: Sequence[Placement] | Placement,
+               requires=()) -> AxisOption:
         if isinstance(outputs, Placement):
             outputs = (outputs,) * len(self.outs)
-        return AxisOption(tuple(inputs), tuple(outputs))
+        return AxisOption(tuple(inputs), tuple(outputs), tuple(requires))
 
 
 @dataclass(frozen=True)
@@ -113,9 +119,15 @@ class OpCollective:
     """A collective that an op's local computation runs itself, on one mesh axis."""
 
     axis: int
-    kind: str          # all_reduce, all_gather, reduce_scatter or all_to_all
+    kind: str          # all_reduce, all_gather, reduce_scatter, all_to_all or send_recv
     phase: str         # forward or backward
-    nbytes: float      # per device, as in passes.resharding.Step.collectives
+    nbytes: float      # per device, as in passes.resharding.Step.collectives; all steps together
+    # A transfer repeated ``steps`` times, each step overlapped with ``overlap_flops`` of the op's
+    # own compute (ring attention: one key/value block moves while the previous one is attended
+    # to); a step costs max(compute, transfer), so only the transfer beyond the compute is charged.
+    steps: int = 1
+    overlap_flops: float = 0.0
+    dtype: torch.dtype = torch.float32
 
 
 _RULES: dict = {}

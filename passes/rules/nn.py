@@ -94,7 +94,8 @@ def embedding_rule(ctx):
 def _sdpa_flops(ctx):
     q, k = ctx.ins[0], ctx.ins[1]
     b_h_sq = math.prod(q.shape[:-1])
-    return 4.0 * b_h_sq * k.shape[-2] * q.shape[-1]
+    # A causal kernel skips the blocks above the diagonal: half the work.
+    return 4.0 * b_h_sq * k.shape[-2] * q.shape[-1] * (0.5 if ctx.arg(5, "is_causal", False) else 1.0)
 
 
 def _sdpa_saved_on_gpu(ctx):
@@ -105,18 +106,59 @@ def _sdpa_saved_on_gpu(ctx):
     return SavedForBackward(ctx.outs[0].nbytes, tuple(k < 3 for k in range(len(ctx.ins))), lse)
 
 
-@register_rule(aten.scaled_dot_product_attention.default, flops=_sdpa_flops, saved_on_gpu=_sdpa_saved_on_gpu)
+def _sdpa_collectives(ctx, in_layouts, mesh_shape):
+    """Ring attention (keys split along the sequence): n-1 forward steps, each moving one key/value
+    block while the previous one is attended to; backward, the block and its fp32 gradient, the last
+    step's gradient (coming home) not hidden. Causal rings also move q, k, v and the output to the
+    load-balanced half-chunks and back, and their gradients likewise."""
+    axis = _sharding_axis(in_layouts[1], 2)
+    if axis is None:
+        return []
+    n = mesh_shape[axis]
+    q, k = ctx.ins[0], ctx.ins[1]
+    lq = local_shape(q.shape, in_layouts[0], mesh_shape)
+    lk = local_shape(k.shape, in_layouts[1], mesh_shape)
+    causal = ctx.arg(5, "is_causal", False)
+    kv = 2 * math.prod(lk) * k.dtype.itemsize
+    dkv = 2 * math.prod(lk) * 4
+    block_flops = 4.0 * math.prod(lq[:-1]) * lk[2] * lq[-1] * (0.5 if causal else 1.0)
+    out = [OpCollective(axis, "send_recv", "forward", (n - 1) * kv, steps=n - 1, overlap_flops=block_flops,
+                        dtype=q.dtype),
+           OpCollective(axis, "send_recv", "backward", (n - 1) * (kv + dkv), steps=n - 1,
+                        overlap_flops=2 * block_flops, dtype=q.dtype),
+           OpCollective(axis, "send_recv", "backward", dkv)]
+    if causal:
+        qkvo = (2 * math.prod(lq) + 2 * math.prod(lk)) * q.dtype.itemsize
+        out += [OpCollective(axis, "send_recv", "forward", qkvo), OpCollective(axis, "send_recv", "backward", qkvo)]
+    return out
+
+
+def _sdpa_local_call(ctx, in_layouts, args, kwargs, group_names):
+    axis = _sharding_axis(in_layouts[1], 2)
+    if axis is None:
+        return None
+    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+    causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
+    return "autopar.runtime.context_parallel.ring_attention", (
+        args[0], args[1], args[2], mask, causal, kwargs.get("scale"), group_names[axis]), {}
+
+
+@register_rule(aten.scaled_dot_product_attention.default, flops=_sdpa_flops, saved_on_gpu=_sdpa_saved_on_gpu,
+               collectives=_sdpa_collectives, local_call=_sdpa_local_call)
 def sdpa_rule(ctx):
+    """Batch, heads (Ulysses is a head split between sequence-split neighbors: the resharding is the
+    all-to-all), query rows against whole keys (all-gathered keys and values), and ring attention."""
     q, k, v = ctx.ins[:3]
     mask = ctx.ins[3] if len(ctx.ins) > 3 else None
     is_causal = ctx.arg(5, "is_causal", False)
+    dropout = ctx.arg(4, "dropout_p", 0.0)
 
-    def with_mask(qkv, out, mask_dim, size):
+    def with_mask(qkv, out, mask_dim, size, requires=()):
         ins = list(qkv)
         if mask is not None:
             md = mask_dim - (4 - mask.ndim)
             ins.append(S(md) if md >= 0 and mask.shape[md] == size else R)
-        return ctx.option(ins, out)
+        return ctx.option(ins, out, requires)
 
     opts = []
     if q.shape[0] > 1:                                                  # batch
@@ -125,6 +167,9 @@ def sdpa_rule(ctx):
         opts.append(with_mask([S(1)] * 3, S(1), 1, q.shape[1]))
     if q.shape[2] > 1 and not is_causal:                                # query rows, keys whole
         opts.append(with_mask([S(2), R, R], S(2), 2, q.shape[2]))
+    if q.shape[2] > 1 and q.shape[2] == k.shape[2] and not dropout:    # ring: keys split too
+        why = "causal ring attention holds two load-balanced half-chunks per rank"
+        opts.append(with_mask([S(2)] * 3, S(2), 2, q.shape[2], ((0, 2, 2, why),) if is_causal else ()))
     return opts
 
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
-from autopar.codegen.triton import fuse_pass, resolve_backend
+from autopar.codegen.triton import fuse_pass, resolve_kernels
 from autopar.codegen.triton.kernel import cache_stats
 from autopar.passes.meta import program_meta
 from autopar.errors import AutoparError
@@ -247,15 +247,15 @@ def test_generated_source_is_readable():
 
 
 def test_backend_choice(monkeypatch):
-    assert resolve_backend("auto", "cpu") == "aten"
-    assert resolve_backend("aten", "cuda") == "aten"
+    assert resolve_kernels("auto", "cpu") == "aten"
+    assert resolve_kernels("aten", "cuda") == "aten"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert resolve_backend("triton", "cpu") == "triton"
+    assert resolve_kernels("triton", "cpu") == "triton"
     with pytest.raises(AutoparError, match="kernels must be one of"):
-        resolve_backend("inductor", "cpu")
+        resolve_kernels("inductor", "cpu")
 
 
 def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(AutoparError, match=r"TRITON_INTERPRET=1.*kernels='aten'"):
-        resolve_backend("triton", "cpu")
+        resolve_kernels("triton", "cpu")

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from tests.inspect.browser import Browser, find_chromium, png_distinct_pixels
-from tests.inspect.test_report import expected_rows
+from tests.inspection.browser import Browser, find_chromium, png_distinct_pixels
+from tests.inspection.test_report import expected_rows
 
 CHROMIUM = find_chromium()
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium: apt-get install -y chromium")

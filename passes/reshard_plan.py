@@ -1,4 +1,5 @@
-"""Which reshardings a chosen assignment implies, deduplicated the way codegen emits them.
+"""The resharding plan of a chosen assignment (``plan_reshards``): which steps bring every value to
+the layout each consumer reads, deduplicated the way codegen emits them. It plans; codegen lowers.
 
 A value read in the same layout, with the same gradient reductions, by several consumers is
 resharded once and shared. Planning reports the collectives from this, and codegen emits exactly
@@ -13,7 +14,7 @@ import torch.fx as fx
 
 from autopar.layout import R
 from autopar.passes.meta import op_name
-from autopar.passes.resharding import global_transition
+from autopar.passes.resharding import global_transition, grad_partial_axes
 from autopar.passes.strategies import Strategy, Value, input_values, requires_grad, value_info
 
 
@@ -25,7 +26,7 @@ class ReshardKey:
 
 
 @dataclass
-class Lowered:
+class ReshardPlan:
     strategy: dict                                   # node -> Strategy
     reshards: dict = field(default_factory=dict)     # ReshardKey -> list[Step]
     first_consumer: dict = field(default_factory=dict)  # ReshardKey -> consumer node name
@@ -39,9 +40,9 @@ def gathered_output(node: fx.Node, sharded_outputs: bool) -> bool:
     return not sharded_outputs or node.meta["val"].dim() == 0
 
 
-def lower(gm: fx.GraphModule, strategy: dict, mesh_shape, sharded_outputs: bool = False) -> Lowered:
+def plan_reshards(gm: fx.GraphModule, strategy: dict, mesh_shape, sharded_outputs: bool = False) -> ReshardPlan:
     mesh_shape = tuple(mesh_shape)
-    low = Lowered(strategy)
+    low = ReshardPlan(strategy)
     for node in gm.graph.nodes:
         if node.op == "call_function":
             s = strategy[node]
@@ -63,11 +64,9 @@ def lower(gm: fx.GraphModule, strategy: dict, mesh_shape, sharded_outputs: bool 
     return low
 
 
-def _reshard(low: Lowered, mesh_shape, v: Value, dst, s: Strategy | None, consumer: fx.Node):
+def _reshard(low: ReshardPlan, mesh_shape, v: Value, dst, s: Strategy | None, consumer: fx.Node):
     src = low.strategy[v.node].outputs[v.index]
-    partial = frozenset()
-    if s is not None and requires_grad(v.node):
-        partial = frozenset(a for a, p in enumerate(dst) if p.is_replicate and s.splits_work[a])
+    partial = frozenset() if s is None else grad_partial_axes(dst, s.splits_work, requires_grad(v.node))
     key = ReshardKey(v, tuple(dst), partial)
     if key not in low.reshards:
         steps = global_transition(tuple(src), tuple(dst), value_info(v).shape, mesh_shape, grad_partial=partial)
@@ -79,23 +78,14 @@ def _reshard(low: Lowered, mesh_shape, v: Value, dst, s: Strategy | None, consum
     return key if low.reshards[key] else None
 
 
-def collectives(low: Lowered, cm, axis_names) -> list[dict]:
+def collectives(low: ReshardPlan, cm, axis_names) -> list[dict]:
     """The plan's collectives under ``low``, priced by ``cm`` (a passes.costs.CostModel)."""
-    from autopar.passes.resharding import collective_seconds
-
     out = []
     for key, steps in low.reshards.items():
         info = value_info(key.value)
-        grad = requires_grad(key.value.node)
-        for st in steps:
-            bw, lat = cm.links[st.axis]
-            for kind, phase, nbytes in st.collectives(info.dtype.itemsize, grad):
-                out.append({"kind": kind, "axis": axis_names[st.axis], "bytes": int(nbytes), "phase": phase,
-                            "seconds": collective_seconds(kind, nbytes, cm.mesh_shape[st.axis], bw, lat),
-                            "node": low.first_consumer[key], "value": key.value.node.name, "step": st.op})
+        for st, c in cm.priced_steps(steps, info.dtype.itemsize, requires_grad(key.value.node)):
+            out.append(c.record(axis_names, node=low.first_consumer[key], value=key.value.node.name, step=st.op))
     for node, s in low.strategy.items():
-        for oc in cm.op_collectives(node, s):
-            out.append({"kind": oc.kind, "axis": axis_names[oc.axis], "bytes": int(oc.nbytes), "phase": oc.phase,
-                        "seconds": cm.op_collective_seconds(oc), "node": node.name, "value": node.name,
-                        "step": op_name(node)})
+        out += [c.record(axis_names, node=node.name, value=node.name, step=op_name(node))
+                for c in cm.priced_op_collectives(node, s)]
     return out

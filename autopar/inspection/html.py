@@ -1,413 +1,14 @@
-"""Plan inspection: why a node or parameter got its layout (``explain``), what differs between two
-plans (``diff``), and a self-contained HTML report (``to_html``).
-
-Everything here reads only the Plan record, so it works on a saved plan file with no model, graph or
-GPU. Repeated layers share one decision per position, so ``plan.alternatives`` is keyed by the first
-instance's node names and parameter FQNs; the other instances are mapped onto those by position.
-The format of each view is described in docs/inspection.md.
-"""
+"""A self-contained HTML report of one plan: ``to_html(plan, path)`` (docs/inspection.md)."""
 from __future__ import annotations
 
-import difflib
 import html
 import json
-import re
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from autopar.inspection.explain import explain_in, layout_text
+from autopar.inspection.index import PlanIndex
 from autopar.report import _b, _s
-
-# The outermost indexed module of a parameter FQN: the same rule passes/layers uses to find instances.
-_INSTANCE = re.compile(r"^(.*?\.\d+)\.")
-_MATMULS = {"mm.default", "addmm.default", "linear.default", "matmul.default"}
-_PLACEMENT = re.compile(r"S\(\d+\)|R|P")
-
-
-def _placeholder(fqn: str) -> str:
-    """The graph's name for a parameter, which the plan's collectives and alternatives use: torch.export
-    names a parameter's placeholder "p_" + its FQN with dots as underscores."""
-    return "p_" + fqn.replace(".", "_")
-
-
-class _Index:
-    """Lookups over one plan, built once and shared by every explanation of that plan."""
-
-    def __init__(self, plan):
-        self.plan = plan
-        self.nodes = {n["name"]: n for n in plan.nodes}
-        self.instances: dict[str, list[str]] = {}          # instance path -> node names, program order
-        self.cls_of: dict[str, str] = {}                    # instance path -> layer class
-        for n in plan.nodes:
-            if n["layer"]:
-                self.instances.setdefault(n["layer"], []).append(n["name"])
-                self.cls_of[n["layer"]] = n["layer_class"]
-        self.first: dict[str, str] = {}                     # layer class -> its first instance
-        for inst, cls in self.cls_of.items():
-            self.first.setdefault(cls, inst)
-        self.count = Counter(self.cls_of.values())
-        self.pos = {name: i for names in self.instances.values() for i, name in enumerate(names)}
-        self.param_of = {_placeholder(f): f for f in plan.params}
-        self.colls_at: dict[str, list] = defaultdict(list)
-        for c in plan.collectives:
-            self.colls_at[c["node"]].append(c)
-
-    def value_name(self, value: str) -> str:
-        return self.param_of.get(value, value)
-
-    def rep_node(self, name: str) -> str:
-        """The node at the same position in the first instance of its layer class."""
-        layer = self.nodes[name]["layer"]
-        if not layer:
-            return name
-        return self.instances[self.first[self.cls_of[layer]]][self.pos[name]]
-
-    def rep_param(self, fqn: str) -> str:
-        m = _INSTANCE.match(fqn)
-        if not m or m.group(1) not in self.cls_of:
-            return fqn
-        return self.first[self.cls_of[m.group(1)]] + fqn[len(m.group(1)):]
-
-    def decision_of(self, name: str) -> str:
-        """The alternatives key of the decision that fixes node ``name``'s layout."""
-        root = self.nodes[name]["follows"] or name
-        if root in self.param_of:
-            return self.rep_param(self.param_of[root])
-        return self.rep_node(root) if root in self.nodes else root
-
-    def instances_note(self, layer: str) -> str:
-        cls = self.cls_of[layer]
-        return f"in {layer} (layer class {cls}: {self.count[cls]} instance(s), which share each decision)"
-
-
-# --- explain -------------------------------------------------------------------------------------
-
-def _lay(layout) -> str:
-    return "[" + ",".join(layout) + "]"
-
-
-def _role(op: str, label: str, shape, axes) -> str:
-    """For a matmul, name each mesh axis's split the way Megatron does (from the output layout alone:
-    a Partial output means the contracted dim is split)."""
-    if op not in _MATMULS or not shape or label.count("[") != 1:
-        return ""
-    parts = []
-    for axis, p in zip(axes, _PLACEMENT.findall(label)):
-        if p == "P":
-            parts.append(f"row-parallel over {axis}")
-        elif p == f"S({len(shape) - 1})":
-            parts.append(f"column-parallel over {axis}")
-        elif p == "S(0)":
-            parts.append(f"batch-split over {axis}")
-        elif p.startswith("S"):
-            parts.append(f"split on dim {p[2:-1]} over {axis}")
-    return ", ".join(parts) or "replicated"
-
-
-def _coll(c, ix: _Index, here: str) -> str:
-    if c["kind"] == "impossible":
-        return f"no resharding exists for {ix.value_name(c['value'])} -> {c['neighbor']}"
-    src = ix.value_name(c["value"])
-    # The planner names an input edge's neighbour after the value it reads; an output edge after its consumer.
-    edge = f"{src} -> {here}" if c["neighbor"] == c["value"] else f"{src} -> {c['neighbor']}"
-    return f"{c['kind']}({c['axis']}, {c['phase']}) {_b(c['bytes'])} {_s(c['seconds'])}  {edge}"
-
-
-def _coll_key(c):
-    return (c["kind"], c.get("axis"), c.get("phase"), c["value"], c["neighbor"])
-
-
-def _decision_lines(ix: _Index, key: str) -> list[str]:
-    """The options table of decision ``key``, each option's resharding, and why the chosen one wins."""
-    if not ix.plan.alternatives:
-        return ["this plan records no alternatives; plan the model again with this autopar to see them."]
-    entries = ix.plan.alternatives.get(key)
-    if not entries:
-        return [f"decision {key}: only one layout was possible here, so there was nothing to choose."]
-    node = ix.nodes.get(key, {})
-    op, shape, axes = node.get("op", ""), node.get("shape"), ix.plan.axis_names
-    lines = [(f"options for {key} (costs per layer instance, neighbours held at their chosen layouts; own = compute "
-              f"and optimizer step; memory = bytes held at the end of forward):"),
-             f"      {'layout':<22} {'total':>10} {'own':>10} {'resharding':>11} {'memory':>11}  vs chosen"]
-    chosen = entries[0]
-
-    def name(e):
-        role = _role(op, e["layout"], shape, axes)
-        return e["layout"] + (f" ({role})" if role else "")
-
-    for e in entries:
-        delta = "" if e["chosen"] else f"{'+' if e['total_seconds'] >= chosen['total_seconds'] else '-'}" \
-                                      f"{_s(abs(e['total_seconds'] - chosen['total_seconds']))}"
-        lines.append(f"  {'*' if e['chosen'] else ' '}   {e['layout']:<22} {_s(e['total_seconds']):>10} "
-                     f"{_s(e['own_seconds']):>10} {_s(e['resharding_seconds']):>11} {_b(e['memory_bytes']):>11}  {delta}")
-    lines.append("resharding each option causes with its neighbours:")
-    for e in entries:
-        lines.append(f"  {'*' if e['chosen'] else ' '} {name(e)}{' (chosen)' if e['chosen'] else ''}:")
-        lines += [f"      {_coll(c, ix, key)}" for c in e["collectives"]] or ["      none"]
-    lines.append(f"why {name(chosen)}:")
-    mine = Counter(_coll_key(c) for c in chosen["collectives"])
-    for e in entries[1:]:
-        d = e["total_seconds"] - chosen["total_seconds"]
-        if d > 0:
-            head = f"{_s(d)} slower per instance"
-        else:
-            head = (f"{_s(-d)} faster with its neighbours held fixed, but the solver weighs the whole graph "
-                    f"(neighbours that would change with it) and the memory budget")
-        dm = e["memory_bytes"] - chosen["memory_bytes"]
-        if abs(dm) > 0.005 * max(chosen["memory_bytes"], 1):
-            head += f"; memory {'+' if dm > 0 else '-'}{_b(abs(dm))}"
-        do = e["own_seconds"] - chosen["own_seconds"]
-        if abs(do) > 1e-9:
-            head += f"; own cost {'+' if do > 0 else '-'}{_s(abs(do))}"
-        lines.append(f"  - {name(e)}: {head}")
-        theirs = Counter(_coll_key(c) for c in e["collectives"])
-        by_key = {_coll_key(c): c for c in chosen["collectives"] + e["collectives"]}
-        needs = [by_key[k] for k in (theirs - mine).elements()]
-        avoids = [by_key[k] for k in (mine - theirs).elements()]
-        if needs:
-            lines.append(f"      needs, where {chosen['layout']} does not:")
-            lines += [f"        {_coll(c, ix, key)}" for c in needs]
-        if avoids:
-            lines.append(f"      avoids, where {chosen['layout']} needs:")
-            lines += [f"        {_coll(c, ix, key)}" for c in avoids]
-    return lines
-
-
-def _node_lines(ix: _Index, name: str) -> list[str]:
-    plan, n = ix.plan, ix.nodes[name]
-    lines = [f"node {name}: {n['op']}" + (f", output shape {n['shape']}" if n["shape"] is not None else "")]
-    if n["layer"]:
-        lines.append(f"  {ix.instances_note(n['layer'])}")
-    lines += _stage_lines(plan, n["layer"], n["name"])
-    ins = " ".join(_lay(l) for l in n["inputs"])
-    outs = " ".join(_lay(l) for l in n["outputs"])
-    role = _role(n["op"], ",".join(_lay(l) for l in n["outputs"]), n["shape"], plan.axis_names)
-    lines.append(f"  chosen: inputs {ins} -> outputs {outs}" + (f" ({role})" if role else "")
-                 + (f"; work split over {', '.join(n['split_axes'])}" if n["split_axes"] else "; work not split"))
-    lines.append(f"  here: compute {_s(n['compute_seconds'])}, communication {_s(n['comm_seconds'])}, "
-                 f"saved activations {_b(n['activation_bytes'])}")
-    for c in ix.colls_at.get(name, []):
-        lines.append(f"    runs {c['kind']}({c['axis']}, {c['phase']}) {_b(c['bytes'])} {_s(c['seconds'])} "
-                     f"on {ix.value_name(c['value'])}")
-    key = ix.decision_of(name)
-    if key != name:
-        why = "follows " + n["follows"] + " (its layout is fixed by that decision)" if n["follows"] else \
-            "has the same position in the first instance"
-        lines.append(f"  decided by {key}: this node {why}")
-    return lines + _decision_lines(ix, key)
-
-
-def _stage_lines(plan, layer, node_name) -> list[str]:
-    """Where a pipeline plan runs a node: its stage and the rank of the pipeline axis."""
-    pipe = plan.pipeline
-    if not pipe:
-        return []
-    stages = pipe["stages"]
-    st = next((s for s in stages if layer in s["layers"]), None)
-    if st is None:
-        names = [n["name"] for n in plan.nodes]
-        first = next((n["layer"] for n in plan.nodes if n["layer"]), None)
-        before = first is not None and names.index(node_name) < names.index(
-            next(n["name"] for n in plan.nodes if n["layer"] == first))
-        st = stages[0] if before else stages[-1]
-    return [f"  pipeline stage {st['index']} of {len(stages)} (rank {st['pp_rank']} of axis '{pipe['axis']}'), "
-            f"schedule {pipe['schedule']} over {pipe['microbatches']} microbatches; the figures below are "
-            f"per microbatch"]
-
-
-def _param_lines(ix: _Index, fqn: str) -> list[str]:
-    plan = ix.plan
-    rep = ix.rep_param(fqn)
-    mesh = " x ".join(f"{a}={s}" for a, s in zip(plan.axis_names, plan.mesh_shape))
-    lines = [f"parameter {fqn}: chosen {_lay(plan.params[fqn])} on mesh {mesh}"]
-    held = plan.memory.get("by_param", {}).get(fqn)
-    if held is not None:
-        lines.append(f"  per device: {_b(held)} of parameter, gradient and optimizer state")
-    if rep != fqn:
-        lines.append(f"  the same decision as {rep}: layer instances share each decision")
-    placeholder = _placeholder(rep)
-    # The plan records no graph edges; a parameter's consumers are the nodes its collectives (chosen or
-    # alternative) are exchanged with.
-    consumers = {c["node"] for c in plan.collectives if c["value"] == placeholder}
-    consumers |= {c["neighbor"] for e in plan.alternatives.get(rep, []) for c in e["collectives"]
-                  if c["value"] == placeholder and c["neighbor"] in ix.nodes}
-    lines += _decision_lines(ix, rep)
-    order = {n: i for i, n in enumerate(ix.nodes)}
-    for cname in sorted(consumers, key=order.__getitem__):
-        c = ix.nodes[cname]
-        key = ix.decision_of(cname)
-        role = _role(c["op"], ",".join(_lay(l) for l in c["outputs"]), c["shape"], plan.axis_names)
-        lines.append("")
-        lines.append(f"consumed by {cname} ({c['op']}): inputs {' '.join(_lay(l) for l in c['inputs'])} -> "
-                     f"outputs {' '.join(_lay(l) for l in c['outputs'])}" + (f" ({role})" if role else ""))
-        lines += ["  " + x for x in _decision_lines(ix, key)]
-    return lines
-
-
-def _input_lines(ix: _Index, name: str) -> list[str]:
-    return [f"input {name}: chosen {_lay(ix.plan.inputs[name])}"] + _decision_lines(ix, name)
-
-
-def _explain(ix: _Index, name: str) -> str:
-    if name in ix.nodes:
-        lines = _node_lines(ix, name)
-    elif name in ix.plan.params or name in ix.param_of:
-        lines = _param_lines(ix, ix.param_of.get(name, name))
-    elif name in ix.plan.inputs:
-        lines = _input_lines(ix, name)
-    else:
-        known = list(ix.nodes) + list(ix.plan.params) + list(ix.plan.inputs)
-        close = difflib.get_close_matches(name, known, n=5, cutoff=0.6)
-        hint = f"; did you mean {', '.join(close)}?" if close else \
-            "; give a node name (see the report's table) or a parameter FQN"
-        raise KeyError(f"plan has no node, parameter or input {name!r}{hint}")
-    return "\n".join(lines)
-
-
-def explain(plan, name: str) -> str:
-    """Why ``name`` (a node, a parameter FQN or a user input) has its layout: the chosen layout, the best
-    alternatives with their own, resharding and memory costs, and the collectives each would cause
-    with its neighbours. Unknown names raise KeyError with close matches."""
-    return _explain(_Index(plan), name)
-
-
-# --- diff ----------------------------------------------------------------------------------------
-
-@dataclass
-class LayoutChange:
-    name: str            # node name or parameter FQN (first instance, for repeated layers)
-    instances: int       # how many layer instances change the same way
-    a: str | None        # layout in plan a (see _axis_layout); None when absent there
-    b: str | None
-
-
-@dataclass
-class CollectiveChange:
-    kind: str
-    axis: str
-    phase: str
-    count_a: int
-    count_b: int
-    bytes_a: float
-    bytes_b: float
-    seconds_a: float
-    seconds_b: float
-
-    @property
-    def change(self) -> str:
-        return "added" if not self.count_a else "removed" if not self.count_b else "changed"
-
-
-@dataclass
-class PlanDiff:
-    a: str                        # a one-line description of each plan
-    b: str
-    same_model: bool
-    params: list[LayoutChange] = field(default_factory=list)
-    nodes: list[LayoutChange] = field(default_factory=list)
-    collectives: list[CollectiveChange] = field(default_factory=list)
-    step_time: tuple[float, float] = (0.0, 0.0)
-    peak_memory: tuple[float, float] = (0.0, 0.0)
-    num_params: int = 0
-    num_nodes: int = 0
-
-    @property
-    def added(self) -> list[CollectiveChange]:
-        return [c for c in self.collectives if c.change == "added"]
-
-    @property
-    def removed(self) -> list[CollectiveChange]:
-        return [c for c in self.collectives if c.change == "removed"]
-
-    def __str__(self) -> str:
-        def delta(x, y, fmt):
-            rel = f", {100 * (y - x) / x:+.1f}%" if x else ""
-            return f"{fmt(x)} -> {fmt(y)} ({'+' if y >= x else '-'}{fmt(abs(y - x))}{rel})"
-
-        lines = [f"a: {self.a}", f"b: {self.b}"]
-        if not self.same_model:
-            lines.append("warning: the plans are of different models; layouts are matched by name")
-        lines.append(f"step time: {delta(*self.step_time, _s)}")
-        lines.append(f"peak memory per device: {delta(*self.peak_memory, _b)}")
-        for title, items, total in (("parameters", self.params, self.num_params), ("nodes", self.nodes, self.num_nodes)):
-            lines.append(f"{title} with different layouts: {sum(c.instances for c in items)} of {total}")
-            for c in items:
-                many = f" (x{c.instances})" if c.instances > 1 else ""
-                lines.append(f"  {c.name + many:<48} {c.a or 'absent'}  =>  {c.b or 'absent'}")
-        lines.append("collectives (count, bytes and seconds per step):")
-        if not self.collectives:
-            lines.append("  the same")
-        for c in self.collectives:
-            lines.append(f"  {c.change:<8} {c.kind}({c.axis}, {c.phase}): x{c.count_a} {_b(c.bytes_a)} {_s(c.seconds_a)}"
-                         f" -> x{c.count_b} {_b(c.bytes_b)} {_s(c.seconds_b)}")
-        return "\n".join(lines)
-
-
-def _describe(plan) -> str:
-    mesh = " x ".join(f"{a}={s}" for a, s in zip(plan.axis_names, plan.mesh_shape))
-    pipe = plan.pipeline
-    stages = (f", pipeline of {len(pipe['stages'])} stages ({pipe['schedule']}, {pipe['microbatches']} microbatches, "
-              f"bubble {_s(pipe['bubble_seconds'])})") if pipe else ""
-    return (f"{plan.model['class']} on {plan.cluster.get('name') or plan.cluster.get('num_devices')} "
-            f"(mesh {mesh}{stages}), step {_s(plan.step_time)}, peak {_b(plan.memory['peak'])}")
-
-
-def _axis_layout(layout, plan) -> str:
-    """A layout that compares across meshes: each split with its axis and size (``dp8:S(0)``), and
-    replicated axes left out, so that replicated reads the same on any mesh."""
-    parts = [f"{a}{n}:{p}" for a, n, p in zip(plan.axis_names, plan.mesh_shape, layout) if p != "R"]
-    return "[" + ", ".join(parts) + "]" if parts else "[R]"
-
-
-def _group_changes(changes: dict, key_of) -> list[LayoutChange]:
-    """Fold changes that repeat in every instance of a layer into one line, named by the first."""
-    groups: dict = {}
-    for name, (a, b) in changes.items():
-        k = (key_of(name), a, b)
-        if k in groups:
-            groups[k].instances += 1
-        else:
-            groups[k] = LayoutChange(name, 1, a, b)
-    return list(groups.values())
-
-
-def diff(a, b) -> PlanDiff:
-    """What differs between plans ``a`` and ``b``: layouts of parameters and nodes (repeated layers
-    folded), collectives added, removed or changed by (kind, axis, phase), step time and peak memory."""
-    ia, ib = _Index(a), _Index(b)
-
-    def params(plan):
-        # Sorted, because a saved plan's params come back in key order rather than the graph's.
-        return {f: _axis_layout(lay, plan) for f, lay in sorted(plan.params.items())}
-
-    def nodes(plan):
-        def side(lays):
-            return " ".join(_axis_layout(lay, plan) for lay in lays)
-        return {n["name"]: f"{side(n['inputs'])} -> {side(n['outputs'])}" for n in plan.nodes}
-
-    def changed(x, y):
-        return {k: (x.get(k), y.get(k)) for k in list(x) + [k for k in y if k not in x] if x.get(k) != y.get(k)}
-
-    pa, pb, na, nb = params(a), params(b), nodes(a), nodes(b)
-    tot = defaultdict(lambda: [0, 0, 0.0, 0.0, 0.0, 0.0])
-    for i, plan in enumerate((a, b)):
-        for c in plan.collectives:
-            t = tot[(c["kind"], c["axis"], c["phase"])]
-            t[i] += 1
-            t[2 + i] += c["bytes"]
-            t[4 + i] += c["seconds"]
-    colls = [CollectiveChange(k, ax, ph, *v) for (k, ax, ph), v in sorted(tot.items())
-             if v[0] != v[1] or abs(v[4] - v[5]) > 1e-12]
-    return PlanDiff(
-        a=_describe(a), b=_describe(b), same_model=a.model.get("fingerprint") == b.model.get("fingerprint"),
-        params=_group_changes(changed(pa, pb), lambda f: (ia if f in a.params else ib).rep_param(f)),
-        nodes=_group_changes(changed(na, nb), lambda n: (ia if n in ia.nodes else ib).rep_node(n)),
-        collectives=colls, step_time=(a.step_time, b.step_time),
-        peak_memory=(a.memory["peak"], b.memory["peak"]),
-        num_params=len(set(a.params) | set(b.params)), num_nodes=len(set(na) | set(nb)))
-
-
-# --- HTML report ---------------------------------------------------------------------------------
 
 _PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#edc948", "#76b7b2", "#ff9da7", "#9c755f",
             "#e15759", "#86bcb6", "#d4a6c8", "#a0cbe8")
@@ -423,7 +24,7 @@ def _e(x) -> str:
     return html.escape(str(x), quote=True)
 
 
-def _shown(ix: _Index, layer) -> bool:
+def _shown(ix: PlanIndex, layer) -> bool:
     """Rows are kept for nodes outside layers and for the first instance of each layer class; the other
     instances have the same layouts and are summarised."""
     return not layer or ix.first[ix.cls_of[layer]] == layer
@@ -485,7 +86,7 @@ def _summary_html(plan) -> str:
 
 
 def _pipeline_html(plan) -> str:
-    """The stages of a pipeline plan and a timeline of one step on each rank of the pipeline axis."""
+    """The stages of a pipeline plan and each rank's busy and idle time over one step."""
     pipe = plan.pipeline
     if not pipe:
         return ""
@@ -502,7 +103,7 @@ def _pipeline_html(plan) -> str:
 
 
 def _timeline_svg(pipe, width=640) -> str:
-    """Each rank's busy time (its microbatches) and idle time (its share of the bubble), to scale."""
+    """Each rank's busy time (its microbatches) and idle time (the rest of the step), to scale."""
     ranks = pipe["ranks"]
     busy = [r["seconds_per_microbatch"] * pipe["microbatches"] for r in ranks]
     total = max(busy) + pipe["bubble_seconds"] or 1.0
@@ -514,10 +115,10 @@ def _timeline_svg(pipe, width=640) -> str:
                     f'<rect x="50" y="{y}" width="{w:.1f}" height="14" fill="#59a14f"><title>busy {_s(b)}</title></rect>'
                     f'<rect x="{50 + w:.1f}" y="{y}" width="{width - w:.1f}" height="14" fill="#e8e8e8">'
                     f'<title>idle {_s(total - b)}</title></rect>')
-    return (f'<svg class="timeline" width="{width + 60}" height="{8 + 18 * len(ranks)}">{"".join(bars)}</svg>')
+    return f'<svg class="timeline" width="{width + 60}" height="{8 + 18 * len(ranks)}">{"".join(bars)}</svg>'
 
 
-def _graph_data(plan, ix: _Index, color) -> dict:
+def _graph_data(plan, ix: PlanIndex, color) -> dict:
     """Program-order rows (layer runs collapsed into one expandable row) and resharding edges.
     Each endpoint carries its own row id (when shown) and its collapsed layer row."""
     items, group_of = [], {}
@@ -577,12 +178,12 @@ def _td(text, value=None) -> str:
     return f"<td>{_e(text)}</td>" if value is None else f'<td data-v="{value:.6g}">{_e(text)}</td>'
 
 
-def _ops_html(plan, ix: _Index) -> str:
+def _ops_html(plan, ix: PlanIndex) -> str:
     rows, summary = [], defaultdict(lambda: [0, 0.0, 0.0, {}])
     for n in plan.nodes:
         if _shown(ix, n["layer"]):
-            ins = " ".join(_lay(l) for l in n["inputs"])
-            outs = " ".join(_lay(l) for l in n["outputs"])
+            ins = " ".join(layout_text(l) for l in n["inputs"])
+            outs = " ".join(layout_text(l) for l in n["outputs"])
             rows.append(f'<tr data-name="{_e(n["name"])}" tabindex="0">{_td(n["name"])}{_td(n["op"])}'
                         f'{_td(n["layer"] or "")}{_td(ins)}{_td(outs)}{_td(",".join(n["split_axes"]))}'
                         f'{_td(_s(n["compute_seconds"]), n["compute_seconds"])}{_td(_s(n["comm_seconds"]), n["comm_seconds"])}'
@@ -603,7 +204,7 @@ def _ops_html(plan, ix: _Index) -> str:
     return _table("op-table", head, rows, foot)
 
 
-def _params_html(plan, ix: _Index) -> tuple[str, list[str]]:
+def _params_html(plan, ix: PlanIndex) -> tuple[str, list[str]]:
     rows, names, hidden = [], [], 0
     by_param = plan.memory.get("by_param", {})
     for fqn, lay in plan.params.items():
@@ -613,7 +214,7 @@ def _params_html(plan, ix: _Index) -> tuple[str, list[str]]:
         names.append(fqn)
         held = by_param.get(fqn, 0.0)
         split = ",".join(a for a, p in zip(plan.axis_names, lay) if p != "R")
-        rows.append(f'<tr data-name="{_e(fqn)}" tabindex="0">{_td(fqn)}{_td(_lay(lay))}{_td(split)}'
+        rows.append(f'<tr data-name="{_e(fqn)}" tabindex="0">{_td(fqn)}{_td(layout_text(lay))}{_td(split)}'
                     f'{_td(_b(held), held)}</tr>')
     foot = (f'<tr class="summary" data-params="{hidden}"><td colspan="4">{hidden} more parameters in the other '
             f'instances of repeated layers have the same layouts as their first instance</td></tr>') if hidden else ""
@@ -707,9 +308,9 @@ def _comm_html(plan) -> str:
             + f'<table id="comm-table" class="sortable"><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>')
 
 
-def _layout_colors(plan, ix: _Index):
+def _layout_colors(plan, ix: PlanIndex):
     def key(n):
-        return " ".join(_lay(l) for l in n["outputs"]) or "-"
+        return " ".join(layout_text(l) for l in n["outputs"]) or "-"
 
     freq = Counter(key(n) for n in plan.nodes if _shown(ix, n["layer"]))
     index = {k: i for i, (k, _) in enumerate(freq.most_common(len(_PALETTE)))}
@@ -726,11 +327,11 @@ def _layout_colors(plan, ix: _Index):
 
 def render_html(plan) -> str:
     """The report as one HTML string: inline CSS, JS and SVG, nothing fetched."""
-    ix = _Index(plan)
+    ix = PlanIndex(plan)
     color, legend = _layout_colors(plan, ix)
     params_table, shown_params = _params_html(plan, ix)
     names = [n["name"] for n in plan.nodes if _shown(ix, n["layer"])] + shown_params
-    data = {"graph": _graph_data(plan, ix, color), "explain": {k: _explain(ix, k) for k in names}}
+    data = {"graph": _graph_data(plan, ix, color), "explain": {k: explain_in(ix, k) for k in names}}
     body = {
         "summary": _summary_html(plan),
         "graph": ('<p class="note">Nodes in program order, coloured by output layout. A repeated layer is one row: '

@@ -9,7 +9,7 @@ from torch import nn
 
 import autopar
 from autopar.passes.runner import PassError, PassRunner, requires
-from autopar.pipeline import PASS_NAMES
+from autopar.pass_pipeline import PASS_NAMES
 from tests.distributed_utils import run_distributed
 
 

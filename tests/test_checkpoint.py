@@ -1,0 +1,181 @@
+"""autopar.checkpoint: a checkpoint saved under one plan loads under another (other layouts, another
+mesh, another world size) and training goes on with the losses of an uninterrupted eager run (relative
+1e-5, the parity promise of tests/test_parity.py); to_full gives a state dict the original model loads
+strictly; an incomplete checkpoint is never taken."""
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed_utils import run_distributed
+from tests.hf_models import MEGATRON, batch, build
+
+STEPS, SAVE_AT, LR = 4, 2, 1e-3
+
+
+def _plans(world):
+    data = {"input_ids": ["S(0)"], "labels": ["S(0)"], "*.weight": ["R"], "*.bias": ["R"]}
+    tp = {k: [v] for k, v in MEGATRON["gpt2"].items()}
+    plans = {"data parallel": ((world,), data), "tensor split": ((world,), tp)}
+    if world == 4:
+        plans["2-D"] = ((2, 2), {**{k: ["R", v] for k, v in MEGATRON["gpt2"].items()},
+                                 "input_ids": ["S(0)", "R"], "labels": ["S(0)", "R"]})
+    return plans
+
+
+def _compile(world, mesh, pins, seed):
+    import autopar
+
+    torch.manual_seed(seed)          # another initialization: the checkpoint must replace all of it
+    ids, labels = batch()
+    return autopar.compile(build("gpt2"), autopar.ClusterSpec.local_cpu(world), (ids,), {"labels": labels},
+                           mesh_shape=mesh, pins=pins)
+
+
+def _resume_and_compare(pm, ckpt, eager, where, lr=5 * LR):
+    import autopar
+
+    ids, labels = batch()
+    opt = torch.optim.AdamW(pm.parameters(), lr=lr)        # the checkpoint restores lr too
+    extra = autopar.checkpoint.load(ckpt, pm, opt)
+    assert extra == {"step": SAVE_AT, "data": "position"}, where
+    assert opt.param_groups[0]["lr"] == LR, where
+    for step in range(extra["step"], STEPS):
+        loss = pm.train_step(ids, labels=labels).item()
+        opt.step(), opt.zero_grad()
+        assert abs(loss - eager[step]) <= 1e-5 * abs(eager[step]), \
+            f"{where}: step {step} loss {loss} vs uninterrupted eager {eager[step]}"
+
+
+def _save_then_reshard(rank, world, root):
+    import autopar
+
+    eager = _eager_steps(STEPS)
+    ids, labels = batch()
+    mesh, pins = _plans(world)["data parallel"]
+    pm = _compile(world, mesh, pins, seed=0)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    for step in range(SAVE_AT):
+        pm.train_step(ids, labels=labels)
+        opt.step(), opt.zero_grad()
+    ckpt = Path(root) / f"step_{SAVE_AT:06d}"
+    autopar.checkpoint.save(ckpt, pm, opt, extra={"step": SAVE_AT, "data": "position"})
+    assert autopar.checkpoint.latest(root) == str(ckpt)
+    saved = pm.full_state_dict()
+    if rank == 0:
+        full = autopar.checkpoint.to_full(ckpt)
+        model = build("gpt2")
+        model.load_state_dict(full)                          # strict: tied names and buffers are there
+        assert set(full) == set(saved) and all(torch.equal(full[k], saved[k]) for k in full)
+        Path(root, "eager.json").write_text(json.dumps(eager))
+    for label, (mesh, pins) in list(_plans(world).items())[1:]:
+        _resume_and_compare(_compile(world, mesh, pins, seed=1), ckpt, eager, f"{label} on mesh {mesh}")
+
+
+def _resume_on_other_world(rank, world, root):
+    eager = json.loads(Path(root, "eager.json").read_text())
+    mesh, pins = _plans(world)["tensor split"]
+    _resume_and_compare(_compile(world, mesh, pins, seed=2), Path(root) / f"step_{SAVE_AT:06d}", eager,
+                        f"tensor split on {world} ranks")
+
+
+def test_checkpoint_reshards_across_plans_meshes_and_world_sizes(tmp_path):
+    """Saved under data parallelism on 4 ranks; resumed under a tensor split and a 2-D mesh on 4 ranks,
+    and under a tensor split on 2 ranks."""
+    run_distributed(_save_then_reshard, 4, str(tmp_path), timeout=600)
+    run_distributed(_resume_on_other_world, 2, str(tmp_path), timeout=300)
+
+
+def test_incomplete_checkpoints_are_never_taken(tmp_path):
+    import autopar
+    from autopar.checkpoint import CheckpointError
+
+    assert autopar.checkpoint.latest(tmp_path) is None
+    (tmp_path / "step_000010.partial").mkdir()                 # a save that a dying rank interrupted
+    (tmp_path / "step_000010.partial" / ".metadata").write_bytes(b"")
+    (tmp_path / "step_000020").mkdir()                         # DCP files but no autopar marker
+    (tmp_path / "step_000020" / ".metadata").write_bytes(b"")
+    assert autopar.checkpoint.latest(tmp_path) is None
+    with pytest.raises(CheckpointError, match="never completed"):
+        autopar.checkpoint.to_full(tmp_path / "step_000010.partial")
+    with pytest.raises(CheckpointError, match="not a complete autopar checkpoint"):
+        autopar.checkpoint.to_full(tmp_path / "step_000020")
+
+
+def test_run_resumes_after_a_rank_dies_under_torchrun(tmp_path):
+    """torchrun --max-restarts; the last rank dies (os._exit) after writing its part of the step-6
+    checkpoint. The restarted run resumes from step 4, the newest complete checkpoint, never from the
+    step-6 one, and repeats steps 4 and 5 with bit-identical losses; every loss matches eager training.
+    (More than one restart is allowed: on a loaded machine a restart can fail to connect its ranks.)"""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "3", "--monitor-interval", "0.5", "-m", "tests.scripts.train_resumable",
+           str(tmp_path), "--steps", "8", "--die-at", "6"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    rows = [json.loads(line) for line in (tmp_path / "losses.jsonl").read_text().splitlines()]
+    first = [r["step"] for r in rows if r["attempt"] == 0]
+    assert first == list(range(6)), rows                      # died saving step 6
+    resumed = [r for r in rows if r["attempt"] > 0]
+    assert resumed and Path(resumed[0]["resumed_from"]).name == "step_000004", rows
+    assert resumed[0]["step"] == 4, rows
+    losses: dict = {}
+    for r in rows:
+        losses.setdefault(r["step"], set()).add(r["loss"])
+    assert sorted(losses) == list(range(8)), rows
+    assert all(len(v) == 1 for v in losses.values()), f"a repeated step gave another loss: {losses}"
+    eager = _eager_steps(8)
+    for step, (loss,) in losses.items():
+        assert abs(loss - eager[step]) <= 1e-5 * abs(eager[step]), (step, loss, eager[step])
+    assert not list((tmp_path / "ckpt").glob("*.partial"))      # the restarted run saved step 6 again
+
+
+def _eager_steps(n):
+    torch.manual_seed(0)
+    model = build("gpt2")
+    ids, labels = batch()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    out = []
+    for _ in range(n):
+        loss = model(ids, labels=labels).loss
+        loss.backward()
+        opt.step(), opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+def _pipeline_checkpoint(rank, world, root):
+    import autopar
+
+    eager = _eager_steps(STEPS)
+    ids, labels = batch()
+    cluster = autopar.ClusterSpec.local_cpu(world)
+
+    def pipeline(seed):
+        torch.manual_seed(seed)
+        return autopar.compile(build("gpt2"), cluster, (ids,), {"labels": labels}, mesh_shape=(world,),
+                               axis_names=("pp",), schedule="GPipe", microbatches=2)
+
+    pm = pipeline(0)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    for _ in range(SAVE_AT):
+        pm.train_step(ids, labels=labels)
+        opt.step(), opt.zero_grad()
+    ckpt = Path(root) / "pipeline"
+    autopar.checkpoint.save(ckpt, pm, opt, extra={"step": SAVE_AT, "data": "position"})
+    mesh, pins = _plans(world)["data parallel"]
+    _resume_and_compare(_compile(world, mesh, pins, seed=1), ckpt, eager, "pipeline plan -> data parallel")
+    _resume_and_compare(pipeline(2), ckpt, eager, "pipeline plan -> pipeline plan")
+
+
+def test_checkpoint_of_a_pipeline_plan_loads_under_another_plan(tmp_path):
+    """Saved by the two stages of a pipeline plan (each rank holds half the parameters); resumed under
+    data parallelism and under the pipeline plan again."""
+    run_distributed(_pipeline_checkpoint, 2, str(tmp_path), timeout=600)

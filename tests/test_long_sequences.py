@@ -1,0 +1,107 @@
+"""Long sequences: ring attention (context parallel), Ulysses and their combination with tensor
+parallel, compiled and trained on real gloo ranks against single-device eager (test_parity's
+tolerances); the bad sizes; and the solver's choice of a sequence split where memory demands it."""
+import copy
+
+import pytest
+import torch
+
+from tests.distributed_utils import run_distributed
+from tests.hf_models import batch, build
+from tests.test_parity import _train_and_compare
+
+# Every activation split along the sequence: the inputs by tokens, weights whole.
+SEQUENCE = {"input_ids": ["S(1)"], "labels": ["S(1)"], "*.weight": ["R"], "*.bias": ["R"]}
+
+
+def _sdpa_pin(model_name, layout, mask=None):
+    """Pin every attention call to read q, k, v in ``layout`` (and the mask, which HF LLaMA passes
+    explicitly, [B, 1, S, S], in ``mask``); a pin on one layer's copy holds for every copy."""
+    return {"scaled_dot_product_attention*": {"inputs": [layout] * 3 + ([mask or layout] if model_name == "llama" else [])}}
+
+
+def _plans(model_name, mesh):
+    if len(mesh) == 1:
+        ring = {**SEQUENCE, **_sdpa_pin(model_name, ["S(2)"])}
+        yield "ring attention", ring, "ring_attention"
+        if model_name == "llama":
+            # Ulysses: attention split by heads while its neighbors stay split by the sequence; the
+            # resharding between them is the all-to-all.
+            # q, k, v and o projections stay sequence-split (LLaMA's first layer: linear .. linear_3).
+            projections = {"linear": ["S(1)"], "linear_1": ["S(1)"], "linear_2": ["S(1)"],
+                           "linear_3": {"inputs": [["S(1)"], ["R"]]}}
+            yield "ulysses", {**SEQUENCE, **projections,
+                              "scaled_dot_product_attention*": {"inputs": [["S(1)"]] * 3 + [["R"]]}}, "all_to_all"
+    else:
+        # Heads on axis 0 (Megatron's attention split), ring on axis 1.
+        tp = {"input_ids": ["R", "S(1)"], "labels": ["R", "S(1)"], "*.weight": ["R", "R"], "*.bias": ["R", "R"],
+              "*.q_proj.weight": ["S(0)", "R"], "*.k_proj.weight": ["S(0)", "R"], "*.v_proj.weight": ["S(0)", "R"],
+              "*.o_proj.weight": ["S(1)", "R"]}
+        yield "heads x ring", {**tp, **_sdpa_pin(model_name, ["S(1)", "S(2)"], ["R", "S(2)"])}, "ring_attention"
+
+
+def _check(rank, world, model_name, mesh):
+    import autopar
+
+    torch.manual_seed(0)
+    model = build(model_name)
+    ref = copy.deepcopy(model)
+    ids, labels = batch()
+    cluster = autopar.ClusterSpec.local_cpu(world)
+    has_bias = any(name.endswith(".bias") for name, _ in model.named_parameters())
+    for label, pins, marker in _plans(model_name, mesh):
+        if not has_bias:            # a pin that matches nothing is an error (LLaMA has no biases)
+            pins = {k: v for k, v in pins.items() if k != "*.bias"}
+        pm = autopar.compile(model, cluster, (ids,), {"labels": labels}, mesh_shape=mesh, pins=pins)
+        where = f"{model_name} / {label} on mesh {mesh}"
+        assert marker in pm.code, f"{where}: the program does not call {marker}"
+        _train_and_compare(pm, copy.deepcopy(ref), ids, labels, where)
+
+
+@pytest.mark.parametrize("model_name, world, mesh", [
+    ("llama", 2, (2,)),         # explicit causal mask, GQA (4 heads, 2 KV heads); and Ulysses
+    ("gpt", 4, (4,)),           # is_causal=True: load-balanced half-chunks
+    ("llama", 4, (2, 2)),       # tensor parallel heads x ring
+])
+def test_sequence_split_attention_trains_like_eager(model_name, world, mesh):
+    run_distributed(_check, world, model_name, mesh, timeout=600)
+
+
+def test_long_context_7b_on_one_node_splits_every_attention_along_the_sequence():
+    """Qwen2-7B's shape (28 heads, 4 KV heads) at 131072 tokens, batch 1, bf16 parameters, on one
+    8xH100 node: 4 KV heads allow at most a 4-way head split, so the plan that fits splits every
+    attention call along the sequence, and fits in the device's 80 GB."""
+    import autopar
+    from autopar import zoo
+
+    model, args, kwargs = zoo.build("gqa-7b-128k", batch=1, dtype=torch.bfloat16)
+    cluster = autopar.ClusterSpec.preset("8xH100")
+    p = autopar.plan(model, cluster, args, kwargs, mesh_shape=(8,), progress=False)
+    attention = [n for n in p.nodes if n["op"] == "scaled_dot_product_attention.default"]
+    assert len(attention) == 28
+    for n in attention:
+        assert all("S(2)" in lay for lay in n["inputs"][:3]), f"{n['name']} reads q, k, v as {n['inputs'][:3]}"
+    assert p.memory["peak"] <= 80e9
+
+
+def _causal_pin_error(world, seq, heads, pin, match):
+    import autopar
+    from autopar.errors import ShardingError
+    from autopar.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=heads, d_model=8 * heads, d_ff=32, max_seq=seq))
+    ids = torch.zeros(2, seq, dtype=torch.long)
+    with pytest.raises(ShardingError, match=match):
+        autopar.plan(model, autopar.ClusterSpec.preset(f"{world}xH100"), (ids,), {"labels": ids.clone()},
+                     mesh_shape=(world,), pins={"scaled_dot_product_attention": {"inputs": [pin] * 3}},
+                     progress=False)
+
+
+def test_causal_ring_that_cannot_halve_each_rank_is_refused_with_the_sizes():
+    # 12 tokens on 4 ranks: 3 each, which do not split into two load-balanced halves.
+    _causal_pin_error(4, 12, 4, ["S(2)"], r"load-balanced half-chunks.*has 3 elements, which does not divide by 2")
+
+
+def test_head_split_beyond_the_heads_is_refused_with_the_sizes():
+    # Ulysses on 4 ranks needs 4 heads; the model has 2.
+    _causal_pin_error(4, 16, 2, ["S(1)"], r"shape \(2, 2, 16, 8\) cannot take \['S\(1\)'\]")
