@@ -167,13 +167,15 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
 
 
 def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
-    """``cost_model`` for one of ``microbatches`` microbatches of a pipeline step: a parameter's
-    gradient all-reduce and the optimizer step run once per step, so each microbatch pays 1/m of them."""
+    """``cost_model`` for one of ``microbatches`` microbatches of a pipeline step of ``stages`` ranks: a
+    parameter's gradient all-reduce and the optimizer step run once per step, so each microbatch pays
+    1/m of them; a rank holds 1/stages of the parameters."""
     from autopar.passes.costs import _transition_cached
     from autopar.passes.strategies import value_info
 
     class PerMicrobatch(cost_model):
         microbatches = 1
+        stages = 1
 
         def transition_seconds(self, value, src_layout, dst_layout, partial_axes):
             role = meta_of(value.node).role
@@ -188,8 +190,11 @@ def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
             return sum(self.steps_seconds([st], info.dtype.itemsize, grad)
                        / (self.microbatches if st.op == "grad_all_reduce" else 1) for st in steps)
 
-        def optimizer_seconds(self, node, layout):
-            return super().optimizer_seconds(node, layout) / self.microbatches
+        def param_bytes(self, node, layout):
+            return tuple(x / self.stages for x in super().param_bytes(node, layout))
+
+        def optimizer_seconds(self, node, layout):      # of the whole parameter, once per step
+            return super().optimizer_seconds(node, layout) * self.stages / self.microbatches
 
     return PerMicrobatch
 
@@ -284,12 +289,13 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
         loss_output(prep.gm)          # the last stage hands the loss to the schedule
         prep.runner.run(mesh_passes(sub_shape), prep.gm, f"mesh {shape}")
         cm = cost_model(sub_cluster, sub_shape, optimizer, fused=fused)
-        # Each stage holds about 1/p of the model: the whole microbatch program gets p budgets here, and
-        # every stage is checked against one budget, in-flight microbatches included, below. The ILP
-        # prices one microbatch, with what runs once per step (gradient sync, optimizer) divided by m.
+        # The ILP prices one microbatch, with what runs once per step (gradient sync, optimizer) divided by
+        # m, and bounds the memory of 1F1B's first stage: a p-th of the parameters and states, and the
+        # activations of p microbatches through a p-th of the layers (one microbatch through all of
+        # them). Every rank is checked against the budget under each schedule below.
         scaled = _per_microbatch(cost_model)(sub_cluster, sub_shape, optimizer, fused=fused)
-        scaled.microbatches = m
-        prob, idx = build_problem(prep.gm, scaled, budget * p, pins, sharded_outputs, False)
+        scaled.microbatches, scaled.stages = m, p
+        prob, idx = build_problem(prep.gm, scaled, budget, pins, sharded_outputs, False)
         report(f"mesh {shape}, {m} microbatches: solving {len(prob.choices)} decisions")
         sol = solve(prob, time_limit=time_limit)
         entry = {"mesh": list(shape), "status": sol.status, "objective": sol.objective, "seconds": sol.seconds,
