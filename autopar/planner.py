@@ -5,8 +5,10 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import math
 import time
 import warnings
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -19,15 +21,17 @@ from autopar.passes.capture import CapturedProgram
 from autopar.passes.costs import INFEASIBLE, CostModel, OptimizerSpec, VIEW_OPS
 from autopar.passes.layers import layer_counts, layer_instances
 from autopar.passes.reshard_plan import collectives, plan_reshards
-from autopar.passes.meta import meta_of, op_name
+from autopar.passes.meta import meta_of, op_name, set_meta
 from autopar.passes.problem import ProblemIndex, build_problem
 from autopar.passes.runner import PassRunner
 from autopar.passes.strategies import requires_grad, root_of
 from autopar.pass_pipeline import FrontEnd, analysis_passes, front_end, mesh_passes, new_runner
 from autopar.plan import Plan
-from autopar.solver import minimum_feasible_budget, solve
+from autopar.solver import GAP, greedy, minimum_feasible_budget, solve
 
 log = logging.getLogger("autopar")
+
+SOLVER_THREADS = 2   # candidate meshes solved at once
 
 
 @dataclass
@@ -36,16 +40,20 @@ class Prepared:
     gm: fx.GraphModule
     runner: PassRunner
     fingerprint: str
+    capture_seconds: float = 0.0   # 0.0 when the caller ran the front end
 
 
 def prepare(model, example_inputs, example_kwargs, cluster: ClusterSpec, *, skip_passes=(), insert_passes=(),
             front: FrontEnd | None = None) -> Prepared:
     """Capture the model and run the passes that do not depend on the mesh; ``front`` is a front end
     already run (``autopar.compile`` runs it once and plans from it)."""
+    capture_seconds = 0.0
     if front is None:
+        t0 = time.perf_counter()
         front = front_end(model, example_inputs, example_kwargs, new_runner(skip_passes, insert_passes))
+        capture_seconds = time.perf_counter() - t0 - sum(r.seconds for r in front.runner.records)
     gm = front.runner.run(analysis_passes(cluster.device_type), front.gm, "analysis")
-    return Prepared(front.captured, gm, front.runner, model_fingerprint(model))
+    return Prepared(front.captured, gm, front.runner, model_fingerprint(model), capture_seconds)
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -109,7 +117,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
             report("capturing")
             prep = prepare(model, example_inputs, example_kwargs, cluster, skip_passes=skip_passes,
                            insert_passes=insert_passes, front=front)
-        best, tried, infeasible = None, [], []
+        best, tried, meshes, t_build = None, [], [], time.perf_counter()
         for shape, names in candidates:
             if "pp" in names:
                 try:
@@ -131,23 +139,15 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
             cm = cost_model(cluster, shape, optimizer, fused=fused)
             report(f"mesh {shape}: costs")
             prob, idx = build_problem(prep.gm, cm, budget, pins, sharded_outputs, recompute)
-            report(f"mesh {shape}: solving {len(prob.choices)} decisions, {len(prob.edges) + len(prob.shared)} edges")
-            sol = solve(prob, time_limit=time_limit)
-            entry = {"mesh": list(shape), "status": sol.status, "objective": sol.objective,
-                     "seconds": sol.seconds, "variables": sol.num_variables, "constraints": sol.num_constraints}
-            tried.append(entry)
-            if sol.status != "infeasible" and prob.objective(sol.assignment) >= INFEASIBLE:
-                sol = dataclasses.replace(sol, status="infeasible")      # only a broken pin satisfies it
-            if sol.status == "infeasible":
-                infeasible.append((shape, names, prob, idx, cm))
-                continue
-            report(f"mesh {shape}: evaluating")
-            p = evaluate(prep, idx, sol.assignment, cm, shape, names, cluster, budget, sharded_outputs)
-            p.alternatives = alternatives(prep.gm, prob, idx, sol.assignment, cm, names)
-            p.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
-                            constraints=sol.num_constraints, backend=sol.backend)
-            if best is None or p.step_time < best.step_time:
-                best = p
+            quick = greedy(prob)
+            meshes.append(_Mesh(len(meshes), shape, names, prob, idx, cm, _strategies_of(prep.gm),
+                                prob.lower_bound(), prob.objective(quick) if prob.feasible(quick) else math.inf))
+        t_build = time.perf_counter() - t_build
+        t_search = time.perf_counter()
+        best, searched, infeasible, t_eval = _search(meshes, best, prep, cluster, budget, sharded_outputs,
+                                                     time_limit, report)
+        tried += searched
+        t_search = time.perf_counter() - t_search
         if best is None and not infeasible and tried and all("pipeline" in t for t in tried) \
                 and cluster.mesh_shape is not None:
             from autopar.pipelining import no_fit
@@ -159,6 +159,11 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
         for w in best.extra["warnings"]:
             warnings.warn(w, AutoparWarning, stacklevel=2)
         best.solver["candidates"] = tried
+        best.solver["gap_tolerance"] = GAP
+        if prep is not None:        # pipeline meshes time their own captures and solves (their candidates)
+            front_passes = sum(r.seconds for r in prep.runner.records if not r.stage.startswith("mesh"))
+            best.solver["timings"] = {"capture": prep.capture_seconds, "passes": front_passes,
+                                      "build": t_build, "solve": t_search - t_eval, "evaluate": t_eval}
         best.solver["planning_seconds"] = time.perf_counter() - t0
         best.solver["passes"] = [{"name": r.name, "stage": r.stage, "seconds": r.seconds, "skipped": r.skipped}
                                  for r in (prep.runner.records if prep is not None else [])]
@@ -378,6 +383,88 @@ def _drop_first_axis(pins):
         return v
 
     return {k: drop(v) for k, v in pins.items()}
+
+
+@dataclass
+class _Mesh:
+    position: int              # in the cluster's candidate order, which breaks ties between equal plans
+    shape: tuple
+    names: tuple
+    prob: object
+    idx: ProblemIndex
+    cm: CostModel
+    strategies: dict           # node -> its StrategySet on this mesh
+    lower_bound: float         # no layout on this mesh is faster
+    estimate: float            # the greedy layout's step time (inf when it does not fit)
+
+
+def _strategies_of(gm) -> dict:
+    return {n: meta_of(n).strategies for n in gm.graph.nodes if meta_of(n).strategies is not None}
+
+
+def _search(meshes: list[_Mesh], best, prep, cluster, budget, sharded_outputs, time_limit, report):
+    """Solve the candidate meshes and keep the plan of least step time (``best``: one already found).
+
+    The mesh whose greedy layout is fastest goes first, and the step time of the best plan so far bounds
+    the rest: a mesh whose lower bound is no better is not solved, and the solver stops a mesh as soon
+    as it proves it cannot beat it. A plan's step time is never below its problem's objective (it adds
+    the reshardings recomputed layers run again), so neither shortcut loses the best plan. Two meshes
+    are solved at a time (the solver runs outside Python's lock); the plans are evaluated here.
+    """
+    order = sorted(meshes, key=lambda m: (m.estimate, m.lower_bound, m.position))
+    best_key = None if best is None else (best.step_time, -1)
+    tried, infeasible, t_eval, best_mesh = {}, [], 0.0, None
+    workers = max(1, min(SOLVER_THREADS, len(order)))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        running: dict = {}
+        while order or running:
+            while order and len(running) < workers:
+                m = order.pop(0)
+                bound = None if best is None else best.step_time
+                if bound is not None and m.lower_bound >= bound:
+                    tried[m.position] = {"mesh": list(m.shape), "status": "bounded", "objective": None,
+                                         "lower_bound": m.lower_bound, "seconds": 0.0, "variables": 0,
+                                         "constraints": 0, "gap": None}
+                    continue
+                report(f"mesh {m.shape}: solving {len(m.prob.choices)} decisions, "
+                       f"{len(m.prob.edges) + len(m.prob.shared)} edges")
+                running[pool.submit(solve, m.prob, time_limit=time_limit, bound=bound)] = m
+            if not running:
+                break
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for fut in sorted(done, key=lambda f: running[f].position):
+                m = running.pop(fut)
+                sol = fut.result()
+                tried[m.position] = {"mesh": list(m.shape), "status": sol.status, "objective": sol.objective,
+                                     "lower_bound": m.lower_bound, "seconds": sol.seconds,
+                                     "variables": sol.num_variables, "constraints": sol.num_constraints,
+                                     "gap": sol.gap}
+                if sol.status == "bounded":
+                    continue
+                if sol.status != "infeasible" and m.prob.objective(sol.assignment) >= INFEASIBLE:
+                    sol = dataclasses.replace(sol, status="infeasible")      # only a broken pin satisfies it
+                if sol.status == "infeasible":
+                    infeasible.append((m.shape, m.names, m.prob, m.idx, m.cm))
+                    continue
+                report(f"mesh {m.shape}: evaluating")
+                t0 = time.perf_counter()
+                _restore_strategies(m.strategies)
+                p = evaluate(prep, m.idx, sol.assignment, m.cm, m.shape, m.names, cluster, budget, sharded_outputs)
+                p.alternatives = alternatives(prep.gm, m.prob, m.idx, sol.assignment, m.cm, m.names)
+                p.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
+                                constraints=sol.num_constraints, backend=sol.backend, gap=sol.gap)
+                if best is None or (p.step_time, m.position) < best_key:
+                    best, best_key, best_mesh = p, (p.step_time, m.position), m
+                t_eval += time.perf_counter() - t0
+    if best_mesh is not None:          # the graph holds the returned plan's strategies
+        _restore_strategies(best_mesh.strategies)
+    infeasible.sort(key=lambda item: [m.shape for m in meshes].index(item[0]))
+    return best, [tried[k] for k in sorted(tried)], infeasible, t_eval
+
+
+def _restore_strategies(strategies: dict) -> None:
+    for n, sset in strategies.items():
+        set_meta(n, strategies=sset)
 
 
 def _with_mesh(cluster, mesh_shape, axis_names):
@@ -625,7 +712,8 @@ def _boundary_bytes(instance_of: dict, chosen: dict, cm: CostModel) -> dict:
 
 def _timeline(gm, chosen, acts, mem, cm, instance_of=None, boundary=None, full=None):
     """Live bytes over one step: saved activations grow through forward and are freed in backward,
-    while gradients appear; the transient is the node's own output (its gradient in backward). A
+    while gradients appear; the transient is the node's own output (its gradient in backward) and the
+    workspace its sharded form holds while it runs (ring attention's blocks in flight). A
     recomputed layer instance keeps only its inputs through forward and holds its whole activations
     again while its backward runs."""
     from autopar.layout import local_fraction
@@ -639,6 +727,7 @@ def _timeline(gm, chosen, acts, mem, cm, instance_of=None, boundary=None, full=N
         s = chosen[n]
         out = 0.0 if n.target in VIEW_OPS else sum(
             o.nbytes * local_fraction(l, cm.mesh_shape) for o, l in zip(output_infos(n), s.outputs))
+        out += cm.workspace_bytes(n, s)
         inst = instance_of.get(n)
         if inst is None:
             running += a
