@@ -209,3 +209,15 @@ def test_explain_report_and_diff_show_the_pipeline(tmp_path):
 
     other = _stack_plan(schedule="GPipe", microbatches=4)
     assert "pipeline of 2 stages (GPipe, 4 microbatches" in str(diff(plan, other))
+
+
+def test_cli_plans_a_pipeline_and_shows_the_bubble(tmp_path, capsys):
+    from autopar.__main__ import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "llama-tiny", "--cluster", "16xH100", "--batch", "16", "--mesh", "2,8",
+                 "--axes", "pp,dp", "--microbatches", "4", "--schedule", "1F1B", "--out", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert "pipeline bubble" in stdout and "pipeline: 2 stages on 2 ranks of axis 'pp', schedule 1F1B" in stdout
+    plan = autopar.Plan.load(out)
+    assert plan.pipeline["microbatches"] == 4 and plan.mesh_shape == (2, 8)
