@@ -15,6 +15,7 @@ from functools import partial
 import torch.fx as fx
 
 from autopar.codegen.local_program import example_local_inputs, local_program_pass, retarget_devices_pass
+from autopar.codegen.overlap import overlap_pass
 from autopar.codegen.recompute import recompute_pass
 from autopar.codegen.stages import loss_output, split_stages
 from autopar.codegen.triton import fuse_pass
@@ -42,17 +43,19 @@ def mesh_passes(mesh_shape) -> tuple:
 
 
 def codegen_passes(plan: Plan, front: "FrontEnd", group_names, device, *, sharded_outputs: bool,
-                   kernels: str) -> tuple:
+                   kernels: str, overlap: bool = True) -> tuple:
     recompute = plan.recompute["layers"]
     return (partial(local_program_pass, plan=plan, group_names=group_names, sharded_outputs=sharded_outputs),
             *((partial(recompute_pass, layers=tuple(recompute)),) if recompute else ()),
             partial(retarget_devices_pass, device=device),
             partial(fuse_pass, backend=kernels, device=device,
-                    example_inputs=example_local_inputs(front.gm, plan) if kernels == "triton" else None))
+                    example_inputs=example_local_inputs(front.gm, plan) if kernels == "triton" else None),
+            *((overlap_pass,) if overlap else ()))
 
 
 PASS_NAMES = tuple(pass_name(p) for p in (*FRONT_END, *analysis_passes("cpu"), *mesh_passes(()),
-                                           local_program_pass, recompute_pass, retarget_devices_pass, fuse_pass))
+                                           local_program_pass, recompute_pass, retarget_devices_pass, fuse_pass,
+                                           overlap_pass))
 
 
 @dataclass
@@ -78,8 +81,10 @@ def front_end(model, example_inputs, example_kwargs, runner: PassRunner) -> Fron
 
 
 def generate(front: FrontEnd, plan: Plan, group_names, device, *, sharded_outputs: bool,
-             kernels: str) -> Program:
-    """Run codegen on the front end's graph: the finished program of this rank."""
+             kernels: str, overlap: bool = True) -> Program:
+    """Run codegen on the front end's graph: the finished program of this rank. With ``overlap``,
+    forward collectives are issued early and waited at the first use of their result
+    (codegen/overlap.py); pipeline stages keep them waiting at once."""
     stages = ()
     if plan.pipeline:
         if kernels == "triton":
@@ -94,7 +99,7 @@ def generate(front: FrontEnd, plan: Plan, group_names, device, *, sharded_output
                               dict(zip(group_names, plan.axis_names)))
     else:
         gm = front.runner.run(codegen_passes(plan, front, group_names, device, sharded_outputs=sharded_outputs,
-                                             kernels=kernels), front.gm, "codegen")
+                                             kernels=kernels, overlap=overlap), front.gm, "codegen")
     info = program_meta(gm)
     cap = front.captured
     return Program(gm, info.placeholders, info.output_layouts, cap.in_spec, cap.out_spec, cap.input_shapes,

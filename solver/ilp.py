@@ -337,8 +337,8 @@ def solve(problem: Problem, *, time_limit: float = 60.0, backend: str = "auto", 
     layout in hand.
 
     Memory constraints join the model lazily: first those that the step time alone comes close to
-    breaking (the greedy layout without a budget), then any the solver's answer breaks, until an answer
-    fits them all. An answer of a model with fewer constraints that fits every constraint is optimal
+    breaking (the greedy layout without a budget; none under a bound), then any the solver's answer
+    breaks, until an answer fits them all. An answer of a model with fewer constraints that fits every constraint is optimal
     for the whole problem, and a model without the constraints that bind solves several times faster.
     """
     start = time.perf_counter()
@@ -348,7 +348,9 @@ def solve(problem: Problem, *, time_limit: float = 60.0, backend: str = "auto", 
     report("building model")
     fallback = greedy(problem)   # the warm start, and the answer whenever the solver does worse
     usable = problem.feasible(fallback) and math.isfinite(problem.objective(fallback))
-    active = _binding(problem)
+    # Under a bound, the relaxation without memory rows is a cheap first test: when nothing beats the
+    # bound even without a budget, the problem is done.
+    active = set() if bound is not None else _binding(problem)
     report("solving")
     while True:
         f, scale, _ = formulate(problem, active)

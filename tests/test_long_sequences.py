@@ -25,6 +25,9 @@ def _plans(model_name, mesh):
     if len(mesh) == 1:
         ring = {**SEQUENCE, **_sdpa_pin(model_name, ["S(2)"])}
         yield "ring attention", ring, "ring_attention"
+        if model_name == "gpt":
+            # Checkpointed layers run the ring's forward (and its transfers) again in backward.
+            yield "ring attention, every layer recomputed", (ring, {"recompute": {"*": "all"}}), "ring_attention"
         if model_name == "llama":
             # Ulysses: attention split by heads while its neighbors stay split by the sequence; the
             # resharding between them is the all-to-all.
@@ -56,11 +59,14 @@ def _check(rank, world, model_name, mesh):
     cluster = autopar.ClusterSpec.local_cpu(world)
     has_bias = any(name.endswith(".bias") for name, _ in model.named_parameters())
     for label, pins, marker in _plans(model_name, mesh):
+        pins, options = pins if isinstance(pins, tuple) else (pins, {})
         if not has_bias:            # a pin that matches nothing is an error (LLaMA has no biases)
             pins = {k: v for k, v in pins.items() if k != "*.bias"}
-        pm = autopar.compile(model, cluster, (ids,), {"labels": labels}, mesh_shape=mesh, pins=pins)
+        pm = autopar.compile(model, cluster, (ids,), {"labels": labels}, mesh_shape=mesh, pins=pins, **options)
         where = f"{model_name} / {label} on mesh {mesh}"
         assert marker in pm.code, f"{where}: the program does not call {marker}"
+        if "recomputed" in label:
+            assert pm.plan.recompute["layers"] and "checkpointed" in pm.code, where
         _train_and_compare(pm, copy.deepcopy(ref), ids, labels, where)
 
 
