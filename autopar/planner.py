@@ -177,7 +177,7 @@ def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
     parameter's gradient all-reduce and the optimizer step run once per step, so each microbatch pays
     1/m of them; a rank holds 1/stages of the parameters."""
     from autopar.passes.costs import _transition_cached
-    from autopar.passes.strategies import value_info
+    from autopar.passes.strategies import requires_grad, value_info
 
     class PerMicrobatch(cost_model):
         microbatches = 1
