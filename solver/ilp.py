@@ -67,7 +67,8 @@ class Formulation:
         self.model = Model()
         self.impossible = False          # a fixed choice or a fixed pair can never be valid
         self.pairs: dict = {}            # (s, d) -> y[i][j] columns
-        self.products: list = []         # (column, a, b): column = a * b (b a column, a one or None)
+        self.groups: dict = {}           # (s, d) -> (group of each s option, group of each d option)
+        self.products: list = []         # (column, a, b): column = sum(a) * sum(b), a and b lists of columns
         self.maxima: list = []           # (column, [[columns]]): column = max over lists of their sum
         self.x: list[list[int] | None] = []
         for ch in problem.choices:
@@ -82,20 +83,46 @@ class Formulation:
                     self.model.hi[k] = 0.0
             self.x.append(xs)
 
+    def group(self, matrices: dict) -> None:
+        """Options of ``s`` whose rows are equal in every matrix priced on pair (s, d) (``matrices``:
+        (s, d) -> list of [s option][d option] matrices) share their pair variables, and so do options
+        of ``d`` with equal columns: y over groups is the same relaxation with fewer columns."""
+        for key, mats in matrices.items():
+            rows = [tuple(v for m in mats for v in m[i]) for i in range(len(mats[0]))]
+            cols = [tuple(m[i][j] for m in mats for i in range(len(m))) for j in range(len(mats[0][0]))]
+            self.groups[key] = (_classes(rows), _classes(cols))
+
     def pair(self, s: int, d: int) -> list[list[int]]:
-        """y[i][j] = x[s][i] * x[d][j] (s < d, both free), made once per pair and shared by the objective
-        and the memory constraints."""
+        """y[i][j] = x[s][i] * x[d][j] (s < d, both free), linearized through its marginals, made once per
+        pair and shared by the objective and the memory constraints. Options grouped by ``group`` share a
+        column: y[i][j] is then the product of the two groups' sums, and its coefficient is added once
+        per distinct column (``Formulation.priced``)."""
         if (s, d) not in self.pairs:
             m, xs, xd = self.model, self.x[s], self.x[d]
-            y = [[m.col() for _ in xd] for _ in xs]
-            for i, row in enumerate(y):
-                m.row(row + [xs[i]], [1.0] * len(row) + [-1.0], 0.0, 0.0)
-            for j, xj in enumerate(xd):
-                col = [row[j] for row in y]
-                m.row(col + [xj], [1.0] * len(col) + [-1.0], 0.0, 0.0)
-            self.products += [(y[i][j], xs[i], xd[j]) for i in range(len(xs)) for j in range(len(xd))]
-            self.pairs[(s, d)] = y
+            row_of, col_of = self.groups.get((s, d), (list(range(len(xs))), list(range(len(xd)))))
+            ng, nh = max(row_of) + 1, max(col_of) + 1
+            members_s = [[xs[i] for i in range(len(xs)) if row_of[i] == g] for g in range(ng)]
+            members_d = [[xd[j] for j in range(len(xd)) if col_of[j] == h] for h in range(nh)]
+            big = [[m.col() for _ in range(nh)] for _ in range(ng)]
+            for g, row in enumerate(big):
+                m.row(row + members_s[g], [1.0] * nh + [-1.0] * len(members_s[g]), 0.0, 0.0)
+            for h in range(nh):
+                col = [row[h] for row in big]
+                m.row(col + members_d[h], [1.0] * ng + [-1.0] * len(members_d[h]), 0.0, 0.0)
+            self.products += [(big[g][h], members_s[g], members_d[h]) for g in range(ng) for h in range(nh)]
+            self.pairs[(s, d)] = [[big[row_of[i]][col_of[j]] for j in range(len(xd))] for i in range(len(xs))]
         return self.pairs[(s, d)]
+
+    @staticmethod
+    def priced(y, r, coef: dict) -> None:
+        """Add matrix ``r`` onto pair variables ``y``, once per distinct column."""
+        cell = {}
+        for i, row in enumerate(r):
+            for j, v in enumerate(row):
+                if v:
+                    cell[y[i][j]] = v
+        for col, v in cell.items():
+            coef[col] += v
 
     def forbid(self) -> None:
         """Rows for infinite edge costs: the two options cannot both be taken."""
@@ -119,10 +146,9 @@ class Formulation:
                     else:
                         m.row([xi, xj], [1.0, 1.0], hi=1.0)
 
-    def objective(self) -> tuple[dict, float]:
+    def objective(self, lin, residual) -> tuple[dict, float]:
         """Seconds per column, and the seconds no column carries (fixed choices, each choice's cheapest
-        option, fixed parts of shared edges)."""
-        lin, residual = _fold_objective(self.problem)
+        option, fixed parts of shared edges), from ``_fold_objective``'s parts."""
         coef: dict = defaultdict(float)
         constant = 0.0
         for xs, costs in zip(self.x, lin):
@@ -135,11 +161,7 @@ class Formulation:
                 if c != low:
                     coef[v] += c - low
         for (s, d), r in residual.items():
-            y = self.pair(s, d)
-            for i, row in enumerate(r):
-                for j, v in enumerate(row):
-                    if v:
-                        coef[y[i][j]] += v
+            self.priced(self.pair(s, d), r, coef)
         for e in self.problem.shared:
             constant += self._shared(e, coef)
         return coef, constant
@@ -183,7 +205,7 @@ class Formulation:
                 for j in range(len(reqs)):
                     col = [links[i][j] for i in range(n_src)]
                     m.row(col + [x[c][j]], [1.0] * n_src + [-1.0], 0.0, 0.0)
-                self.products += [(links[i][j], src[i], x[c][j]) for i in range(n_src) for j in range(len(reqs))]
+                self.products += [(links[i][j], [src[i]], [x[c][j]]) for i in range(n_src) for j in range(len(reqs))]
             for i, row in enumerate(links):
                 by_request: dict = defaultdict(list)
                 for j, r in enumerate(reqs):
@@ -235,12 +257,7 @@ class Formulation:
                 add(b, [v - per[0][0] for v in per[0]])
                 if x[a] is None or x[b] is None:       # one side fixed: the pair was linear after all
                     continue
-                y = self.pair(a, b)
-                for i, row in enumerate(per):
-                    for j, v in enumerate(row):
-                        r = v - row[0] - per[0][j] + per[0][0]
-                        if r:
-                            coef[y[i][j]] += r
+                self.priced(self.pair(a, b), _pair_residual(per), coef)
             rows.append((constant, coef))
         return rows
 
@@ -251,7 +268,7 @@ class Formulation:
             if xs is not None:
                 v[xs[a]] = 1.0
         for col, a, b in self.products:
-            v[col] = v[a] * v[b]
+            v[col] = sum(v[k] for k in a) * sum(v[k] for k in b)
         for col, lists in self.maxima:
             v[col] = max(sum(v[k] for k in cols) for cols in lists)
         return v
@@ -259,6 +276,35 @@ class Formulation:
     def assignment(self, values: Sequence[float]) -> tuple[int, ...]:
         # argmax rather than == 1: solvers return binaries only to within their integrality tolerance
         return tuple(0 if xs is None else max(range(len(xs)), key=lambda i: values[xs[i]]) for xs in self.x)
+
+
+def _classes(keys: list) -> list[int]:
+    """The class of each key: keys that are equal share one, numbered in order of first appearance."""
+    seen: dict = {}
+    return [seen.setdefault(k, len(seen)) for k in keys]
+
+
+def _pair_residual(per) -> list[list[float]]:
+    """A pair term's remainder once its parts linear in either choice are taken out (as for edges)."""
+    return [[v - row[0] - per[0][j] + per[0][0] for j, v in enumerate(row)] for row in per]
+
+
+def _pair_matrices(problem: Problem, x, residual: dict, memory) -> dict:
+    """(s, d) -> every matrix priced on that pair's variables: the objective's remainder and the
+    remainders of the memory pair terms ``formulate`` will include."""
+    mats: dict = defaultdict(list)
+    for key, r in residual.items():
+        mats[key].append(r)
+    if problem.memory_limit is not None:
+        chosen = problem.memory if memory is None else [problem.memory[k] for k in sorted(memory)]
+        for mc in chosen:
+            for a, b, per in mc.pairs:
+                if a == b or x[a] is None or x[b] is None:
+                    continue
+                if a > b:
+                    a, b, per = b, a, tuple(zip(*per))
+                mats[(a, b)].append(_pair_residual(per))
+    return mats
 
 
 def _finite(e):
@@ -306,7 +352,9 @@ def formulate(problem: Problem, memory=None) -> tuple[Formulation, float, float]
     seconds (``constant`` of it carried by no column)."""
     f = Formulation(problem)
     f.forbid()
-    coef, constant = f.objective()
+    lin, residual = _fold_objective(problem)
+    f.group(_pair_matrices(problem, f.x, residual, memory))
+    coef, constant = f.objective(lin, residual)
     # Seconds can be 1e-6: scale to O(1) so the solvers' absolute tolerances do not swallow them.
     scale = max((abs(c) for c in coef.values()), default=0.0) or 1.0
     m = f.model
