@@ -99,7 +99,8 @@ def generate(front: FrontEnd, plan: Plan, group_names, device, *, sharded_output
                   partial(retarget_devices_pass, device=device))
         gm = front.runner.run(passes, front.gm, "codegen")
         stage_of_layer = {inst: st["index"] for st in plan.pipeline["stages"] for inst in st["layers"]}
-        stages = split_stages(gm, stage_of_layer, len(plan.pipeline["stages"]), loss_output(front.gm))
+        stages = split_stages(gm, stage_of_layer, len(plan.pipeline["stages"]), loss_output(front.gm),
+                              dict(zip(group_names, plan.axis_names)))
     else:
         gm = front.runner.run(codegen_passes(plan, front, group_names, device, sharded_outputs=sharded_outputs,
                                              kernels=kernels, overlap=overlap), front.gm, "codegen")

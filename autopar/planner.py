@@ -75,7 +75,8 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
          optimizer: OptimizerSpec | None = None, progress: bool | None = None, skip_passes=(),
          insert_passes=(), pins: dict | None = None, kernels: str = "aten", sharded_outputs: bool = False,
          recompute: bool | dict = True, cost_model: type[CostModel] = CostModel,
-         front: FrontEnd | None = None, microbatches: int | None = None, schedule: str | None = None) -> Plan:
+         front: FrontEnd | None = None, microbatches: int | None = None, schedule: str | None = None,
+         pipeline: bool | None = None) -> Plan:
     """Find the fastest layout of ``model`` on ``cluster`` that fits ``memory_budget`` bytes per device.
 
     ``pins`` forces layouts by hand: ``{"*.mlp.c_fc.weight": ["R", "S(1)"], "input_ids": ["S(0)", "R"]}``
@@ -94,7 +95,8 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     one that looks op times up in a measured table; docs/extending.md).
     A mesh axis named ``pp`` makes a pipeline plan (autopar/pipelining.py, docs/pipeline.md):
     ``microbatches`` and ``schedule`` (one of ``pipelining.SCHEDULES``) fix what is otherwise chosen by
-    predicted step time.
+    predicted step time. With the mesh left to the planner, ``pipeline=None`` also tries pipeline meshes
+    on clusters of several nodes (``pipeline_meshes``), ``True`` on any cluster, ``False`` never.
     """
     t0 = time.perf_counter()
     if mesh_shape is not None:
@@ -104,19 +106,32 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     if kernels not in ("auto", "triton", "aten"):
         raise ValueError(f"kernels must be 'auto', 'triton' or 'aten', got {kernels!r}")
     fused = kernels == "triton" or (kernels == "auto" and cluster.device_type == "cuda")
-    candidates = cluster.mesh_candidates() if cluster.mesh_shape is None else [cluster.mesh_shape]
+    if cluster.mesh_shape is None:
+        candidates = [(shape, default_axis_names(shape)) for shape in cluster.mesh_candidates()]
+        if pipeline or (pipeline is None and cluster.num_nodes > 1):
+            candidates += pipeline_meshes(cluster)
+    else:
+        candidates = [(cluster.mesh_shape, tuple(cluster.axis_names or default_axis_names(cluster.mesh_shape)))]
     with _progress(progress, total=2 + 4 * len(candidates)) as report:
-        report("capturing")
-        prep = prepare(model, example_inputs, example_kwargs, cluster, skip_passes=skip_passes,
-                       insert_passes=insert_passes, front=front)
+        prep = None
+        if any("pp" not in names for _, names in candidates):
+            report("capturing")
+            prep = prepare(model, example_inputs, example_kwargs, cluster, skip_passes=skip_passes,
+                           insert_passes=insert_passes, front=front)
         best, tried, meshes, t_build = None, [], [], time.perf_counter()
-        for shape in candidates:
-            names = tuple(cluster.axis_names) if cluster.mesh_shape is not None and cluster.axis_names \
-                else default_axis_names(shape)
+        for shape, names in candidates:
             if "pp" in names:
-                p = _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget, optimizer,
-                                   fused, pins, sharded_outputs, recompute, time_limit, skip_passes, insert_passes,
-                                   microbatches, schedule, tried, report, cost_model)
+                try:
+                    p = _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget,
+                                       optimizer, fused, pins, sharded_outputs, recompute, time_limit, skip_passes,
+                                       insert_passes, microbatches, schedule, tried, report, cost_model,
+                                       added=cluster.mesh_shape is None)
+                except AutoparError as e:
+                    if cluster.mesh_shape is not None:
+                        raise
+                    # A pipeline mesh the planner added itself: this model cannot use it.
+                    tried.append({"mesh": list(shape), "status": "skipped", "reason": str(e)})
+                    continue
                 if p is not None and (best is None or p.step_time < best.step_time):
                     best = p
                 continue
@@ -134,25 +149,74 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
                                                      time_limit, report)
         tried += searched
         t_search = time.perf_counter() - t_search
-        if best is None and not infeasible and tried and all("pipeline" in t for t in tried):
+        if best is None and not infeasible and tried and all("pipeline" in t for t in tried) \
+                and cluster.mesh_shape is not None:
             from autopar.pipelining import no_fit
 
             raise no_fit(tried[-1]["mesh"][0], tried[-1]["pipeline"]["microbatches"], budget)
         if best is None:
             _raise_infeasible(prep, infeasible, cluster, budget)
-        best.extra["warnings"] = idle_axis_warnings(prep.gm, best)
+        best.extra["warnings"] = idle_axis_warnings(prep.gm, best) if prep is not None else []
         for w in best.extra["warnings"]:
             warnings.warn(w, AutoparWarning, stacklevel=2)
         best.solver["candidates"] = tried
         best.solver["gap_tolerance"] = GAP
-        front_passes = sum(r.seconds for r in prep.runner.records if not r.stage.startswith("mesh"))
-        best.solver["timings"] = {"capture": prep.capture_seconds, "passes": front_passes,
-                                  "build": t_build, "solve": t_search - t_eval, "evaluate": t_eval}
+        if prep is not None:        # pipeline meshes time their own captures and solves (their candidates)
+            front_passes = sum(r.seconds for r in prep.runner.records if not r.stage.startswith("mesh"))
+            best.solver["timings"] = {"capture": prep.capture_seconds, "passes": front_passes,
+                                      "build": t_build, "solve": t_search - t_eval, "evaluate": t_eval}
         best.solver["planning_seconds"] = time.perf_counter() - t0
         best.solver["passes"] = [{"name": r.name, "stage": r.stage, "seconds": r.seconds, "skipped": r.skipped}
-                                 for r in prep.runner.records]
+                                 for r in (prep.runner.records if prep is not None else [])]
         report("done")
     return best
+
+
+def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
+    """``cost_model`` for one of ``microbatches`` microbatches of a pipeline step of ``stages`` ranks: a
+    parameter's gradient all-reduce and the optimizer step run once per step, so each microbatch pays
+    1/m of them; a rank holds 1/stages of the parameters."""
+    from autopar.passes.costs import _transition_cached
+    from autopar.passes.strategies import requires_grad, value_info
+
+    class PerMicrobatch(cost_model):
+        microbatches = 1
+        stages = 1
+
+        def transition_seconds(self, value, src_layout, dst_layout, partial_axes):
+            role = meta_of(value.node).role
+            if value.node.op != "placeholder" or role is None or role.kind != "param":
+                return super().transition_seconds(value, src_layout, dst_layout, partial_axes)
+            info = value_info(value)
+            steps = _transition_cached(tuple(src_layout), tuple(dst_layout), info.shape, self.mesh_shape,
+                                       partial_axes)
+            if steps is None:
+                return INFEASIBLE
+            grad = requires_grad(value.node)
+            return sum(self.steps_seconds([st], info.dtype.itemsize, grad)
+                       / (self.microbatches if st.op == "grad_all_reduce" else 1) for st in steps)
+
+        def param_bytes(self, node, layout):
+            return tuple(x / self.stages for x in super().param_bytes(node, layout))
+
+        def optimizer_seconds(self, node, layout):      # of the whole parameter, once per step
+            return super().optimizer_seconds(node, layout) * self.stages / self.microbatches
+
+    return PerMicrobatch
+
+
+def pipeline_meshes(cluster: ClusterSpec) -> list:
+    """Pipeline meshes to try beside ``cluster.mesh_candidates()``, after Megatron-LM's rule: tensor
+    parallel inside a node, pipeline across nodes, data parallel over the rest. ``pp`` is 2, 4 or 8
+    ranks, whole nodes each; the two largest that fit are tried."""
+    k = cluster.devices_per_node
+    out = []
+    for p in (2, 4, 8):
+        if cluster.num_devices % (p * k) or cluster.num_devices < p * k:
+            continue
+        rest = cluster.num_devices // (p * k)
+        out.append(((p, rest, k), ("pp", "dp", "tp")) if rest > 1 else ((p, k), ("pp", "tp")))
+    return out[-2:]
 
 
 def idle_axis_warnings(gm, p: Plan) -> list[str]:
@@ -184,8 +248,10 @@ def idle_axis_warnings(gm, p: Plan) -> list[str]:
 
 def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget, optimizer, fused, pins,
                    sharded_outputs, recompute, time_limit, skip_passes, insert_passes, microbatches, schedule,
-                   tried, report, cost_model=CostModel) -> Plan | None:
-    """The fastest pipeline plan on mesh ``shape`` (axis ``pp`` among ``names``), or None when none fits."""
+                   tried, report, cost_model=CostModel, added=False) -> Plan | None:
+    """The fastest pipeline plan on mesh ``shape`` (axis ``pp`` among ``names``), or None when none fits.
+    On a mesh the planner ``added`` itself, only the most microbatches that leave every data-parallel
+    rank a whole sample are tried (each count is one more capture and solve)."""
     import math
 
     from autopar import pipelining as PL
@@ -208,10 +274,17 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
         counts = [microbatches]
     else:
         counts = sorted({k * p for k in (1, 2, 4, 8) if batch % (k * p) == 0} or {batch})
+        if added:
+            spread = math.prod(shape[1:-1]) if len(shape) > 2 else 1     # the data-parallel axis
+            whole = [c for c in counts if (batch // c) % spread == 0]
+            counts = whole[-1:] or counts[:1]
     schedules = [schedule] if schedule else list(PL.SCHEDULES)
-    sub_shape = tuple(1 if i == axis else s for i, s in enumerate(shape))
+    # Layouts are solved on the other axes; a pipeline axis alone leaves a mesh of one device.
+    sub_shape, sub_names = (tuple(shape[1:]), tuple(names[1:])) if len(shape) > 1 else ((1,), names)
     sub_cluster = dataclasses.replace(cluster, num_devices=math.prod(sub_shape), mesh_shape=sub_shape,
-                                      axis_names=names)
+                                      axis_names=sub_names)
+    if len(shape) > 1:
+        pins = _drop_first_axis(pins)
     link = cluster.axis_link(shape, axis)
     best = None
     for m in counts:
@@ -222,9 +295,13 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
         loss_output(prep.gm)          # the last stage hands the loss to the schedule
         prep.runner.run(mesh_passes(sub_shape), prep.gm, f"mesh {shape}")
         cm = cost_model(sub_cluster, sub_shape, optimizer, fused=fused)
-        # Each stage holds about 1/p of the model: the whole microbatch program gets p budgets here, and
-        # every stage is checked against one budget, in-flight microbatches included, below.
-        prob, idx = build_problem(prep.gm, cm, budget * p, pins, sharded_outputs, False)
+        # The ILP prices one microbatch, with what runs once per step (gradient sync, optimizer) divided by
+        # m, and bounds the memory of 1F1B's first stage: a p-th of the parameters and states, and the
+        # activations of p microbatches through a p-th of the layers (one microbatch through all of
+        # them). Every rank is checked against the budget under each schedule below.
+        scaled = _per_microbatch(cost_model)(sub_cluster, sub_shape, optimizer, fused=fused)
+        scaled.microbatches, scaled.stages = m, p
+        prob, idx = build_problem(prep.gm, scaled, budget, pins, sharded_outputs, False)
         report(f"mesh {shape}, {m} microbatches: solving {len(prob.choices)} decisions")
         sol = solve(prob, time_limit=time_limit)
         entry = {"mesh": list(shape), "status": sol.status, "objective": sol.objective, "seconds": sol.seconds,
@@ -233,7 +310,7 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
         tried.append(entry)
         if sol.status == "infeasible" or prob.objective(sol.assignment) >= INFEASIBLE:
             continue
-        sub = evaluate(prep, idx, sol.assignment, cm, sub_shape, names, sub_cluster, budget, sharded_outputs)
+        sub = evaluate(prep, idx, sol.assignment, cm, sub_shape, sub_names, sub_cluster, budget, sharded_outputs)
         chosen = {n: meta_of(n).strategies.strategies[idx.option_of(n, sol.assignment)] for n in prep.gm.graph.nodes
                   if n.op in ("placeholder", "call_function") and meta_of(n).strategies is not None}
         instance_of = {n: meta_of(n).layer.layer for n in chosen if n.op == "call_function" and meta_of(n).layer}
@@ -255,7 +332,7 @@ def _pipeline_plan(sub: Plan, found: dict, shape, names, axis, cluster, budget, 
     """The sub-mesh plan of one microbatch, widened to the whole mesh, with its pipeline."""
 
     def widen(lay):
-        return ["R" if i == axis else x for i, x in enumerate(lay)]
+        return ["R", *lay] if len(shape) > 1 else ["R"]
 
     sub.mesh = {"shape": list(shape), "axes": list(names)}
     sub.cluster = cluster.to_dict()
@@ -273,6 +350,8 @@ def _pipeline_plan(sub: Plan, found: dict, shape, names, axis, cluster, budget, 
     slow = found["ranks"][found["slowest_rank"]]
     comm = {a: m * slow["comm_seconds"].get(a, 0.0) for a in names}
     comm["pp"] += m * slow["p2p_seconds"]
+    for a, t in found["ranks"][found["tail_rank"]]["grad_sync_seconds"].items():
+        comm[a] += t
     # The slowest rank's microbatches, the pipeline's idle time, the slowest optimizer step: they add up
     # to step_time.
     sub.breakdown = {"compute": m * slow["compute_seconds"], "communication": comm,
@@ -280,10 +359,31 @@ def _pipeline_plan(sub: Plan, found: dict, shape, names, axis, cluster, budget, 
     sub.step_time = found["step_time"]
     sub.pipeline = {"axis": "pp", "schedule": found["schedule"], "microbatches": m,
                     "virtual_stages": found["virtual_stages"], "bubble_fraction": found["bubble_fraction"],
-                    "bubble_seconds": found["bubble_seconds"], "stages": found["stages"], "ranks": found["ranks"]}
+                    "bubble_seconds": found["bubble_seconds"], "grad_sync_seconds": found["grad_sync_seconds"],
+                    "stages": found["stages"], "ranks": found["ranks"]}
     sub.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
                       constraints=sol.num_constraints, backend=sol.backend)
     return sub
+
+
+def _drop_first_axis(pins):
+    """Pins written for the whole mesh, without their first (pipeline) axis's placement."""
+    if not pins:
+        return pins
+
+    def drop(v):
+        if isinstance(v, list) and v and all(isinstance(x, str) for x in v):
+            if v[0] != "R":
+                raise AutoparError(f"pin {v}: a pipeline plan replicates every layout along its first axis 'pp' "
+                                   f"(each rank holds whole stages); pin 'R' there")
+            return v[1:]
+        if isinstance(v, list):
+            return [drop(x) for x in v]
+        if isinstance(v, dict):
+            return {k: drop(x) for k, x in v.items()}
+        return v
+
+    return {k: drop(v) for k, v in pins.items()}
 
 
 @dataclass
