@@ -60,11 +60,10 @@ def save(path, pmodel, optimizer=None, extra=None) -> None:
     dcp.save(state, checkpoint_id=str(partial), no_dist=not _distributed())
     _barrier()                                  # every rank's shards are on disk
     if rank0:
+        optim = None if optimizer is None else {"class": type(optimizer).__qualname__, "param_groups": groups}
         marker = {"format": FORMAT, "saved_at": time.time(), "extra": json.loads(extra_text),
-                  "aliases": pmodel.aliases, "mesh": {"shape": list(pmodel.plan.mesh_shape),
-                                                             "axes": list(pmodel.plan.axis_names)},
-                  "optimizer": None if optimizer is None else {"class": type(optimizer).__qualname__,
-                                                               "param_groups": groups}}
+                  "aliases": pmodel.aliases, "optimizer": optim,
+                  "mesh": {"shape": list(pmodel.plan.mesh_shape), "axes": list(pmodel.plan.axis_names)}}
         tmp = partial / (MARKER + ".tmp")
         tmp.write_text(json.dumps(marker, indent=1))
         os.replace(tmp, partial / MARKER)

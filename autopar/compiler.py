@@ -24,14 +24,17 @@ from autopar.plan import Plan
 def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_kwargs=None, *,
             memory_budget=None, plan: Plan | None = None, check_weights: bool = True,
             sharded_outputs: bool | None = None, kernels: str = "auto", skip_passes=(), insert_passes=(),
-            **plan_options):
+            overlap: bool = True, bucket_mb: float = 25, **plan_options):
     """Plan (or take ``plan``) and return this rank's ParallelModule.
 
     ``sharded_outputs=True`` returns outputs as DTensors and leaves non-scalar ones (logits) in the
     layouts they are computed in, so they are never gathered; the plan is made knowing that. Scalars
     (the loss) are returned whole. The default is the given plan's setting, else False.
     ``kernels`` is "auto" (Triton on CUDA, ATen on CPU), "triton" or "aten" (docs/kernels.md).
-    ``skip_passes`` and ``insert_passes`` change the pass pipeline on every rank (docs/extending.md)."""
+    ``skip_passes`` and ``insert_passes`` change the pass pipeline on every rank (docs/extending.md).
+    ``overlap=False`` makes every collective wait where it is issued, for debugging (codegen/overlap.py).
+    ``bucket_mb`` is the size of the buckets data-parallel gradients are all-reduced in during backward
+    (DDP's ``bucket_cap_mb``; codegen/grad_buckets.py)."""
     from autopar.codegen.triton import resolve_kernels
     from autopar.pass_pipeline import front_end, generate, new_runner
     from autopar.runtime.module import build, device_type, init_mesh, rank_device
@@ -66,7 +69,8 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
         front = front_end(model, mb_args, mb_kwargs, runner)
     mesh = init_mesh(plan)
     groups = [mesh.get_group(a).group_name for a in plan.axis_names]
-    program = generate(front, plan, groups, rank_device(), sharded_outputs=sharded_outputs, kernels=kernels)
+    program = generate(front, plan, groups, rank_device(), sharded_outputs=sharded_outputs, kernels=kernels,
+                       overlap=overlap, bucket_mb=bucket_mb)
     return build(model, program, plan, mesh, check_weights=check_weights, sharded_outputs=sharded_outputs)
 
 

@@ -15,6 +15,8 @@ from functools import partial
 import torch.fx as fx
 
 from autopar.codegen.local_program import example_local_inputs, local_program_pass, retarget_devices_pass
+from autopar.codegen.grad_buckets import grad_buckets_pass
+from autopar.codegen.overlap import overlap_pass
 from autopar.codegen.recompute import recompute_pass
 from autopar.codegen.stages import loss_output, split_stages
 from autopar.codegen.triton import fuse_pass
@@ -42,17 +44,19 @@ def mesh_passes(mesh_shape) -> tuple:
 
 
 def codegen_passes(plan: Plan, front: "FrontEnd", group_names, device, *, sharded_outputs: bool,
-                   kernels: str) -> tuple:
+                   kernels: str, overlap: bool = True) -> tuple:
     recompute = plan.recompute["layers"]
     return (partial(local_program_pass, plan=plan, group_names=group_names, sharded_outputs=sharded_outputs),
             *((partial(recompute_pass, layers=tuple(recompute)),) if recompute else ()),
             partial(retarget_devices_pass, device=device),
             partial(fuse_pass, backend=kernels, device=device,
-                    example_inputs=example_local_inputs(front.gm, plan) if kernels == "triton" else None))
+                    example_inputs=example_local_inputs(front.gm, plan) if kernels == "triton" else None),
+            *((overlap_pass, grad_buckets_pass) if overlap else ()))
 
 
 PASS_NAMES = tuple(pass_name(p) for p in (*FRONT_END, *analysis_passes("cpu"), *mesh_passes(()),
-                                           local_program_pass, recompute_pass, retarget_devices_pass, fuse_pass))
+                                           local_program_pass, recompute_pass, retarget_devices_pass, fuse_pass,
+                                           overlap_pass, grad_buckets_pass))
 
 
 @dataclass
@@ -78,8 +82,13 @@ def front_end(model, example_inputs, example_kwargs, runner: PassRunner) -> Fron
 
 
 def generate(front: FrontEnd, plan: Plan, group_names, device, *, sharded_outputs: bool,
-             kernels: str) -> Program:
-    """Run codegen on the front end's graph: the finished program of this rank."""
+             kernels: str, overlap: bool = True, bucket_mb: float = 25) -> Program:
+    """Run codegen on the front end's graph: the finished program of this rank. With ``overlap``,
+    forward collectives are issued early and waited at the first use of their result
+    (codegen/overlap.py), and data-parallel gradients are all-reduced in buckets of ``bucket_mb``
+    MiB during backward (codegen/grad_buckets.py); pipeline stages keep both as they were."""
+    if not bucket_mb >= 0:
+        raise AutoparError(f"bucket_mb={bucket_mb}: a gradient bucket's size in MiB is 0 or more")
     stages = ()
     if plan.pipeline:
         if kernels == "triton":
@@ -90,11 +99,13 @@ def generate(front: FrontEnd, plan: Plan, group_names, device, *, sharded_output
                   partial(retarget_devices_pass, device=device))
         gm = front.runner.run(passes, front.gm, "codegen")
         stage_of_layer = {inst: st["index"] for st in plan.pipeline["stages"] for inst in st["layers"]}
-        stages = split_stages(gm, stage_of_layer, len(plan.pipeline["stages"]), loss_output(front.gm))
+        stages = split_stages(gm, stage_of_layer, len(plan.pipeline["stages"]), loss_output(front.gm),
+                              dict(zip(group_names, plan.axis_names)))
     else:
         gm = front.runner.run(codegen_passes(plan, front, group_names, device, sharded_outputs=sharded_outputs,
-                                             kernels=kernels), front.gm, "codegen")
+                                             kernels=kernels, overlap=overlap), front.gm, "codegen")
     info = program_meta(gm)
     cap = front.captured
     return Program(gm, info.placeholders, info.output_layouts, cap.in_spec, cap.out_spec, cap.input_shapes,
-                   dict(cap.constant_values), dict(info.kernels), stages)
+                   dict(cap.constant_values), dict(info.kernels), grad_reductions=info.grad_reductions,
+                   bucket_bytes=int(bucket_mb * 2**20), stages=stages)

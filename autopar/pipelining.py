@@ -10,8 +10,9 @@ holds some stages of the model instead. The search, per candidate (mesh, microba
    (final norm, head, loss) to the last;
 3. per schedule: cut the layers into ``pp * v`` contiguous stages by dynamic programming, minimizing the
    slowest rank's time under each rank's memory budget with the schedule's in-flight microbatches;
-4. predict the step: ``m * T + bubble * m * T`` plus the slowest rank's optimizer step, ``T`` the slowest
-   rank's seconds per microbatch (forward, backward, its collectives and the stage-to-stage transfers).
+4. predict the step: ``m * T + bubble * m * T`` plus the slowest rank's gradient sync and optimizer
+   step, ``T`` the slowest rank's seconds per microbatch (forward, backward, its collectives and the
+   stage-to-stage transfers).
 
 The schedule formulas follow Narayanan et al. 2021 and Korthikanti et al. 2022 (../shared/REFERENCES.md);
 zero-bubble schedules follow Qi et al. 2023.
@@ -129,10 +130,15 @@ class LayerCosts:
         from autopar.passes.meta import meta_of
 
         self.layers: list[str] = []
-        self.compute, self.comm, self.activations = {}, {}, {}
+        self.compute, self.comm, self.sync, self.activations = {}, {}, {}, {}
+        params = {n.name for n in gm.graph.nodes if n.op == "placeholder" and meta_of(n).role.kind == "param"}
         comm_of_node: dict = {}
+        sync_of_node: dict = {}
         for c in sub_plan.collectives:
-            per = comm_of_node.setdefault(c["node"], {})
+            # A parameter's gradient all-reduce runs once per step, after the last microbatch
+            # (codegen/stages.py); every other collective runs in every microbatch.
+            once = c.get("step") == "grad_all_reduce" and c["value"] in params
+            per = (sync_of_node if once else comm_of_node).setdefault(c["node"], {})
             per[c["axis"]] = per.get(c["axis"], 0.0) + c["seconds"]
         first_layer_seen = False
         region_of_node = {}
@@ -147,9 +153,10 @@ class LayerCosts:
                 key = "post" if first_layer_seen else "pre"
             region_of_node[entry["name"]] = key
             self.compute[key] = self.compute.get(key, 0.0) + entry["compute_seconds"]
-            comm = self.comm.setdefault(key, {})
-            for a, t in comm_of_node.get(entry["name"], {}).items():
-                comm[a] = comm.get(a, 0.0) + t
+            for table, of_node in ((self.comm, comm_of_node), (self.sync, sync_of_node)):
+                comm = table.setdefault(key, {})
+                for a, t in of_node.get(entry["name"], {}).items():
+                    comm[a] = comm.get(a, 0.0) + t
             self.activations[key] = self.activations.get(key, 0.0) + entry["activation_bytes"]
         self.boundary = boundary_bytes
         # Parameter bytes (weights, gradients, optimizer states) per region; a parameter read in several
@@ -175,12 +182,14 @@ class LayerCosts:
         keys = list(layers) + (["pre"] if first else []) + (["post"] if last else [])
         params = sum(self.param_bytes.get(k, 0.0) for k in keys)
         comm: dict = {}
+        sync: dict = {}
         for k in keys:
-            for a, t in self.comm.get(k, {}).items():
-                comm[a] = comm.get(a, 0.0) + t
-        return {"seconds": sum(self.seconds(k) for k in keys), "compute_seconds": sum(self.compute.get(k, 0.0)
-                                                                                      for k in keys),
-                "comm_seconds": comm,
+            for table, out in ((self.comm, comm), (self.sync, sync)):
+                for a, t in table.get(k, {}).items():
+                    out[a] = out.get(a, 0.0) + t
+        return {"seconds": sum(self.seconds(k) for k in keys),
+                "compute_seconds": sum(self.compute.get(k, 0.0) for k in keys),
+                "comm_seconds": comm, "grad_sync_seconds": sync,
                 "activations": sum(self.activations.get(k, 0.0) for k in keys),
                 "param_bytes": params, "optimizer_seconds": params * self.optimizer_per_byte,
                 "send_bytes": 0.0 if last else self.boundary.get(layers[-1], 0.0) if layers else 0.0}
@@ -214,11 +223,14 @@ def schedule_plan(costs: LayerCosts, schedule: str, p: int, m: int, budget: floa
         k = in_flight(schedule, p, m, r)
         static = sum(st["param_bytes"] for st in mine)
         comm: dict = {}
+        sync: dict = {}
         for st in mine:
-            for a, t in st["comm_seconds"].items():
-                comm[a] = comm.get(a, 0.0) + t
+            for key, out in (("comm_seconds", comm), ("grad_sync_seconds", sync)):
+                for a, t in st[key].items():
+                    out[a] = out.get(a, 0.0) + t
         ranks.append({"rank": r, "seconds_per_microbatch": per_mb, "in_flight": k,
                       "compute_seconds": sum(st["compute_seconds"] for st in mine), "comm_seconds": comm,
+                      "grad_sync_seconds": sync,
                       "p2p_seconds": sum(st["p2p_seconds"] for st in mine),
                       "activation_bytes": act * k, "static_bytes": static, "peak": static + act * k,
                       "optimizer_seconds": sum(st["optimizer_seconds"] for st in mine)})
@@ -226,14 +238,18 @@ def schedule_plan(costs: LayerCosts, schedule: str, p: int, m: int, budget: floa
     slowest = slowest_rank["seconds_per_microbatch"]
     ideal = m * slowest
     bubble = bubble_fraction(schedule, p, m, v) * ideal
-    optim = max(r["optimizer_seconds"] for r in ranks)
+    # After the last microbatch: each rank's gradient sync and optimizer step; the slowest counts.
+    tail_rank = max(ranks, key=lambda r: r["optimizer_seconds"] + sum(r["grad_sync_seconds"].values()))
+    optim = tail_rank["optimizer_seconds"]
+    sync = sum(tail_rank["grad_sync_seconds"].values())
     peak = max(r["peak"] for r in ranks)
     if peak > budget:
         return None
     for st in stages:
         st["in_flight"] = ranks[st["pp_rank"]]["in_flight"]
-    return {"schedule": schedule, "virtual_stages": v, "slowest_rank": slowest_rank["rank"], "microbatches": m, "stages": stages, "ranks": ranks,
-            "step_time": ideal + bubble + optim, "ideal_seconds": ideal, "bubble_seconds": bubble,
+    return {"schedule": schedule, "virtual_stages": v, "slowest_rank": slowest_rank["rank"],
+            "tail_rank": tail_rank["rank"], "grad_sync_seconds": sync, "microbatches": m, "stages": stages, "ranks": ranks,
+            "step_time": ideal + bubble + optim + sync, "ideal_seconds": ideal, "bubble_seconds": bubble,
             "bubble_fraction": bubble_fraction(schedule, p, m, v), "optimizer_seconds": optim, "peak": peak}
 
 

@@ -308,7 +308,23 @@ def _schema(axes) -> dict:
                                                             "layers": _list_of(_string)})),
                               "layers": _list_of(_string)}, open_ended=False),
         "extra": _object({}, {"warnings": _list_of(_string)}),
+        "pipeline": _optional(_pipeline(axes)),
     }
+
+
+def _pipeline(axes):
+    """The pipeline entry's fields; _validate_pipeline checks how the stages fit the mesh."""
+    stage = _object({"index": _integer(0), "pp_rank": _integer(0), "layers": _list_of(_string), "seconds": _number,
+                     "activations": _number, "in_flight": _number},
+                    {"compute_seconds": _number, "comm_seconds": _dict_of(_number), "p2p_seconds": _number,
+                     "optimizer_seconds": _number, "param_bytes": _number, "send_bytes": _number})
+    rank = _object({"rank": _integer(0)},
+                   {"seconds_per_microbatch": _number, "in_flight": _number, "activation_bytes": _number,
+                    "static_bytes": _number, "peak": _number, "compute_seconds": _number,
+                    "comm_seconds": _dict_of(_number), "p2p_seconds": _number, "optimizer_seconds": _number})
+    return _object({"axis": _one_of(axes), "schedule": _one_of(PIPELINE_SCHEDULES), "microbatches": _integer(1),
+                    "stages": _list_of(stage), "bubble_fraction": _number, "bubble_seconds": _number},
+                   {"virtual_stages": _integer(1), "ranks": _list_of(rank)})
 
 
 def _validate(d: Any) -> None:

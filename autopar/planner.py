@@ -5,8 +5,10 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import math
 import time
 import warnings
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -20,14 +22,18 @@ from autopar.passes.costs import INFEASIBLE, CostModel, OptimizerSpec
 from autopar.passes.layers import layer_counts, layer_instances
 from autopar.passes.memory import StepMemory, minimum_budget, solve_under_budget
 from autopar.passes.reshard_plan import collectives, plan_reshards
-from autopar.passes.meta import meta_of, op_name
+from autopar.passes.meta import meta_of, op_name, set_meta
 from autopar.passes.problem import ProblemIndex, build_problem
 from autopar.passes.runner import PassRunner
-from autopar.passes.strategies import requires_grad, root_of
+from autopar.passes.strategies import root_of
+from autopar.alternatives import alternatives
 from autopar.pass_pipeline import FrontEnd, analysis_passes, front_end, mesh_passes, new_runner
 from autopar.plan import Plan
+from autopar.solver import GAP, greedy
 
 log = logging.getLogger("autopar")
+
+SOLVER_THREADS = 2   # candidate meshes solved at once
 
 
 @dataclass
@@ -36,16 +42,20 @@ class Prepared:
     gm: fx.GraphModule
     runner: PassRunner
     fingerprint: str
+    capture_seconds: float = 0.0   # 0.0 when the caller ran the front end
 
 
 def prepare(model, example_inputs, example_kwargs, cluster: ClusterSpec, *, skip_passes=(), insert_passes=(),
             front: FrontEnd | None = None) -> Prepared:
     """Capture the model and run the passes that do not depend on the mesh; ``front`` is a front end
     already run (``autopar.compile`` runs it once and plans from it)."""
+    capture_seconds = 0.0
     if front is None:
+        t0 = time.perf_counter()
         front = front_end(model, example_inputs, example_kwargs, new_runner(skip_passes, insert_passes))
+        capture_seconds = time.perf_counter() - t0 - sum(r.seconds for r in front.runner.records)
     gm = front.runner.run(analysis_passes(cluster.device_type), front.gm, "analysis")
-    return Prepared(front.captured, gm, front.runner, model_fingerprint(model))
+    return Prepared(front.captured, gm, front.runner, model_fingerprint(model), capture_seconds)
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -66,7 +76,8 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
          optimizer: OptimizerSpec | None = None, progress: bool | None = None, skip_passes=(),
          insert_passes=(), pins: dict | None = None, kernels: str = "aten", sharded_outputs: bool = False,
          recompute: bool | dict = True, cost_model: type[CostModel] = CostModel,
-         front: FrontEnd | None = None, microbatches: int | None = None, schedule: str | None = None) -> Plan:
+         front: FrontEnd | None = None, microbatches: int | None = None, schedule: str | None = None,
+         pipeline: bool | None = None) -> Plan:
     """Find the fastest layout of ``model`` on ``cluster`` that fits ``memory_budget`` bytes per device.
 
     ``pins`` forces layouts by hand: ``{"*.mlp.c_fc.weight": ["R", "S(1)"], "input_ids": ["S(0)", "R"]}``
@@ -85,7 +96,8 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     one that looks op times up in a measured table; docs/extending.md).
     A mesh axis named ``pp`` makes a pipeline plan (autopar/pipelining.py, docs/pipeline.md):
     ``microbatches`` and ``schedule`` (one of ``pipelining.SCHEDULES``) fix what is otherwise chosen by
-    predicted step time.
+    predicted step time. With the mesh left to the planner, ``pipeline=None`` also tries pipeline meshes
+    on clusters of several nodes (``pipeline_meshes``), ``True`` on any cluster, ``False`` never.
     """
     t0 = time.perf_counter()
     if mesh_shape is not None:
@@ -95,19 +107,32 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     if kernels not in ("auto", "triton", "aten"):
         raise ValueError(f"kernels must be 'auto', 'triton' or 'aten', got {kernels!r}")
     fused = kernels == "triton" or (kernels == "auto" and cluster.device_type == "cuda")
-    candidates = cluster.mesh_candidates() if cluster.mesh_shape is None else [cluster.mesh_shape]
+    if cluster.mesh_shape is None:
+        candidates = [(shape, default_axis_names(shape)) for shape in cluster.mesh_candidates()]
+        if pipeline or (pipeline is None and cluster.num_nodes > 1):
+            candidates += pipeline_meshes(cluster)
+    else:
+        candidates = [(cluster.mesh_shape, tuple(cluster.axis_names or default_axis_names(cluster.mesh_shape)))]
     with _progress(progress, total=2 + 4 * len(candidates)) as report:
-        report("capturing")
-        prep = prepare(model, example_inputs, example_kwargs, cluster, skip_passes=skip_passes,
-                       insert_passes=insert_passes, front=front)
-        best, tried, infeasible = None, [], []
-        for shape in candidates:
-            names = tuple(cluster.axis_names) if cluster.mesh_shape is not None and cluster.axis_names \
-                else default_axis_names(shape)
+        prep = None
+        if any("pp" not in names for _, names in candidates):
+            report("capturing")
+            prep = prepare(model, example_inputs, example_kwargs, cluster, skip_passes=skip_passes,
+                           insert_passes=insert_passes, front=front)
+        best, tried, meshes, t_build = None, [], [], time.perf_counter()
+        for shape, names in candidates:
             if "pp" in names:
-                p = _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget, optimizer,
-                                   fused, pins, sharded_outputs, recompute, time_limit, skip_passes, insert_passes,
-                                   microbatches, schedule, tried, report, cost_model)
+                try:
+                    p = _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget,
+                                       optimizer, fused, pins, sharded_outputs, recompute, time_limit, skip_passes,
+                                       insert_passes, microbatches, schedule, tried, report, cost_model,
+                                       added=cluster.mesh_shape is None)
+                except AutoparError as e:
+                    if cluster.mesh_shape is not None:
+                        raise
+                    # A pipeline mesh the planner added itself: this model cannot use it.
+                    tried.append({"mesh": list(shape), "status": "skipped", "reason": str(e)})
+                    continue
                 if p is not None and (best is None or p.step_time < best.step_time):
                     best = p
                 continue
@@ -117,43 +142,83 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
             report(f"mesh {shape}: costs")
             prob, idx = build_problem(prep.gm, cm, budget, pins, sharded_outputs, recompute)
             sm = StepMemory(prep.gm, cm, idx, [len(c.costs) for c in prob.choices], sharded_outputs=sharded_outputs)
-            report(f"mesh {shape}: solving {len(prob.choices)} decisions, {len(prob.edges) + len(prob.shared)} edges")
-            sol = solve_under_budget(prob, sm, budget, time_limit=time_limit)
-            entry = {"mesh": list(shape), "status": sol.status, "objective": sol.objective,
-                     "seconds": sol.seconds, "variables": sol.num_variables, "constraints": sol.num_constraints,
-                     "memory_points": len(prob.memory)}
-            tried.append(entry)
-            if sol.status != "infeasible" and prob.objective(sol.assignment) >= INFEASIBLE:
-                sol = dataclasses.replace(sol, status="infeasible")      # only a broken pin satisfies it
-            if sol.status == "infeasible":
-                infeasible.append((shape, names, prob, idx, cm, sm))
-                continue
-            report(f"mesh {shape}: evaluating")
-            p = evaluate(prep, idx, sol.assignment, cm, shape, names, cluster, budget, sm, sharded_outputs)
-            if p.memory["peak"] > budget * (1 + 1e-9):
-                raise AutoparError(f"internal error: the plan for mesh {list(shape)} peaks at {p.memory['peak']:.0f} "
-                                   f"bytes, over its budget of {budget:.0f}; please report this")
-            p.alternatives = alternatives(prep.gm, prob, idx, sol.assignment, cm, names,
-                                          sm.constraint(p.memory["peak_point"]))
-            p.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
-                            constraints=sol.num_constraints, backend=sol.backend)
-            if best is None or p.step_time < best.step_time:
-                best = p
-        if best is None and not infeasible and tried and all("pipeline" in t for t in tried):
+            quick = greedy(prob)
+            meshes.append(_Mesh(len(meshes), shape, names, prob, idx, cm, _strategies_of(prep.gm),
+                                prob.lower_bound(), prob.objective(quick) if prob.feasible(quick) else math.inf, sm))
+        t_build = time.perf_counter() - t_build
+        t_search = time.perf_counter()
+        best, searched, infeasible, t_eval = _search(meshes, best, prep, cluster, budget, sharded_outputs,
+                                                     time_limit, report)
+        tried += searched
+        t_search = time.perf_counter() - t_search
+        if best is None and not infeasible and tried and all("pipeline" in t for t in tried) \
+                and cluster.mesh_shape is not None:
             from autopar.pipelining import no_fit
 
             raise no_fit(tried[-1]["mesh"][0], tried[-1]["pipeline"]["microbatches"], budget)
         if best is None:
             _raise_infeasible(prep, infeasible, cluster, budget)
-        best.extra["warnings"] = idle_axis_warnings(prep.gm, best)
+        best.extra["warnings"] = idle_axis_warnings(prep.gm, best) if prep is not None else []
         for w in best.extra["warnings"]:
             warnings.warn(w, AutoparWarning, stacklevel=2)
         best.solver["candidates"] = tried
+        best.solver["gap_tolerance"] = GAP
+        if prep is not None:        # pipeline meshes time their own captures and solves (their candidates)
+            front_passes = sum(r.seconds for r in prep.runner.records if not r.stage.startswith("mesh"))
+            best.solver["timings"] = {"capture": prep.capture_seconds, "passes": front_passes,
+                                      "build": t_build, "solve": t_search - t_eval, "evaluate": t_eval}
         best.solver["planning_seconds"] = time.perf_counter() - t0
         best.solver["passes"] = [{"name": r.name, "stage": r.stage, "seconds": r.seconds, "skipped": r.skipped}
-                                 for r in prep.runner.records]
+                                 for r in (prep.runner.records if prep is not None else [])]
         report("done")
     return best
+
+
+def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
+    """``cost_model`` for one of ``microbatches`` microbatches of a pipeline step of ``stages`` ranks: a
+    parameter's gradient all-reduce and the optimizer step run once per step, so each microbatch pays
+    1/m of them; a rank holds 1/stages of the parameters."""
+    from autopar.passes.costs import _transition_cached
+    from autopar.passes.strategies import requires_grad, value_info
+
+    class PerMicrobatch(cost_model):
+        microbatches = 1
+        stages = 1
+
+        def transition_seconds(self, value, src_layout, dst_layout, partial_axes):
+            role = meta_of(value.node).role
+            if value.node.op != "placeholder" or role is None or role.kind != "param":
+                return super().transition_seconds(value, src_layout, dst_layout, partial_axes)
+            info = value_info(value)
+            steps = _transition_cached(tuple(src_layout), tuple(dst_layout), info.shape, self.mesh_shape,
+                                       partial_axes)
+            if steps is None:
+                return INFEASIBLE
+            grad = requires_grad(value.node)
+            return sum(self.steps_seconds([st], info.dtype.itemsize, grad)
+                       / (self.microbatches if st.op == "grad_all_reduce" else 1) for st in steps)
+
+        def param_bytes(self, node, layout):
+            return tuple(x / self.stages for x in super().param_bytes(node, layout))
+
+        def optimizer_seconds(self, node, layout):      # of the whole parameter, once per step
+            return super().optimizer_seconds(node, layout) * self.stages / self.microbatches
+
+    return PerMicrobatch
+
+
+def pipeline_meshes(cluster: ClusterSpec) -> list:
+    """Pipeline meshes to try beside ``cluster.mesh_candidates()``, after Megatron-LM's rule: tensor
+    parallel inside a node, pipeline across nodes, data parallel over the rest. ``pp`` is 2, 4 or 8
+    ranks, whole nodes each; the two largest that fit are tried."""
+    k = cluster.devices_per_node
+    out = []
+    for p in (2, 4, 8):
+        if cluster.num_devices % (p * k) or cluster.num_devices < p * k:
+            continue
+        rest = cluster.num_devices // (p * k)
+        out.append(((p, rest, k), ("pp", "dp", "tp")) if rest > 1 else ((p, k), ("pp", "tp")))
+    return out[-2:]
 
 
 def idle_axis_warnings(gm, p: Plan) -> list[str]:
@@ -185,8 +250,10 @@ def idle_axis_warnings(gm, p: Plan) -> list[str]:
 
 def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget, optimizer, fused, pins,
                    sharded_outputs, recompute, time_limit, skip_passes, insert_passes, microbatches, schedule,
-                   tried, report, cost_model=CostModel) -> Plan | None:
-    """The fastest pipeline plan on mesh ``shape`` (axis ``pp`` among ``names``), or None when none fits."""
+                   tried, report, cost_model=CostModel, added=False) -> Plan | None:
+    """The fastest pipeline plan on mesh ``shape`` (axis ``pp`` among ``names``), or None when none fits.
+    On a mesh the planner ``added`` itself, only the most microbatches that leave every data-parallel
+    rank a whole sample are tried (each count is one more capture and solve)."""
     import math
 
     from autopar import pipelining as PL
@@ -209,10 +276,17 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
         counts = [microbatches]
     else:
         counts = sorted({k * p for k in (1, 2, 4, 8) if batch % (k * p) == 0} or {batch})
+        if added:
+            spread = math.prod(shape[1:-1]) if len(shape) > 2 else 1     # the data-parallel axis
+            whole = [c for c in counts if (batch // c) % spread == 0]
+            counts = whole[-1:] or counts[:1]
     schedules = [schedule] if schedule else list(PL.SCHEDULES)
-    sub_shape = tuple(1 if i == axis else s for i, s in enumerate(shape))
+    # Layouts are solved on the other axes; a pipeline axis alone leaves a mesh of one device.
+    sub_shape, sub_names = (tuple(shape[1:]), tuple(names[1:])) if len(shape) > 1 else ((1,), names)
     sub_cluster = dataclasses.replace(cluster, num_devices=math.prod(sub_shape), mesh_shape=sub_shape,
-                                      axis_names=names)
+                                      axis_names=sub_names)
+    if len(shape) > 1:
+        pins = _drop_first_axis(pins)
     link = cluster.axis_link(shape, axis)
     best = None
     for m in counts:
@@ -223,19 +297,23 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
         loss_output(prep.gm)          # the last stage hands the loss to the schedule
         prep.runner.run(mesh_passes(sub_shape), prep.gm, f"mesh {shape}")
         cm = cost_model(sub_cluster, sub_shape, optimizer, fused=fused)
-        # Each stage holds about 1/p of the model: the whole microbatch program gets p budgets here, and
-        # every stage is checked against one budget, in-flight microbatches included, below.
-        prob, idx = build_problem(prep.gm, cm, budget * p, pins, sharded_outputs, False)
-        sm = StepMemory(prep.gm, cm, idx, [len(c.costs) for c in prob.choices], sharded_outputs=sharded_outputs)
+        # The ILP prices one microbatch, with what runs once per step (gradient sync, optimizer) divided by
+        # m, and bounds the memory of 1F1B's first stage: a p-th of the parameters and states, and the
+        # activations of p microbatches through a p-th of the layers (one microbatch through all of
+        # them). Every rank is checked against the budget under each schedule below.
+        scaled = _per_microbatch(cost_model)(sub_cluster, sub_shape, optimizer, fused=fused)
+        scaled.microbatches, scaled.stages = m, p
+        prob, idx = build_problem(prep.gm, scaled, budget, pins, sharded_outputs, False)
+        sm = StepMemory(prep.gm, scaled, idx, [len(c.costs) for c in prob.choices], sharded_outputs=sharded_outputs)
         report(f"mesh {shape}, {m} microbatches: solving {len(prob.choices)} decisions")
-        sol = solve_under_budget(prob, sm, budget * p, time_limit=time_limit)
+        sol = solve_under_budget(prob, sm, budget, time_limit=time_limit)
         entry = {"mesh": list(shape), "status": sol.status, "objective": sol.objective, "seconds": sol.seconds,
                  "variables": sol.num_variables, "constraints": sol.num_constraints,
                  "pipeline": {"microbatches": m, "schedules": {}}}
         tried.append(entry)
         if sol.status == "infeasible" or prob.objective(sol.assignment) >= INFEASIBLE:
             continue
-        sub = evaluate(prep, idx, sol.assignment, cm, sub_shape, names, sub_cluster, budget, sm, sharded_outputs)
+        sub = evaluate(prep, idx, sol.assignment, cm, sub_shape, sub_names, sub_cluster, budget, sm, sharded_outputs)
         chosen = {n: meta_of(n).strategies.strategies[idx.option_of(n, sol.assignment)] for n in prep.gm.graph.nodes
                   if n.op in ("placeholder", "call_function") and meta_of(n).strategies is not None}
         instance_of = {n: meta_of(n).layer.layer for n in chosen if n.op == "call_function" and meta_of(n).layer}
@@ -257,7 +335,7 @@ def _pipeline_plan(sub: Plan, found: dict, shape, names, axis, cluster, budget, 
     """The sub-mesh plan of one microbatch, widened to the whole mesh, with its pipeline."""
 
     def widen(lay):
-        return ["R" if i == axis else x for i, x in enumerate(lay)]
+        return ["R", *lay] if len(shape) > 1 else ["R"]
 
     sub.mesh = {"shape": list(shape), "axes": list(names)}
     sub.cluster = cluster.to_dict()
@@ -275,6 +353,8 @@ def _pipeline_plan(sub: Plan, found: dict, shape, names, axis, cluster, budget, 
     slow = found["ranks"][found["slowest_rank"]]
     comm = {a: m * slow["comm_seconds"].get(a, 0.0) for a in names}
     comm["pp"] += m * slow["p2p_seconds"]
+    for a, t in found["ranks"][found["tail_rank"]]["grad_sync_seconds"].items():
+        comm[a] += t
     # The slowest rank's microbatches, the pipeline's idle time, the slowest optimizer step: they add up
     # to step_time.
     sub.breakdown = {"compute": m * slow["compute_seconds"], "communication": comm,
@@ -282,10 +362,120 @@ def _pipeline_plan(sub: Plan, found: dict, shape, names, axis, cluster, budget, 
     sub.step_time = found["step_time"]
     sub.pipeline = {"axis": "pp", "schedule": found["schedule"], "microbatches": m,
                     "virtual_stages": found["virtual_stages"], "bubble_fraction": found["bubble_fraction"],
-                    "bubble_seconds": found["bubble_seconds"], "stages": found["stages"], "ranks": found["ranks"]}
+                    "bubble_seconds": found["bubble_seconds"], "grad_sync_seconds": found["grad_sync_seconds"],
+                    "stages": found["stages"], "ranks": found["ranks"]}
     sub.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
                       constraints=sol.num_constraints, backend=sol.backend)
     return sub
+
+
+def _drop_first_axis(pins):
+    """Pins written for the whole mesh, without their first (pipeline) axis's placement."""
+    if not pins:
+        return pins
+
+    def drop(v):
+        if isinstance(v, list) and v and all(isinstance(x, str) for x in v):
+            if v[0] != "R":
+                raise AutoparError(f"pin {v}: a pipeline plan replicates every layout along its first axis 'pp' "
+                                   f"(each rank holds whole stages); pin 'R' there")
+            return v[1:]
+        if isinstance(v, list):
+            return [drop(x) for x in v]
+        if isinstance(v, dict):
+            return {k: drop(x) for k, x in v.items()}
+        return v
+
+    return {k: drop(v) for k, v in pins.items()}
+
+
+@dataclass
+class _Mesh:
+    position: int              # in the cluster's candidate order, which breaks ties between equal plans
+    shape: tuple
+    names: tuple
+    prob: object
+    idx: ProblemIndex
+    cm: CostModel
+    strategies: dict           # node -> its StrategySet on this mesh
+    lower_bound: float         # no layout on this mesh is faster
+    estimate: float            # the greedy layout's step time (inf when it does not fit)
+    memory: StepMemory         # the step's memory on this mesh
+
+
+def _strategies_of(gm) -> dict:
+    return {n: meta_of(n).strategies for n in gm.graph.nodes if meta_of(n).strategies is not None}
+
+
+def _search(meshes: list[_Mesh], best, prep, cluster, budget, sharded_outputs, time_limit, report):
+    """Solve the candidate meshes and keep the plan of least step time (``best``: one already found).
+
+    The mesh whose greedy layout is fastest goes first, and the step time of the best plan so far bounds
+    the rest: a mesh whose lower bound is no better is not solved, and the solver stops a mesh as soon
+    as it proves it cannot beat it. A plan's step time is never below its problem's objective (it adds
+    the reshardings recomputed layers run again), so neither shortcut loses the best plan. Two meshes
+    are solved at a time (the solver runs outside Python's lock); the plans are evaluated here.
+    """
+    order = sorted(meshes, key=lambda m: (m.estimate, m.lower_bound, m.position))
+    best_key = None if best is None else (best.step_time, -1)
+    tried, infeasible, t_eval, best_mesh = {}, [], 0.0, None
+    workers = max(1, min(SOLVER_THREADS, len(order)))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        running: dict = {}
+        while order or running:
+            while order and len(running) < workers:
+                m = order.pop(0)
+                bound = None if best is None else best.step_time
+                if bound is not None and m.lower_bound >= bound:
+                    tried[m.position] = {"mesh": list(m.shape), "status": "bounded", "objective": None,
+                                         "lower_bound": m.lower_bound, "seconds": 0.0, "variables": 0,
+                                         "constraints": 0, "gap": None}
+                    continue
+                report(f"mesh {m.shape}: solving {len(m.prob.choices)} decisions, "
+                       f"{len(m.prob.edges) + len(m.prob.shared)} edges")
+                running[pool.submit(solve_under_budget, m.prob, m.memory, budget, time_limit=time_limit,
+                                    bound=bound)] = m
+            if not running:
+                break
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for fut in sorted(done, key=lambda f: running[f].position):
+                m = running.pop(fut)
+                sol = fut.result()
+                tried[m.position] = {"mesh": list(m.shape), "status": sol.status, "objective": sol.objective,
+                                     "lower_bound": m.lower_bound, "seconds": sol.seconds,
+                                     "variables": sol.num_variables, "constraints": sol.num_constraints,
+                                     "gap": sol.gap}
+                if sol.status == "bounded":
+                    continue
+                if sol.status != "infeasible" and m.prob.objective(sol.assignment) >= INFEASIBLE:
+                    sol = dataclasses.replace(sol, status="infeasible")      # only a broken pin satisfies it
+                if sol.status == "infeasible":
+                    infeasible.append((m.shape, m.names, m.prob, m.idx, m.cm, m.memory))
+                    continue
+                report(f"mesh {m.shape}: evaluating")
+                t0 = time.perf_counter()
+                _restore_strategies(m.strategies)
+                p = evaluate(prep, m.idx, sol.assignment, m.cm, m.shape, m.names, cluster, budget, m.memory,
+                             sharded_outputs)
+                if p.memory["peak"] > budget * (1 + 1e-9):
+                    raise AutoparError(f"internal error: the plan for mesh {list(m.shape)} peaks at "
+                                       f"{p.memory['peak']:.0f} bytes, over its budget of {budget:.0f}; please "
+                                       f"report this")
+                p.alternatives = alternatives(prep.gm, m.prob, m.idx, sol.assignment, m.cm, m.names)
+                p.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
+                                constraints=sol.num_constraints, backend=sol.backend, gap=sol.gap)
+                if best is None or (p.step_time, m.position) < best_key:
+                    best, best_key, best_mesh = p, (p.step_time, m.position), m
+                t_eval += time.perf_counter() - t0
+    if best_mesh is not None:          # the graph holds the returned plan's strategies
+        _restore_strategies(best_mesh.strategies)
+    infeasible.sort(key=lambda item: [m.shape for m in meshes].index(item[0]))
+    return best, [tried[k] for k in sorted(tried)], infeasible, t_eval
+
+
+def _restore_strategies(strategies: dict) -> None:
+    for n, sset in strategies.items():
+        set_meta(n, strategies=sset)
 
 
 def _with_mesh(cluster, mesh_shape, axis_names):
@@ -402,85 +592,6 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
                    "recompute": recompute_compute},
         solver={}, sharded_outputs=sharded_outputs, recompute=recompute,
     )
-
-
-def alternatives(gm, prob, idx: ProblemIndex, assignment, cm: CostModel, axis_names, memory, top: int = 3) -> dict:
-    """For every decision: the chosen option and the ``top`` cheapest others, each with its own cost,
-    the resharding it would cause with its neighbours (held at their chosen layouts) and its bytes at
-    the plan's peak point (``memory``, a MemoryConstraint)."""
-    from autopar.passes.problem import strategy_of
-    from autopar.passes.strategies import input_values
-
-    chosen = {n: meta_of(n).strategies.strategies[idx.option_of(n, assignment)]
-              for n in gm.graph.nodes if n.op in ("placeholder", "call_function") and meta_of(n).strategies}
-    members: dict = {}
-    for n in chosen:
-        members.setdefault(root_of(n), []).append(n)
-    fwd_mem = dict(memory.terms)
-    touching: dict = {}      # choice -> the shared values it produces or reads
-    for e in prob.shared:
-        for c in {e.src, *(c for c, _ in e.readers)}:
-            touching.setdefault(c, []).append(e)
-    pairs: dict = {}         # choice -> the plain edges it is an end of
-    for e in prob.edges:
-        for c in {e.src, e.dst}:
-            pairs.setdefault(c, []).append(e)
-    out = {}
-    for key, roots in idx.roots_of_key.items():
-        rep = roots[0]
-        ci = idx.choice_of_key[key]
-        choice = prob.choices[ci]
-        if len(choice.costs) < 2:
-            continue
-        scored = []
-        for o in range(len(choice.costs)):
-            trial = list(assignment)
-            trial[ci] = o
-            edge = sum(e.seconds(trial) for e in touching.get(ci, ()))
-            edge += sum(e.count * e.cost[trial[e.src]][trial[e.dst]] for e in pairs.get(ci, ()))
-            scored.append((choice.costs[o] + edge / choice.count, o, edge / choice.count))
-        scored.sort()
-        keep = [o for _, o, _ in scored if o == assignment[ci]] + [o for _, o, _ in scored if o != assignment[ci]][:top]
-        entries = []
-        for o in keep:
-            total, _, edge = next(x for x in scored if x[1] == o)
-            colls = []
-            for m in members.get(rep, []):
-                s = strategy_of(m, o)
-                colls += _op_collectives(cm, m, s, axis_names)
-                if m.op == "call_function":
-                    for k, v in enumerate(input_values(m)):
-                        if root_of(v.node) is not rep and v.node in chosen:
-                            colls += _edge_collectives(cm, v, chosen[v.node].outputs[v.index], s, k, v.node.name, axis_names)
-                for c in m.users:
-                    if c.op != "call_function" or root_of(c) is rep or c not in chosen:
-                        continue
-                    for k, v in enumerate(input_values(c)):
-                        if v.node is m:
-                            colls += _edge_collectives(cm, v, s.outputs[v.index], chosen[c], k, c.name, axis_names)
-            mem = fwd_mem.get(ci, [0.0] * len(choice.costs))[o] / choice.count
-            rs = meta_of(rep).strategies.strategies[o]
-            entries.append({"layout": choice.labels[o] if choice.labels else str(o), "chosen": o == assignment[ci],
-                            "inputs": [format_layout(l) for l in rs.inputs],
-                            "own_seconds": choice.costs[o], "resharding_seconds": edge, "total_seconds": total,
-                            "memory_bytes": mem, "collectives": colls})
-        name = meta_of(rep).role.target if rep.op == "placeholder" else rep.name
-        out[name] = entries
-    return out
-
-
-def _op_collectives(cm, node, s, axis_names):
-    return [c.record(axis_names, neighbor=node.name, value=node.name) for c in cm.priced_op_collectives(node, s)]
-
-
-def _edge_collectives(cm, v, src, dst_strategy, k, neighbor, axis_names):
-    from autopar.passes.strategies import value_info
-
-    steps = cm.resharding(v, src, None, dst_strategy, k)
-    if steps is None:
-        return [{"kind": "impossible", "neighbor": neighbor, "value": v.node.name}]
-    priced = cm.priced_steps(steps, value_info(v).dtype.itemsize, requires_grad(v.node))
-    return [c.record(axis_names, neighbor=neighbor, value=v.node.name) for _, c in priced]
 
 
 def _smallest_valid_budget(prob, sm: StepMemory):

@@ -1,6 +1,7 @@
 """autopar's plan against hand-tuned Megatron-style grids, under the same cost model.
 
-    python bench/megatron_grid.py
+    python bench/megatron_grid.py              # tensor x data grids
+    python bench/megatron_grid.py --pipeline   # pipeline grids for LLaMA-2-70B on 512 and 1024 H100s
 
 For each model, the Megatron layout (tensor parallel inside a node: attention split by heads, MLP
 split column then row; data parallel across nodes) is forced with pins and priced by the same cost
@@ -30,8 +31,58 @@ def megatron_pins(mesh):
     return pins
 
 
+# LLaMA-2-70B, batch 1024 x 4096, bf16: Megatron's pipeline grids (tensor parallel 8 inside a node,
+# pipeline across nodes, data parallel over the rest), each with its microbatch counts and schedules.
+PIPELINE_CASES = [("llama2-70b", "512xH100", 1024, (4, 8)), ("llama2-70b", "1024xH100", 1024, (4, 8))]
+
+
+def pipeline_grid():
+    import time
+
+    print(f"\n{'model':<11} {'cluster':<10} {'plan':<34} {'mesh':<12} {'step (ms)':>10} {'peak GiB':>9} "
+          f"{'bubble (ms)':>11} {'step ratio':>11} {'planning (s)':>12}")
+    for name, cluster_name, batch, pps in PIPELINE_CASES:
+        model, args, kwargs = zoo.build(name, batch=batch, dtype=torch.bfloat16, device="meta")
+        cluster = autopar.ClusterSpec.preset(cluster_name)
+        t0 = time.perf_counter()
+        auto = autopar.plan(model, cluster, args, kwargs, progress=False, sharded_outputs=True)
+        auto_seconds = time.perf_counter() - t0
+        rows = []
+        for pp in pps:
+            tp = cluster.devices_per_node
+            grid = (pp, cluster.num_devices // (pp * tp), tp)
+            pins = {k: ["R", "R", v] for k, v in LLAMA_TP.items()}
+            pins.update({"input_ids": ["R", "S(0)", "R"], "labels": ["R", "S(0)", "R"]})
+            for m in (4 * pp, 8 * pp):
+                try:
+                    p = autopar.plan(model, cluster, args, kwargs, mesh_shape=grid, axis_names=("pp", "dp", "tp"),
+                                     pins=pins, microbatches=m, progress=False, sharded_outputs=True)
+                except autopar.InfeasiblePlanError:
+                    rows.append((f"Megatron pp={pp} m={m}: does not fit", grid, None, None, None))
+                    continue
+                for sched, t in p.solver["candidates"][0]["pipeline"]["schedules"].items():
+                    rows.append((f"Megatron pp={pp} m={m} {sched}", grid, t, p.memory["peak"] if t is not None
+                                 and sched == p.pipeline["schedule"] else None, None))
+        pipe = auto.pipeline
+        label = f"autopar ({pipe['schedule']} m={pipe['microbatches']})" if pipe else "autopar (no pipeline)"
+        rows.append((label, tuple(auto.mesh["shape"]), auto.step_time, auto.memory["peak"],
+                     pipe["bubble_seconds"] if pipe else 0.0))
+        for label, grid, t, peak, bubble in rows:
+            if t is None:
+                print(f"{name:<11} {cluster_name:<10} {label:<34} {str(grid):<12} {'-':>10}")
+                continue
+            print(f"{name:<11} {cluster_name:<10} {label:<34} {str(grid):<12} {t * 1e3:>10.1f} "
+                  f"{(peak or 0) / 2**30:>9.2f} {(bubble or 0) * 1e3:>11.1f} {t / auto.step_time:>10.2f}x "
+                  f"{auto_seconds if label.startswith('autopar') else 0:>12.1f}", flush=True)
+
+
 def main():
+    import sys
+
     logging.getLogger("autopar.rules").setLevel(logging.ERROR)
+    if "--pipeline" in sys.argv:
+        pipeline_grid()
+        return
     print(f"{'model':<11} {'cluster':<9} {'plan':<22} {'mesh':<8} {'step (ms)':>10} {'peak GiB':>9} "
           f"{'recomputed':>10} {'step ratio':>11} {'memory ratio':>13}")
     for name, cluster_name, batch, grid in CASES:

@@ -114,7 +114,12 @@ def main():
     worst = 0.0
     for arch in a.archs.split(","):
         for kind in a.kinds.split(","):
-            model, args, kwargs = build(arch, a.seq, a.batch, device)
+            try:
+                model, args, kwargs = build(arch, a.seq, a.batch, device)
+            except ImportError as e:          # the Hugging Face models need transformers
+                if rank0:
+                    print(f"{arch:<10} skipped: {e}", flush=True)
+                break
             opts = options(arch, kind, ranks, model)
             if opts is None or (a.gpu and kind not in ("auto", "recompute")):
                 continue

@@ -25,13 +25,15 @@ from autopar.passes.meta import meta_of, program_meta
 from autopar.runtime.program import StageProgram
 
 
-def split_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int], num_stages: int, loss_position: int) -> tuple:
+def split_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int], num_stages: int, loss_position: int,
+                 axis_of_group: dict[str, str]) -> tuple:
     """``gm`` (a local program of one microbatch) as ``num_stages`` StagePrograms; the loss is output
-    leaf ``loss_position`` (``loss_output``)."""
+    leaf ``loss_position`` (``loss_output``); ``axis_of_group`` names the mesh axis of each group."""
     info = program_meta(gm)
-    nodes = list(gm.graph.nodes)
-    placeholders = [n for n in nodes if n.op == "placeholder"]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     kind_of = {n: kt for n, kt in zip(placeholders, info.placeholders)}
+    deferred = _defer_gradient_reductions(gm, kind_of, axis_of_group)
+    nodes = list(gm.graph.nodes)
     output = next(n for n in nodes if n.op == "output")
 
     param_dep = {n: kind_of[n][0] == "param" for n in placeholders}
@@ -110,8 +112,32 @@ def split_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int], num_stages:
         _placeholders_first(g)          # parameters and inputs were made on demand, between ops
         g.lint()
         sub = fx.GraphModule(gm, g, class_name=f"Stage{k}")
-        out.append(StageProgram(k, sub, tuple(kinds), tuple(n.name for n in sends)))
+        held = {t for kd, t in kinds if kd == "param"}
+        out.append(StageProgram(k, sub, tuple(kinds), tuple(n.name for n in sends),
+                                tuple((f, a) for f, a in deferred if f in held)))
     return tuple(out)
+
+
+def _defer_gradient_reductions(gm: fx.GraphModule, kind_of: dict, axis_of_group: dict) -> list:
+    """Take out the per-microbatch gradient all-reduces of parameters (data parallelism's gradient
+    sync): a parameter whose every use starts with ``grad_all_reduce`` over one axis gets its gradient
+    summed over that axis once per step instead, after the last microbatch. Returns (FQN, axis) pairs."""
+    from autopar.runtime.collectives import grad_all_reduce
+
+    deferred = []
+    for p, (kind, fqn) in kind_of.items():
+        if kind != "param":
+            continue
+        while p.users and all(u.target is grad_all_reduce for u in p.users):
+            groups = {u.args[1] for u in p.users}
+            if len(groups) != 1:
+                break
+            deferred.append((fqn, axis_of_group[groups.pop()]))
+            for u in list(p.users):
+                u.replace_all_uses_with(p)
+                gm.graph.erase_node(u)
+    gm.recompile()
+    return deferred
 
 
 def _placeholders_first(g: fx.Graph) -> None:

@@ -144,6 +144,14 @@ class CostModel:
         hidden = oc.overlap_flops / self.cluster.device.peak_flops(oc.dtype)
         return oc.steps * max(0.0, step - hidden)
 
+    def workspace_bytes(self, node: fx.Node, s: Strategy) -> float:
+        """Bytes ``node``'s own sharded computation holds while it runs, beyond its inputs and output
+        (the rule's ``workspace``): part of the transient at that point of the step."""
+        if node.op != "call_function":
+            return 0.0
+        rule = rule_for(node)
+        return rule.workspace(context_for(node), s.inputs, self.mesh_shape) if rule.workspace else 0.0
+
     def op_comm_seconds(self, node: fx.Node, s: Strategy) -> float:
         return sum(self.op_collective_seconds(oc) for oc in self.op_collectives(node, s))
 
@@ -208,6 +216,10 @@ class CostModel:
 
     def _activation_bytes(self, node: fx.Node, s: Strategy, saved) -> float:
         ctx = context_for(node)
+        rule = rule_for(node)
+        if rule.saved_sharded is not None:
+            # The op's own sharded form (ring attention) keeps what it keeps on every device.
+            saved = rule.saved_sharded(ctx, s.inputs) or saved
         total = 0.0
         if ctx.outs:
             total += saved.outputs * local_fraction(s.outputs[0], self.mesh_shape)

@@ -543,6 +543,11 @@ class StepMemory:
                     add((_A if o in held else _T, 1, self.value(o)))
             for q in kept.get(n, ()):
                 add((_A, 1, q))
+            c = self._choice(n)
+            work = _one(c, [self.cm.workspace_bytes(n, self._strategy(n, o)) for o in self._options(c)])
+            if not work.zero():             # what a sharded op holds while it runs (ring attention's blocks)
+                add((_T, 1, work))
+                transient.append(work)
             self.points.append((len(self.events), "forward", n.name))
             for q in transient:
                 add((_T, -1, q))
@@ -739,10 +744,11 @@ def _initial_points(sm: StepMemory, problem) -> list[int]:
     return sorted(picks)
 
 
-def solve_under_budget(problem, sm: StepMemory, budget: float, *, time_limit: float = 60.0):
+def solve_under_budget(problem, sm: StepMemory, budget: float, *, time_limit: float = 60.0, bound=None):
     """The fastest assignment whose step peak (``sm.peak``) fits ``budget``: solve with the memory
     constraints of a few candidate points, walk the step, add the point over the budget, solve again.
-    Every returned feasible solution's walked peak is within the budget."""
+    Every returned feasible solution's walked peak is within the budget. ``bound`` is the solver's:
+    stop ("bounded") once no assignment can beat that many seconds."""
     from autopar.errors import AutoparError
     from autopar.solver import solve
 
@@ -750,8 +756,8 @@ def solve_under_budget(problem, sm: StepMemory, budget: float, *, time_limit: fl
     problem.memory = [sm.constraint(k) for k in _initial_points(sm, problem)]
     have = {c.name for c in problem.memory}
     for _ in range(_MAX_ROUNDS):
-        sol = solve(problem, time_limit=time_limit)
-        if sol.status == "infeasible":
+        sol = solve(problem, time_limit=time_limit, bound=bound)
+        if sol.status in ("infeasible", "bounded"):
             return sol
         k, peak = sm.peak(sol.assignment)
         if peak <= budget * (1 + 1e-9):

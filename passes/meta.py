@@ -74,6 +74,9 @@ class ProgramMeta:
     placeholders: tuple = ()              # (kind, target) per placeholder, in call order
     output_layouts: tuple = ()            # per returned tensor: its layout (all-R unless kept sharded)
     kernels: tuple[tuple[str, str], ...] = ()   # (name, source) of every generated kernel it calls
+    grad_reductions: tuple = ()           # (parameter, group name, uses) whose gradient the runtime
+                                          # reduces in buckets (codegen/grad_buckets.py), in backward
+                                          # order, in place of one reduction per use
 
 
 _EMPTY = AutoparMeta()

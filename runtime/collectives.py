@@ -24,12 +24,21 @@ from autopar.errors import ShardingError
 __all__ = [
     "COLLECTIVE_KIND",
     "IndivisibleDimError",
+    "SPLIT",
     "all_gather",
+    "all_gather_start",
+    "all_gather_wait",
     "all_reduce",
+    "all_reduce_start",
+    "all_reduce_wait",
     "all_to_all",
+    "all_to_all_start",
+    "all_to_all_wait",
     "grad_all_reduce",
     "local_chunk",
     "reduce_scatter",
+    "reduce_scatter_start",
+    "reduce_scatter_wait",
     "same_on_all_ranks",
 ]
 
@@ -72,18 +81,38 @@ def _unblocks(y: torch.Tensor, dim: int) -> torch.Tensor:
     return y.movedim(0, dim).flatten(dim, dim + 1)
 
 
+def _start_gather(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
+    """Issue an all-gather of ``x``; the result (every rank's ``x`` along dim 0) is valid once waited."""
+    return _ops.all_gather_into_tensor(x.contiguous(), size, name)
+
+
+def _start_reduce_scatter(x: torch.Tensor, dim: int, size: int, name: str) -> torch.Tensor:
+    """Issue a sum reduce-scatter of ``x``'s blocks along ``dim``; the result has a leading dim of 1."""
+    return _ops.reduce_scatter_tensor(_blocks(x, dim, size), "sum", size, name)
+
+
+def _start_all_reduce(x: torch.Tensor, name: str, *, op: str = "sum") -> torch.Tensor:
+    return _ops.all_reduce(x.contiguous(), op, name)
+
+
+def _start_all_to_all(x: torch.Tensor, dst_dim: int, size: int, name: str) -> torch.Tensor:
+    """Issue an all-to-all sending block r of ``x`` along ``dst_dim`` to rank r; the result stacks the
+    received blocks on a new dim 0."""
+    splits = [1] * size
+    return _ops.all_to_all_single(_blocks(x, dst_dim, size), splits, splits, name)
+
+
 def _gather(x: torch.Tensor, dim: int, size: int, name: str) -> torch.Tensor:
-    y = _ops.wait_tensor(_ops.all_gather_into_tensor(x.contiguous(), size, name))
+    y = _ops.wait_tensor(_start_gather(x, size, name))
     return y if dim == 0 else _unblocks(y.view(size, *x.shape), dim)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, size: int, name: str) -> torch.Tensor:
-    y = _ops.wait_tensor(_ops.reduce_scatter_tensor(_blocks(x, dim, size), "sum", size, name))
-    return y.squeeze(0)
+    return _ops.wait_tensor(_start_reduce_scatter(x, dim, size, name)).squeeze(0)
 
 
 def _all_reduce(x: torch.Tensor, name: str, *, op: str = "sum") -> torch.Tensor:
-    return _ops.wait_tensor(_ops.all_reduce(x.contiguous(), op, name))
+    return _ops.wait_tensor(_start_all_reduce(x, name, op=op))
 
 
 def _p2p(sends, recvs, name: str) -> list:
@@ -102,9 +131,7 @@ def _chunk(x: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
 
 def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, size: int, name: str) -> torch.Tensor:
     # Block r of the result is rank r's src_dim shard of this rank's dst_dim block.
-    splits = [1] * size
-    y = _ops.wait_tensor(_ops.all_to_all_single(_blocks(x, dst_dim, size), splits, splits, name))
-    return _unblocks(y, src_dim)
+    return _unblocks(_ops.wait_tensor(_start_all_to_all(x, dst_dim, size, name)), src_dim)
 
 
 class _AllGather(torch.autograd.Function):
@@ -235,6 +262,131 @@ def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group_name: str) -> 
     return _AllToAll.apply(x, src_dim, dst_dim, group_name)
 
 
+# Split collectives, for overlap (codegen/overlap.py): ``*_start`` issues the collective and returns
+# its raw result, not yet valid; ``*_wait`` waits for it and gives the same value as the one-call form.
+# The program runs independent compute between the two. Backwards communicate at once, as above.
+
+class _Wait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y):
+        return _ops.wait_tensor(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _AllGatherStart(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, name, grad):
+        rank, size = _group(name)
+        ctx.args = name, grad, rank, size
+        return _start_gather(x, size, name)
+
+    @staticmethod
+    def backward(ctx, g):
+        # ``g`` is in the raw layout: every rank's block stacked along dim 0.
+        name, grad, rank, size = ctx.args
+        if grad == "slice":
+            return _chunk(g, 0, rank, size), None, None
+        return _reduce_scatter(g, 0, size, name), None, None
+
+
+class _ReduceScatterStart(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, name):
+        _, size = _group(name)
+        _check_divisible("reduce_scatter", x, dim, size, name)
+        ctx.args = dim, name, size
+        return _start_reduce_scatter(x, dim, size, name)
+
+    @staticmethod
+    def backward(ctx, g):
+        dim, name, size = ctx.args
+        return _gather(g.squeeze(0), dim, size, name), None, None
+
+
+class _AllReduceStart(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, name):
+        return _start_all_reduce(x, name)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _AllToAllStart(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, src_dim, dst_dim, name):
+        _, size = _group(name)
+        _check_divisible("all_to_all", x, dst_dim, size, name)
+        ctx.args = src_dim, dst_dim, name, size
+        return _start_all_to_all(x, dst_dim, size, name)
+
+    @staticmethod
+    def backward(ctx, g):
+        src_dim, dst_dim, name, size = ctx.args
+        return _all_to_all(_unblocks(g, src_dim), dst_dim, src_dim, size, name), None, None, None
+
+
+def all_gather_start(x: torch.Tensor, dim: int, group_name: str, grad: str = "reduce_scatter") -> torch.Tensor:
+    """Issue ``all_gather(x, dim, group_name, grad)``; ``all_gather_wait`` gives its result."""
+    if grad not in ("reduce_scatter", "slice"):
+        raise ValueError(f"all_gather: grad={grad!r}; use 'reduce_scatter' or 'slice'")
+    _dim(x, dim)
+    return _AllGatherStart.apply(x, group_name, grad)
+
+
+def all_gather_wait(y: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """Wait for ``all_gather_start``'s ``y`` and concatenate the ranks' blocks along ``dim``."""
+    y = _Wait.apply(y)
+    if dim == 0:
+        return y
+    _, size = _group(group_name)
+    blocks = y.unflatten(0, (size, -1))
+    return _unblocks(blocks, dim % (blocks.dim() - 1))
+
+
+def reduce_scatter_start(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """Issue ``reduce_scatter(x, dim, group_name)``; ``reduce_scatter_wait`` gives its result."""
+    return _ReduceScatterStart.apply(x, _dim(x, dim), group_name)
+
+
+def reduce_scatter_wait(y: torch.Tensor, group_name: str) -> torch.Tensor:
+    return _Wait.apply(y).squeeze(0)
+
+
+def all_reduce_start(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Issue ``all_reduce(x, group_name)``; ``all_reduce_wait`` gives its result."""
+    return _AllReduceStart.apply(x, group_name)
+
+
+def all_reduce_wait(y: torch.Tensor, group_name: str) -> torch.Tensor:
+    return _Wait.apply(y)
+
+
+def all_to_all_start(x: torch.Tensor, src_dim: int, dst_dim: int, group_name: str) -> torch.Tensor:
+    """Issue ``all_to_all(x, src_dim, dst_dim, group_name)``; ``all_to_all_wait`` gives its result."""
+    src_dim, dst_dim = _dim(x, src_dim), _dim(x, dst_dim)
+    if src_dim == dst_dim:
+        raise ValueError(f"all_to_all: src_dim and dst_dim are both {src_dim}; S(d) -> S(d) needs no collective")
+    return _AllToAllStart.apply(x, src_dim, dst_dim, group_name)
+
+
+def all_to_all_wait(y: torch.Tensor, src_dim: int, group_name: str) -> torch.Tensor:
+    return _unblocks(_Wait.apply(y), src_dim % (y.dim() - 1))
+
+
+# The one-call form of each split collective: (start, wait, arguments of the wait taken from the call).
+SPLIT = {
+    all_gather: (all_gather_start, all_gather_wait, lambda x, dim, group_name, grad="reduce_scatter": (dim, group_name)),
+    reduce_scatter: (reduce_scatter_start, reduce_scatter_wait, lambda x, dim, group_name: (group_name,)),
+    all_reduce: (all_reduce_start, all_reduce_wait, lambda x, group_name: (group_name,)),
+    all_to_all: (all_to_all_start, all_to_all_wait, lambda x, src_dim, dst_dim, group_name: (src_dim, group_name)),
+}
+
+
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -276,4 +428,8 @@ COLLECTIVE_KIND = {
     grad_all_reduce: "all_reduce",  # in the backward
     local_chunk: None,  # no communication in the forward
     all_to_all: "all_to_all",
+    all_gather_start: "all_gather",
+    reduce_scatter_start: "reduce_scatter",
+    all_reduce_start: "all_reduce",
+    all_to_all_start: "all_to_all",
 }

@@ -15,8 +15,8 @@ gradients).
 Transfers are point-to-point (``isend``/``irecv`` through ``collectives._p2p``; gloo and NCCL both have
 them); each step's transfer is started before that step's block attention and waited after it, so
 they overlap. Block attention
-here is an ATen math path in fp32 (or wider) that returns the logsumexp (``MathBlocks``); the kernel
-library passes its Triton flash attention instead.
+is ATen's CPU flash attention, which returns the logsumexp and whose backward takes the merged one
+(``AtenBlocks``; ``MathBlocks`` elsewhere); the kernel library passes its Triton flash attention.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import torch
 from autopar.errors import ShardingError
 from autopar.runtime import collectives as C
 
-__all__ = ["OP_COLLECTIVES", "MathBlocks", "ring_attention"]
+__all__ = ["OP_COLLECTIVES", "AtenBlocks", "MathBlocks", "ring_attention"]
 
 
 class _Ring:
@@ -115,15 +115,17 @@ def _finite(lse):
 
 
 class MathBlocks:
-    """Block attention in ATen math, in fp32 or wider: the CPU path, and the reference for others.
+    """Block attention in ATen math, in fp32 or wider: the reference, and the path off the CPU without
+    Triton. It materializes one block's scores.
 
     A block implementation gives ``forward(q, k, v, mask, kind, scale) -> (out, lse)`` for query rows
     q [B, Hkv, G, Lq, D] (G query heads per key/value head) over one key/value block k, v
     [B, Hkv, 1, Lk, D], with ``kind`` "full" or "diagonal" (causal within the block, top-left
-    aligned), and ``backward(q, k, v, mask, kind, scale, dout, lse, delta) -> (dq, dk, dv)``, the
-    block's share of the gradients given the merged ``lse`` and ``delta = rowsum(dout * out)`` of the
-    whole attention (flash attention's backward, block-wise). A row with no key left has out 0 and
-    lse -inf. The kernel library's Triton blocks (``autopar.codegen.kernels``) are the other one."""
+    aligned), and ``backward(q, k, v, mask, kind, scale, dout, out, lse, delta) -> (dq, dk, dv)``,
+    the block's share of the gradients given the rows' merged output ``out``, ``lse`` and
+    ``delta = rowsum(dout * out)`` of the whole attention (flash attention's backward, block-wise). A
+    row with no key left has out 0 and lse -inf. ``AtenBlocks`` (the default) and the kernel
+    library's Triton blocks are the others."""
 
     @staticmethod
     def forward(q, k, v, mask, kind, scale):
@@ -134,7 +136,7 @@ class MathBlocks:
         return torch.matmul(p, v.to(acc)), lse
 
     @staticmethod
-    def backward(q, k, v, mask, kind, scale, dout, lse, delta):
+    def backward(q, k, v, mask, kind, scale, dout, out, lse, delta):
         acc = _acc(q)
         q, k, v, dout = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
         s = _scores(q, k, mask, kind, scale)
@@ -145,6 +147,60 @@ class MathBlocks:
         dq = torch.matmul(ds, k) * scale
         dk = torch.matmul(ds.transpose(-1, -2), q).sum(2, keepdim=True) * scale
         return dq, dk, dv
+
+
+def _flat_heads(q, k, v, mask):
+    """Grouped block operands as [B, H, L, D] (the key/value heads repeated for their query heads)
+    and the mask as [B, H or 1, Lq, Lk]."""
+    b, hkv, g, lq, d = q.shape
+    lk = k.shape[3]
+    q4 = q.reshape(b, hkv * g, lq, d)
+    k4 = k.expand(b, hkv, g, lk, d).reshape(b, hkv * g, lk, d)
+    v4 = v.expand(b, hkv, g, lk, d).reshape(b, hkv * g, lk, d)
+    m4 = None if mask is None else mask.reshape(mask.shape[0], mask.shape[1] * mask.shape[2], *mask.shape[3:])
+    return q4, k4, v4, m4
+
+
+class AtenBlocks:
+    """Block attention on ATen's CPU flash attention (``_scaled_dot_product_flash_attention_for_cpu``,
+    which returns the logsumexp, and its backward, which takes the merged output and logsumexp), so no
+    block's scores are ever materialized; ``MathBlocks`` on other devices."""
+
+    @staticmethod
+    def _additive(mask, q):
+        if mask is None or mask.dtype != torch.bool:
+            return None if mask is None else mask.to(q.dtype)
+        return torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+
+    @staticmethod
+    def forward(q, k, v, mask, kind, scale):
+        if q.device.type != "cpu":
+            return MathBlocks.forward(q, k, v, mask, kind, scale)
+        q4, k4, v4, m4 = _flat_heads(q, k, v, mask)
+        m4 = AtenBlocks._additive(m4, q4)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q4, k4, v4, 0.0, kind == "diagonal", attn_mask=m4, scale=scale)
+        if m4 is not None:
+            # The kernel gives a row with every key masked lse 0; it attends to nothing: -inf.
+            empty = torch.broadcast_to(m4 == float("-inf"), (*q4.shape[:-1], k4.shape[2])).all(-1)
+            lse = lse.masked_fill(empty, float("-inf"))
+        return out.view(q.shape), lse.view(q.shape[:-1])
+
+    @staticmethod
+    def backward(q, k, v, mask, kind, scale, dout, out, lse, delta):
+        if q.device.type != "cpu":
+            return MathBlocks.backward(q, k, v, mask, kind, scale, dout, out, lse, delta)
+        q4, k4, v4, m4 = _flat_heads(q, k, v, mask)
+        m4 = AtenBlocks._additive(m4, q4)
+        b, h, lq, d = q4.shape
+        # Rows with no key anywhere (lse -inf) get +inf, so that their probabilities are exp(-inf) = 0.
+        lse4 = lse.masked_fill(torch.isinf(lse), float("inf")).reshape(b, h, lq).to(
+            torch.promote_types(q.dtype, torch.float32)).contiguous()
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.reshape(q4.shape).contiguous(), q4.contiguous(), k4, v4, out.reshape(q4.shape).contiguous(), lse4,
+            0.0, kind == "diagonal", attn_mask=m4, scale=scale)
+        grouped = (b, k.shape[1], q.shape[2], k4.shape[2], d)
+        return dq.view(q.shape), dk.view(grouped).sum(2, keepdim=True), dv.view(grouped).sum(2, keepdim=True)
 
 
 def _merge(out, lse, o, lo):
@@ -228,8 +284,8 @@ class _RingAttention(torch.autograd.Function):
             dout = _to_balanced(dout, ring)
         hkv, length, acc = k.shape[1], k.shape[2], _acc(q)
         qg, gmask = _grouped(q, hkv), _grouped_mask(mask, hkv)
-        dog = _grouped(dout.contiguous(), hkv)
-        delta = (dog.to(acc) * _grouped(out, hkv).to(acc)).sum(-1)
+        dog, outg = _grouped(dout.contiguous(), hkv), _grouped(out, hkv)
+        delta = (dog.to(acc) * outg.to(acc)).sum(-1)
         dq = torch.zeros(qg.shape, dtype=acc, device=q.device)
         kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
@@ -241,7 +297,7 @@ class _RingAttention(torch.autograd.Function):
                 gq, gk, gv = blocks.backward(
                     qg[..., qo:qo + ql, :], kb[..., ko:ko + kl, :], vb[..., ko:ko + kl, :],
                     _mask_block(gmask, qo, ql, ks, kl), kind, scale, dog[..., qo:qo + ql, :],
-                    lse[..., qo:qo + ql], delta[..., qo:qo + ql])
+                    outg[..., qo:qo + ql, :], lse[..., qo:qo + ql], delta[..., qo:qo + ql])
                 dq[..., qo:qo + ql, :] += gq
                 dkv[0, ..., ko:ko + kl, :] += gk.squeeze(2)
                 dkv[1, ..., ko:ko + kl, :] += gv.squeeze(2)
@@ -258,7 +314,7 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
-                   scale: float | None, group: str, blocks=MathBlocks) -> torch.Tensor:
+                   scale: float | None, group: str, blocks=AtenBlocks) -> torch.Tensor:
     """``scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, scale=scale)`` with q, k and v
     split along the sequence (dim 2) over the group called ``group``: rank r holds the r-th of equal,
     contiguous chunks, and gets the r-th chunk of the output.
@@ -266,7 +322,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     k and v may have fewer heads than q (GQA/MQA: each key/value head serves H/Hkv query heads).
     ``mask`` (boolean, True = attend, or additive) holds this rank's query rows and every key:
     broadcastable to [B, H, S/n, S]. Causal attention needs the local length to be even (the
-    load-balanced half-chunks). ``blocks`` computes attention over one block (``MathBlocks``)."""
+    load-balanced half-chunks). ``blocks`` computes attention over one block (``AtenBlocks``)."""
     _, n = C._group(group)
     if q.dim() != 4 or k.shape != v.shape or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
         raise ShardingError(f"ring_attention wants q [B, H, L, D] and k, v [B, Hkv, L, D] with H a multiple of Hkv "

@@ -57,6 +57,12 @@ class ParallelModule(nn.Module):
         self._constants = program.constants
         self._materialized = False
         self.local_program = program.gm       # registered as a submodule: its attributes move with .to()
+        self._grad_buckets = None
+        if program.grad_reductions:
+            from autopar.runtime.grad_buckets import GradBuckets
+
+            self._grad_buckets = GradBuckets([(self.local_parameter(t), g) for t, g, _ in program.grad_reductions],
+                                             program.bucket_bytes)
 
     # --- the user's view ---------------------------------------------------------------------
     @property
@@ -80,6 +86,8 @@ class ParallelModule(nn.Module):
         flat, spec = pytree.tree_flatten((args, kwargs))
         self._check_inputs(flat, spec)
         self._check_materialized()
+        if self._grad_buckets is not None and torch.is_grad_enabled():
+            self._grad_buckets.set_aside()
         outs = pytree.tree_leaves(self.local_program(*self._local_args(flat)))
         if self.sharded_outputs:
             outs = self._as_dtensors(outs)

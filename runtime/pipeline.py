@@ -96,6 +96,7 @@ class PipelineParallelModule(ParallelModule):
                 if k == "param":
                     ranks_of.setdefault(t, set()).add(rank_of_stage[s.index])
         self._tied = sorted(f for f, r in ranks_of.items() if len(r) > 1)
+        self._grad_sums = sorted({x for s in mine for x in s.grad_sums})
         inputs = [t for k, t in program.placeholders if k == "input"]
         self._input_key = {t: f"input_{i}" for i, t in enumerate(inputs)}
         self._input_order = inputs
@@ -127,7 +128,7 @@ class PipelineParallelModule(ParallelModule):
         losses: list = []
         target = torch.zeros(m, device=rank_device())
         self._schedule.step(**named, target=target, losses=losses, return_outputs=False)
-        self._sum_tied_grads()
+        self._sum_grads()
         if self._pp_rank == self._last_rank:
             loss = torch.stack([x.detach().reshape(()).float() for x in losses]).sum()
         else:
@@ -157,7 +158,13 @@ class PipelineParallelModule(ParallelModule):
             raise AutoparError(f"schedule {name} runs one stage per rank, but this rank holds {len(stages)}")
         return cls(stages[0], n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
 
-    def _sum_tied_grads(self):
+    def _sum_grads(self):
+        # Data parallelism's gradient sync, once per step (codegen/stages.py took it out of backward).
+        for fqn, axis in self._grad_sums:
+            p = self.local_parameter(fqn)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=self.mesh.get_group(axis))
         for fqn in self._tied:
             if fqn in self._fqn_to_key and self._fqn_to_key[fqn] in self.shards:
                 p = self.local_parameter(fqn)

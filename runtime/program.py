@@ -24,6 +24,9 @@ class Program:
     input_shapes: tuple           # shapes of the flattened inputs the program was made for
     constants: dict[str, torch.Tensor]
     kernels: dict[str, str]       # generated kernel name -> source (empty with ATen kernels)
+    grad_reductions: tuple = ()   # (parameter, group name, uses) per gradient to all-reduce in buckets
+                                  # during backward, in the order the gradients become ready
+    bucket_bytes: int = 25 * 2**20  # bucket size of those reductions (DDP's default)
     stages: tuple = ()            # pipeline plans: this rank's StagePrograms (gm is then the whole
                                   # microbatch program the stages were cut from)
 
@@ -38,3 +41,5 @@ class StageProgram:
                                   # received from the previous stage, in order
     sends: tuple                  # names of the values returned to the next stage (empty on the last
                                   # stage, which returns the loss)
+    grad_sums: tuple = ()         # (parameter FQN, mesh axis): sum its gradient over the axis once per
+                                  # step, after the last microbatch

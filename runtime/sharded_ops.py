@@ -1,5 +1,6 @@
 """Ops whose sharded form communicates by itself: Megatron's vocab-parallel embedding and
 cross-entropy. Generated programs call them where a plan shards the vocabulary (passes/rules/nn.py).
+Ring attention, the other op of this kind, has its own module (``runtime.context_parallel``).
 
 Like ``runtime.collectives``, each takes its process group by c10d group name, and rank r of the group
 holds the r-th of equal, contiguous vocabulary slices. Their collectives go through

@@ -1,9 +1,9 @@
 """The solver stage: picks one option per decision of an abstract layout problem (no torch, no fx)."""
 from .brute_force import brute_force
 from .greedy import greedy
-from .ilp import solve
+from .ilp import GAP, solve
 from .memory import minimum_feasible_budget
 from .problem import Choice, Edge, MemoryConstraint, Problem, SharedEdge, Solution
 
-__all__ = ["Problem", "Choice", "Edge", "SharedEdge", "MemoryConstraint", "Solution", "solve", "greedy", "brute_force",
+__all__ = ["GAP", "Problem", "Choice", "Edge", "SharedEdge", "MemoryConstraint", "Solution", "solve", "greedy", "brute_force",
            "minimum_feasible_budget"]

@@ -1,9 +1,15 @@
-"""Exact layout selection as an integer linear program (PuLP; HiGHS when installed, else bundled CBC).
+"""Exact layout selection as an integer linear program, solved by HiGHS (through highspy's own API)
+or, when highspy is not installed, by the CBC that PuLP bundles (solver/milp.py).
 
 x[c][i] = 1 when choice c takes option i. A pairwise edge cost is linear in x when its matrix is
 separable (cost[i][j] = a[i] + b[j], constants included), so only the remainder of a non-separable
 matrix needs the product variables y[i][j] = x_src[i] * x_dst[j], linearized exactly through their
 marginals: sum_j y[i][j] = x_src[i] and sum_i y[i][j] = x_dst[j].
+
+Solves stop at a relative optimality gap of ``GAP`` (HiGHS's default): the plan returned costs at
+most that fraction more than the best plan of its problem, and ``Solution.gap`` says what the solver
+proved. A ``bound`` (the best plan found so far on another mesh) lets the solver stop as soon as it
+proves that nothing cheaper exists.
 """
 from __future__ import annotations
 
@@ -12,31 +18,25 @@ import functools
 import logging
 import math
 import time
-import warnings
+from collections import defaultdict
 from typing import Callable, Sequence
-
-import pulp
 
 from autopar.errors import AutoparError
 
+from . import milp
 from .greedy import greedy
+from .milp import INF, Model
 from .problem import Problem, Solution
 
 log = logging.getLogger(__name__)
 
-# Optimality gaps, relative and absolute (in units of the largest objective coefficient after scaling).
-# Tighter than the solvers' defaults (HiGHS stops at 1e-4) so "optimal" means optimal to about 1e-7.
-_GAP_REL = 1e-7
-_GAP_ABS = 1e-9
-
-_STATUS = {pulp.LpSolutionOptimal: "optimal", pulp.LpSolutionIntegerFeasible: "feasible"}
-
-Variables = list[list[pulp.LpVariable] | None]   # per choice; None for a single-option (fixed) choice
+GAP = 1e-4
+_NEAR = 0.8
 
 
 @functools.cache
 def _highs_available() -> bool:
-    return pulp.HiGHS(msg=False).available()
+    return milp.highs_available()
 
 
 @functools.cache
@@ -58,137 +58,260 @@ def resolve_backend(backend: str) -> str:
     return "cbc"
 
 
-def make_solver(backend: str, time_limit: float, warm_start: bool) -> pulp.LpSolver:
-    if backend == "highs":   # pulp's HiGHS interface takes no initial solution
-        return pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=_GAP_REL, gapAbs=_GAP_ABS)
-    with warnings.catch_warnings():   # PuLP 3.3 deprecates its bundled CBC (gone in 4.0); it still works
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=_GAP_REL, gapAbs=_GAP_ABS,
-                                 warmStart=warm_start)
+class Formulation:
+    """The ILP of a Problem as a ``Model``, with the columns that stand for each option (``x``) and
+    what it takes to turn an assignment into a full starting point for the solver."""
 
-
-def variable(model: pulp.LpProblem, name: str, *, cat: str = pulp.LpContinuous,
-             low: float | None = None) -> pulp.LpVariable:
-    # PuLP >= 3.3 creates variables through the model (its 4.0 API) and deprecates the constructor.
-    if hasattr(model, "add_variable"):
-        return model.add_variable(name, lowBound=low, cat=cat)
-    return pulp.LpVariable(name, lowBound=low, cat=cat)
-
-
-def one_hot(model: pulp.LpProblem, problem: Problem) -> Variables:
-    x: Variables = []
-    for c, ch in enumerate(problem.choices):
-        if len(ch.costs) == 1:
-            x.append(None)
-            continue
-        xs = [variable(model, f"x{c}_{i}", cat=pulp.LpBinary) for i in range(len(ch.costs))]
-        model += pulp.lpSum(xs) == 1, f"one_{c}"
-        for v, cost in zip(xs, ch.costs):
-            if math.isinf(cost):
-                v.upBound = 0
-        x.append(xs)
-    return x
-
-
-def pair_variables(model: pulp.LpProblem, x: Variables, s: int, d: int, cache: dict) -> list[list]:
-    """y[i][j] = x[s][i] * x[d][j] (s < d, both free), linearized exactly through its marginals; made
-    once per pair and shared by the objective and the memory constraints."""
-    if (s, d) not in cache:
-        y = [[variable(model, f"y{s}_{d}_{i}_{j}", low=0) for j in range(len(x[d]))] for i in range(len(x[s]))]
-        for i, row in enumerate(y):
-            model += pulp.lpSum(row) == x[s][i], f"row_{s}_{d}_{i}"
-        for j, col in enumerate(zip(*y)):
-            model += pulp.lpSum(col) == x[d][j], f"col_{s}_{d}_{j}"
-        cache[(s, d)] = y
-    return cache[(s, d)]
-
-
-def memory_rows(problem: Problem, x: Variables, model: pulp.LpProblem,
-                pairs: dict) -> list[tuple[float, dict[pulp.LpVariable, float]]]:
-    """Each memory constraint as (constant bytes, bytes per variable), fixed choices folded in. A pair
-    term is split like an edge: its separable part onto x, the remainder onto pair variables."""
-    rows = []
-    for m in problem.memory:
-        constant, coef = m.constant, {}
-
-        def add(c, per):
-            nonlocal constant
-            if x[c] is None:
-                constant += per[0]
-            else:
-                for v, b in zip(x[c], per):
-                    coef[v] = coef.get(v, 0.0) + b
-
-        for c, per in m.terms:
-            add(c, per)
-        for a, b, per in m.pairs:
-            if a == b:
-                add(a, [row[i] for i, row in enumerate(per)])
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        self.model = Model()
+        self.impossible = False          # a fixed choice or a fixed pair can never be valid
+        self.pairs: dict = {}            # (s, d) -> y[i][j] columns
+        self.groups: dict = {}           # (s, d) -> (group of each s option, group of each d option)
+        self.products: list = []         # (column, a, b): column = sum(a) * sum(b), a and b lists of columns
+        self.maxima: list = []           # (column, [[columns]]): column = max over lists of their sum
+        self.x: list[list[int] | None] = []
+        for ch in problem.choices:
+            if len(ch.costs) == 1:
+                self.impossible |= math.isinf(ch.costs[0])
+                self.x.append(None)
                 continue
-            if a > b:
-                a, b, per = b, a, tuple(zip(*per))
-            add(a, [row[0] for row in per])
-            add(b, [v - per[0][0] for v in per[0]])
-            if x[a] is None or x[b] is None:       # one side fixed: the pair was linear after all
-                continue
-            y = pair_variables(model, x, a, b, pairs)
-            for i, row in enumerate(per):
+            xs = self.model.binaries(len(ch.costs))
+            self.model.row(xs, [1.0] * len(xs), 1.0, 1.0)
+            for k, cost in zip(xs, ch.costs):
+                if math.isinf(cost):
+                    self.model.hi[k] = 0.0
+            self.x.append(xs)
+
+    def group(self, matrices: dict) -> None:
+        """Options of ``s`` whose rows are equal in every matrix priced on pair (s, d) (``matrices``:
+        (s, d) -> list of [s option][d option] matrices) share their pair variables, and so do options
+        of ``d`` with equal columns: y over groups is the same relaxation with fewer columns."""
+        for key, mats in matrices.items():
+            rows = [tuple(v for m in mats for v in m[i]) for i in range(len(mats[0]))]
+            cols = [tuple(m[i][j] for m in mats for i in range(len(m))) for j in range(len(mats[0][0]))]
+            self.groups[key] = (_classes(rows), _classes(cols))
+
+    def pair(self, s: int, d: int) -> list[list[int]]:
+        """y[i][j] = x[s][i] * x[d][j] (s < d, both free), linearized through its marginals, made once per
+        pair and shared by the objective and the memory constraints. Options grouped by ``group`` share a
+        column: y[i][j] is then the product of the two groups' sums, and its coefficient is added once
+        per distinct column (``Formulation.priced``)."""
+        if (s, d) not in self.pairs:
+            m, xs, xd = self.model, self.x[s], self.x[d]
+            row_of, col_of = self.groups.get((s, d), (list(range(len(xs))), list(range(len(xd)))))
+            ng, nh = max(row_of) + 1, max(col_of) + 1
+            members_s = [[xs[i] for i in range(len(xs)) if row_of[i] == g] for g in range(ng)]
+            members_d = [[xd[j] for j in range(len(xd)) if col_of[j] == h] for h in range(nh)]
+            big = [[m.col() for _ in range(nh)] for _ in range(ng)]
+            for g, row in enumerate(big):
+                m.row(row + members_s[g], [1.0] * nh + [-1.0] * len(members_s[g]), 0.0, 0.0)
+            for h in range(nh):
+                col = [row[h] for row in big]
+                m.row(col + members_d[h], [1.0] * ng + [-1.0] * len(members_d[h]), 0.0, 0.0)
+            self.products += [(big[g][h], members_s[g], members_d[h]) for g in range(ng) for h in range(nh)]
+            self.pairs[(s, d)] = [[big[row_of[i]][col_of[j]] for j in range(len(xd))] for i in range(len(xs))]
+        return self.pairs[(s, d)]
+
+    @staticmethod
+    def priced(y, r, coef: dict) -> None:
+        """Add matrix ``r`` onto pair variables ``y``, once per distinct column."""
+        cell = {}
+        for i, row in enumerate(r):
+            for j, v in enumerate(row):
+                if v:
+                    cell[y[i][j]] = v
+        for col, v in cell.items():
+            coef[col] += v
+
+    def forbid(self) -> None:
+        """Rows for infinite edge costs: the two options cannot both be taken."""
+        x, m = self.x, self.model
+        for e in self.problem.edges:
+            for i, row in enumerate(e.cost):
                 for j, v in enumerate(row):
-                    r = v - row[0] - per[0][j] + per[0][0]
-                    if r:
-                        coef[y[i][j]] = coef.get(y[i][j], 0.0) + r
-        rows.append((constant, coef))
-    return rows
+                    if not math.isinf(v):
+                        continue
+                    xi = None if x[e.src] is None else x[e.src][i]
+                    xj = None if x[e.dst] is None else x[e.dst][j]
+                    if e.src == e.dst:      # both ends take one option: only the diagonal happens
+                        if i == j:
+                            self.impossible |= xi is None
+                            if xi is not None:
+                                m.hi[xi] = 0.0
+                    elif xi is None and xj is None:
+                        self.impossible = True
+                    elif xi is None or xj is None:
+                        m.hi[xj if xi is None else xi] = 0.0
+                    else:
+                        m.row([xi, xj], [1.0, 1.0], hi=1.0)
+
+    def objective(self, lin, residual) -> tuple[dict, float]:
+        """Seconds per column, and the seconds no column carries (fixed choices, each choice's cheapest
+        option, fixed parts of shared edges), from ``_fold_objective``'s parts."""
+        coef: dict = defaultdict(float)
+        constant = 0.0
+        for xs, costs in zip(self.x, lin):
+            if xs is None:
+                constant += costs[0]
+                continue
+            low = min(costs)   # one option is always taken: only differences matter, which helps the gap
+            constant += low
+            for v, c in zip(xs, costs):
+                if c != low:
+                    coef[v] += c - low
+        for (s, d), r in residual.items():
+            self.priced(self.pair(s, d), r, coef)
+        for e in self.problem.shared:
+            constant += self._shared(e, coef)
+        return coef, constant
+
+    def _shared(self, e, coef: dict) -> float:
+        """Objective terms of a shared edge; returns its seconds that no column carries. For each reader,
+        y[i][j] links the source's option i and the reader's option j (rows sum to x_src, columns to
+        x_reader, as for an ordinary edge); a request r at source option i is paid through w[i][r] >=
+        the reader's y[i][j] over the options j that make r, for every reader, so it is paid once however
+        many readers make it. The bound is as tight as an ordinary edge's, with a max over readers where
+        a per-reader sum would count a request twice. Readers that are one choice making the same
+        requests (the copies of a folded layer) are one reader."""
+        m, x = self.model, self.x
+        src = x[e.src]
+        n_src = len(e.cost[0]) if e.cost else 1
+        readers = list(dict.fromkeys(e.readers))
+        constant = 0.0
+        made = set(e.always)
+        for c, reqs in readers:
+            if x[c] is None and reqs[0] >= 0:
+                made.add(reqs[0])
+        for r in made:      # always paid: linear in the source's option
+            for i, c in enumerate(e.cost[r]):
+                if src is None:
+                    self.impossible |= math.isinf(c)
+                    constant += 0.0 if math.isinf(c) else e.count * c
+                elif math.isinf(c):
+                    m.hi[src[i]] = 0.0
+                else:
+                    coef[src[i]] += e.count * c
+        pays: dict = defaultdict(list)     # (i, r) -> [columns whose sum must be paid for]
+        for c, reqs in readers:
+            if x[c] is None or all(r < 0 or r in made for r in reqs):
+                continue
+            if src is None:
+                links = [list(x[c])]
+            else:
+                links = [[m.col() for _ in reqs] for _ in range(n_src)]
+                for i, row in enumerate(links):
+                    m.row(row + [src[i]], [1.0] * len(row) + [-1.0], 0.0, 0.0)
+                for j in range(len(reqs)):
+                    col = [links[i][j] for i in range(n_src)]
+                    m.row(col + [x[c][j]], [1.0] * n_src + [-1.0], 0.0, 0.0)
+                self.products += [(links[i][j], [src[i]], [x[c][j]]) for i in range(n_src) for j in range(len(reqs))]
+            for i, row in enumerate(links):
+                by_request: dict = defaultdict(list)
+                for j, r in enumerate(reqs):
+                    if r >= 0 and r not in made:
+                        by_request[r].append(row[j])
+                for r, cols in by_request.items():
+                    pays[(i, r)].append(cols)
+        for (i, r), lists in pays.items():
+            c = e.cost[r][i]
+            if math.isinf(c):               # this request cannot be served from that source option
+                for cols in lists:
+                    m.row(cols, [1.0] * len(cols), hi=0.0)
+                continue
+            if c == 0:
+                continue
+            w = m.col()
+            for cols in lists:
+                m.row([w] + cols, [1.0] + [-1.0] * len(cols), lo=0.0)
+            self.maxima.append((w, lists))
+            coef[w] += e.count * c
+        return constant
+
+    def memory_rows(self, which=None) -> list[tuple[float, dict]]:
+        """Memory constraints (all, or those ``which`` lists by index) as (constant bytes, bytes per
+        column), fixed choices folded in. A pair term is split like an edge: its separable part onto x,
+        the remainder onto pair variables."""
+        x, rows = self.x, []
+        memory = self.problem.memory
+        for mc in memory if which is None else [memory[k] for k in sorted(which)]:
+            constant, coef = mc.constant, defaultdict(float)
+
+            def add(c, per):
+                nonlocal constant
+                if x[c] is None:
+                    constant += per[0]
+                else:
+                    for v, b in zip(x[c], per):
+                        coef[v] += b
+
+            for c, per in mc.terms:
+                add(c, per)
+            for a, b, per in mc.pairs:
+                if a == b:
+                    add(a, [row[i] for i, row in enumerate(per)])
+                    continue
+                if a > b:
+                    a, b, per = b, a, tuple(zip(*per))
+                add(a, [row[0] for row in per])
+                add(b, [v - per[0][0] for v in per[0]])
+                if x[a] is None or x[b] is None:       # one side fixed: the pair was linear after all
+                    continue
+                self.priced(self.pair(a, b), _pair_residual(per), coef)
+            rows.append((constant, coef))
+        return rows
+
+    def start(self, assignment: Sequence[int]) -> list[float]:
+        """The columns' values for an assignment: a starting point for the solver."""
+        v = [0.0] * self.model.num_cols
+        for xs, a in zip(self.x, assignment):
+            if xs is not None:
+                v[xs[a]] = 1.0
+        for col, a, b in self.products:
+            v[col] = sum(v[k] for k in a) * sum(v[k] for k in b)
+        for col, lists in self.maxima:
+            v[col] = max(sum(v[k] for k in cols) for cols in lists)
+        return v
+
+    def assignment(self, values: Sequence[float]) -> tuple[int, ...]:
+        # argmax rather than == 1: solvers return binaries only to within their integrality tolerance
+        return tuple(0 if xs is None else max(range(len(xs)), key=lambda i: values[xs[i]]) for xs in self.x)
 
 
-def run(model: pulp.LpProblem, solver: pulp.LpSolver) -> str | None:
-    """'optimal', 'feasible' or 'infeasible'; None when the solver stopped without an incumbent."""
-    model.solve(solver)
-    if model.status == pulp.LpStatusInfeasible:   # CBC's "Integer infeasible" carries no solution status
-        return "infeasible"
-    return _STATUS.get(model.sol_status)
+def _classes(keys: list) -> list[int]:
+    """The class of each key: keys that are equal share one, numbered in order of first appearance."""
+    seen: dict = {}
+    return [seen.setdefault(k, len(seen)) for k in keys]
 
 
-def assignment(x: Variables) -> tuple[int, ...]:
-    # argmax rather than == 1: solvers return binaries only to within their integrality tolerance
-    return tuple(0 if xs is None else max(range(len(xs)), key=lambda i: xs[i].varValue or 0.0) for xs in x)
+def _pair_residual(per) -> list[list[float]]:
+    """A pair term's remainder once its parts linear in either choice are taken out (as for edges)."""
+    return [[v - row[0] - per[0][j] + per[0][0] for j, v in enumerate(row)] for row in per]
 
 
-def warm(x: Variables, start: Sequence[int]) -> None:
-    for xs, a in zip(x, start):
-        if xs is not None and xs[a].upBound != 0:     # a forbidden greedy pick is no start at all
-            xs[a].setInitialValue(1)
+def _pair_matrices(problem: Problem, x, residual: dict, memory) -> dict:
+    """(s, d) -> every matrix priced on that pair's variables: the objective's remainder and the
+    remainders of the memory pair terms ``formulate`` will include."""
+    mats: dict = defaultdict(list)
+    for key, r in residual.items():
+        mats[key].append(r)
+    if problem.memory_limit is not None:
+        chosen = problem.memory if memory is None else [problem.memory[k] for k in sorted(memory)]
+        for mc in chosen:
+            for a, b, per in mc.pairs:
+                if a == b or x[a] is None or x[b] is None:
+                    continue
+                if a > b:
+                    a, b, per = b, a, tuple(zip(*per))
+                mats[(a, b)].append(_pair_residual(per))
+    return mats
 
 
 def _finite(e):
-    """An edge with its forbidden (infinite) pairs priced 0: ``forbid_pairs`` excludes them."""
+    """An edge with its forbidden (infinite) pairs priced 0: ``Formulation.forbid`` excludes them."""
     if not any(math.isinf(v) for row in e.cost for v in row):
         return e
     return dataclasses.replace(e, cost=tuple(tuple(0.0 if math.isinf(v) else v for v in row) for row in e.cost))
-
-
-def forbid(model, problem: Problem, x: Variables) -> bool:
-    """Constraints for infinite costs; True when a fixed choice makes the problem infeasible outright."""
-    impossible = any(all(math.isinf(c) for c in ch.costs) for ch in problem.choices)
-    for k, e in enumerate(problem.edges):
-        for i, row in enumerate(e.cost):
-            for j, v in enumerate(row):
-                if not math.isinf(v):
-                    continue
-                xi = None if x[e.src] is None else x[e.src][i]
-                xj = None if x[e.dst] is None else x[e.dst][j]
-                if e.src == e.dst:      # both ends take one option: only the diagonal happens
-                    if i == j:
-                        impossible |= xi is None
-                        if xi is not None:
-                            xi.upBound = 0
-                elif xi is None and xj is None:
-                    impossible = True
-                elif xi is None or xj is None:
-                    (xj if xi is None else xi).upBound = 0
-                else:
-                    model += xi + xj <= 1, f"forbid_{k}_{i}_{j}"
-    return impossible
 
 
 def _fold_objective(problem: Problem) -> tuple[list[list[float]], dict[tuple[int, int], list[list[float]]]]:
@@ -223,69 +346,48 @@ def _fold_objective(problem: Problem) -> tuple[list[list[float]], dict[tuple[int
     return lin, residual
 
 
-def _shared_terms(model, k: int, e, x: Variables) -> tuple[list, bool]:
-    """Objective terms of a shared edge. For each reader, y[i][j] links the source's option i and the
-    reader's option j (rows sum to x_src, columns to x_reader, as for an ordinary edge); a request r
-    at source option i is paid through w[i][r] >= the reader's y[i][j] over the options j that make r,
-    for every reader, so it is paid once however many readers make it. The bound is as tight as an
-    ordinary edge's, with a max over readers where a per-reader sum would count a request twice."""
-    terms, impossible = [], False
-    src = x[e.src]
-    n_src = len(e.cost[0]) if e.cost else 1
-    made = set(e.always)
-    for c, reqs in e.readers:
-        if x[c] is None and reqs[0] >= 0:
-            made.add(reqs[0])
-    for r in made:      # always paid: linear in the source's option
-        for i, c in enumerate(e.cost[r]):
-            if src is None:
-                impossible |= math.isinf(c)
-            elif math.isinf(c):
-                src[i].upBound = 0
-            else:
-                terms.append((src[i], e.count * c))
-    pays: dict = {}     # (i, r) -> [expression that must be paid for]
-    for n, (c, reqs) in enumerate(e.readers):
-        if x[c] is None or all(r < 0 or r in made for r in reqs):
-            continue
-        if src is None:
-            links = [[v for v in x[c]]]
-        else:
-            links = [[variable(model, f"sy{k}_{n}_{i}_{j}", low=0) for j in range(len(reqs))] for i in range(n_src)]
-            for i, row in enumerate(links):
-                model += pulp.lpSum(row) == src[i], f"ys{k}_{n}_{i}"
-            for j in range(len(reqs)):
-                model += pulp.lpSum(links[i][j] for i in range(n_src)) == x[c][j], f"yc{k}_{n}_{j}"
-        for i, row in enumerate(links):
-            by_request: dict = {}
-            for j, r in enumerate(reqs):
-                if r >= 0 and r not in made:
-                    by_request.setdefault(r, []).append(row[j])
-            for r, vs in by_request.items():
-                pays.setdefault((i, r), []).append(pulp.lpSum(vs))
-    for (i, r), exprs in pays.items():
-        c = e.cost[r][i]
-        if math.isinf(c):               # this request cannot be served from that source option
-            for n, ex in enumerate(exprs):
-                model += ex <= 0, f"bar_{k}_{i}_{r}_{n}"
-            continue
-        if c == 0:
-            continue
-        w = variable(model, f"sw{k}_{i}_{r}", low=0)
-        for n, ex in enumerate(exprs):
-            model += w >= ex, f"pay_{k}_{i}_{r}_{n}"
-        terms.append((w, e.count * c))
-    return terms, impossible
+def formulate(problem: Problem, memory=None) -> tuple[Formulation, float, float]:
+    """The layout ILP: (formulation, scale, constant), with the memory constraints ``memory`` lists by
+    index (None: all of them). Its model's objective times ``scale`` is the problem's objective in
+    seconds (``constant`` of it carried by no column)."""
+    f = Formulation(problem)
+    f.forbid()
+    lin, residual = _fold_objective(problem)
+    f.group(_pair_matrices(problem, f.x, residual, memory))
+    coef, constant = f.objective(lin, residual)
+    # Seconds can be 1e-6: scale to O(1) so the solvers' absolute tolerances do not swallow them.
+    scale = max((abs(c) for c in coef.values()), default=0.0) or 1.0
+    m = f.model
+    for k, c in coef.items():
+        m.cost[k] = c / scale
+    m.offset = constant / scale
+    if problem.memory_limit is not None:
+        for constant_bytes, row in f.memory_rows(memory):
+            rhs = problem.memory_limit - constant_bytes
+            if not row:   # nothing to decide: the Problem.feasible test settles it
+                f.impossible |= constant_bytes > problem.memory_limit * (1 + 1e-9)
+                continue
+            s = max([abs(rhs), *map(abs, row.values())]) or 1.0   # bytes are ~1e10: scale rows to O(1)
+            m.row(list(row), [b / s for b in row.values()], hi=rhs / s)
+    return f, scale, constant
 
 
 def solve(problem: Problem, *, time_limit: float = 60.0, backend: str = "auto", warm_start: bool = True,
-          progress: Callable[[str], None] | None = None) -> Solution:
-    """The assignment of least Problem.objective within the memory limit.
+          progress: Callable[[str], None] | None = None, gap: float = GAP,
+          bound: float | None = None) -> Solution:
+    """The assignment of least Problem.objective within the memory limit, to a relative ``gap``.
 
     Status "infeasible" (no assignment fits memory_limit) returns the greedy assignment instead of
-    raising; the caller turns it into the user-facing error. Raises AutoparError only when the time
-    limit passes before any assignment that fits is known. ``time_limit`` bounds the solver's search
-    (CBC's preprocessing can overrun it); "feasible" means it stopped there with a layout in hand.
+    raising; the caller turns it into the user-facing error. With ``bound`` (seconds), the solver may
+    stop once it proves that no assignment within the memory limit costs less than the bound: status
+    "bounded", whose assignment is not an answer. Raises AutoparError only when the time limit passes before any assignment
+    that fits is known. ``time_limit`` bounds each solver run; "feasible" means it stopped there with a
+    layout in hand.
+
+    Memory constraints join the model lazily: first those that the step time alone comes close to
+    breaking (the greedy layout without a budget; none under a bound), then any the solver's answer
+    breaks, until an answer fits them all. An answer of a model with fewer constraints that fits every constraint is optimal
+    for the whole problem, and a model without the constraints that bind solves several times faster.
     """
     start = time.perf_counter()
     report = progress or (lambda stage: None)
@@ -293,61 +395,43 @@ def solve(problem: Problem, *, time_limit: float = 60.0, backend: str = "auto", 
     name = resolve_backend(backend)
     report("building model")
     fallback = greedy(problem)   # the warm start, and the answer whenever the solver does worse
-    model = pulp.LpProblem("autopar_layout", pulp.LpMinimize)
-    x = one_hot(model, problem)
-    known_infeasible = forbid(model, problem, x)
-    lin, residual = _fold_objective(problem)
-
-    terms = []   # (variable, seconds)
-    for xs, costs in zip(x, lin):
-        if xs is not None:   # one option is always taken: only differences matter, which helps the gap
-            terms += [(v, c - min(costs)) for v, c in zip(xs, costs)]
-    pairs: dict = {}
-    for (s, d), r in residual.items():
-        y = pair_variables(model, x, s, d, pairs)
-        terms += [(y[i][j], v) for i, row in enumerate(r) for j, v in enumerate(row) if v]
-        if warm_start:
-            y[fallback[s]][fallback[d]].setInitialValue(1)
-    for k, e in enumerate(problem.shared):
-        shared_terms, impossible = _shared_terms(model, k, e, x)
-        terms += shared_terms
-        known_infeasible |= impossible
-    # Seconds can be 1e-6: scale to O(1) so the solvers' absolute tolerances do not swallow them.
-    # A variable may appear in several terms (shared edges charge the source's options): sum them, as an
-    # LpAffineExpression built from pairs keeps only the last coefficient of a repeated variable.
-    coef: dict = {}
-    for v, c in terms:
-        coef[v] = coef.get(v, 0.0) + c
-    scale = max((abs(c) for c in coef.values()), default=0.0) or 1.0
-    model += pulp.LpAffineExpression([(v, c / scale) for v, c in coef.items() if c])
-
-    if problem.memory_limit is not None:
-        for k, (constant, coef) in enumerate(memory_rows(problem, x, model, pairs)):
-            rhs = problem.memory_limit - constant
-            if not coef:   # nothing to decide: the Problem.feasible test settles it
-                known_infeasible |= constant > problem.memory_limit * (1 + 1e-9)
-                continue
-            s = max([abs(rhs), *map(abs, coef.values())]) or 1.0   # bytes are ~1e10: scale rows to O(1)
-            model += pulp.LpAffineExpression([(v, b / s) for v, b in coef.items()]) <= rhs / s, f"mem_{k}"
-    if warm_start:
-        warm(x, fallback)
-
+    usable = problem.feasible(fallback) and math.isfinite(problem.objective(fallback))
+    # Under a bound, the relaxation without memory rows is a cheap first test: when nothing beats the
+    # bound even without a budget, the problem is done.
+    active = set() if bound is not None else _binding(problem)
     report("solving")
-    found = None
-    if known_infeasible:
-        status = "infeasible"
-    elif not model.numVariables():
-        status, found = "optimal", assignment(x)
-    else:
-        status = run(model, make_solver(name, time_limit, warm_start))
-        if status in ("optimal", "feasible"):
-            found = assignment(x)
+    while True:
+        f, scale, _ = formulate(problem, active)
+        found, solver_gap = None, None
+        if f.impossible:
+            status = "infeasible"
+            break
+        first = f.start(fallback) if warm_start and usable else None
+        res = run(f.model, name, time_limit=time_limit, gap=gap, start=first,
+                  cutoff=None if bound is None else bound / scale)
+        status, solver_gap = res.status, res.gap
+        if res.values is None:
+            break
+        found = f.assignment(res.values)
+        over = _over(problem, found) - active
+        if not over:
+            break
+        log.debug("memory constraints %s join the model", sorted(over))
+        active |= over
+    if status == "infeasible" and bound is not None:
+        status, found = "bounded", None
 
     fits = [a for a in (found, fallback) if a is not None and problem.feasible(a)]
-    if fits:
+    if status == "bounded":
+        best, solver_gap = fallback, None
+        if usable and problem.objective(fallback) < bound:   # the solver missed the start it was given
+            status = "feasible"
+    elif fits:
         best = min(fits, key=problem.objective)   # defensive: never return worse than the greedy
         if status not in ("optimal", "feasible"):
-            status = "feasible"
+            status, solver_gap = "feasible", None
+        elif best != found:
+            solver_gap = None
     elif found is not None:
         best = found   # over the limit only within the solver's feasibility tolerance
     elif status == "infeasible":
@@ -356,7 +440,34 @@ def solve(problem: Problem, *, time_limit: float = 60.0, backend: str = "auto", 
         raise AutoparError(f"the {name} solver found no layout within the memory budget in its time limit "
                            f"of {time_limit:g} s, and neither did the greedy heuristic; raise the time limit "
                            f"or the memory budget")
+    if bound is not None and status in ("optimal", "feasible") and problem.objective(best) >= bound:
+        # Nothing cheaper than the bound: HiGHS stops there and keeps its start; CBC takes no cutoff.
+        status, solver_gap = "bounded", None
     report("done")
     return Solution(assignment=best, objective=problem.objective(best), status=status,
-                    seconds=time.perf_counter() - start, num_variables=model.numVariables(),
-                    num_constraints=model.numConstraints(), backend=name)
+                    seconds=time.perf_counter() - start, num_variables=f.model.num_cols,
+                    num_constraints=f.model.num_rows, backend=name, gap=solver_gap)
+
+
+def _over(problem: Problem, assignment) -> set[int]:
+    """The memory constraints ``assignment`` breaks, by index."""
+    if problem.memory_limit is None:
+        return set()
+    cap = problem.memory_limit * (1 + 1e-9)
+    usage = problem.memory_usage(assignment)
+    return {k for k, m in enumerate(problem.memory) if usage[m.name] > cap}
+
+
+def _binding(problem: Problem) -> set[int]:
+    """The memory constraints to start with: those that the layout chosen for time alone breaks or
+    comes within ``_NEAR`` of (the optimum will likely break them too, and a second solve costs more
+    than starting with them)."""
+    if problem.memory_limit is None or not problem.memory:
+        return set()
+    usage = problem.memory_usage(greedy(dataclasses.replace(problem, memory_limit=None)))
+    return {k for k, m in enumerate(problem.memory) if usage[m.name] > _NEAR * problem.memory_limit}
+
+
+def run(model: Model, backend: str, **kwargs) -> milp.Result:
+    """Run the solver (a seam for tests)."""
+    return milp.run(model, backend, **kwargs)

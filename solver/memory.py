@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import pulp
-
 from .greedy import greedy
-from .ilp import assignment, make_solver, memory_rows, one_hot, resolve_backend, run, variable, warm
+from .ilp import Formulation, resolve_backend, run
+from .milp import INF
 from .problem import Problem
+
+_GAP = 1e-7   # the budget an error message reports: off the hot path, so solved tightly
 
 
 def minimum_feasible_budget(problem: Problem, *, time_limit: float = 60.0,
@@ -26,19 +27,18 @@ def minimum_feasible_budget(problem: Problem, *, time_limit: float = 60.0,
     def peak(a: Sequence[int]) -> float:
         return max(problem.memory_usage(a).values())
 
-    model = pulp.LpProblem("autopar_min_budget", pulp.LpMinimize)
-    x = one_hot(model, problem)
-    rows = memory_rows(problem, x, model, {})
+    f = Formulation(problem)
+    rows = f.memory_rows()
+    m = f.model
     # Bytes are ~1e10: scale to O(1) for the solvers' tolerances; the answer is recomputed exactly below.
     scale = max((abs(b) for c, coef in rows for b in (c, *coef.values())), default=0.0) or 1.0
-    t = variable(model, "t")
-    model += t
-    for k, (constant, coef) in enumerate(rows):
-        model += pulp.LpAffineExpression([(v, b / scale) for v, b in coef.items()]) - t <= -constant / scale, \
-            f"mem_{k}"
-    warm(x, start)
-    t.setInitialValue(peak(start) / scale)
-    status = run(model, make_solver(resolve_backend(backend), time_limit, warm_start=True))
-    candidates = ([assignment(x)] if status in ("optimal", "feasible") else []) + [start]
+    t = m.col(lo=-INF)
+    m.cost[t] = 1.0
+    for constant, coef in rows:
+        m.row([*coef, t], [*(b / scale for b in coef.values()), -1.0], hi=-constant / scale)
+    first = f.start(start)
+    first[t] = peak(start) / scale
+    res = run(m, resolve_backend(backend), time_limit=time_limit, gap=_GAP, start=first)
+    candidates = ([f.assignment(res.values)] if res.values is not None else []) + [start]
     best = min(candidates, key=peak)   # defensive: never worse than the greedy assignment
     return peak(best), best

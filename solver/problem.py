@@ -131,6 +131,18 @@ class Problem:
         total += sum(e.seconds(assignment) for e in self.shared)
         return total
 
+    def lower_bound(self) -> float:
+        """A bound no assignment's objective goes below, cheap to compute: every choice at its cheapest
+        option and every edge at its cheapest pair, memory ignored. The planner skips a mesh whose bound
+        is no better than a plan it already has."""
+        total = sum(c.count * min(c.costs) for c in self.choices)
+        total += sum(e.count * min(min(row) for row in e.cost) for e in self.edges)
+        for e in self.shared:
+            for r, row in enumerate(e.cost):
+                low = e.count * min(row)
+                total += low if r in e.always else min(low, 0.0)
+        return total
+
     def memory_usage(self, assignment: Sequence[int]) -> dict[str, float]:
         return {m.name: m.constant + sum(per[assignment[i]] for i, per in m.terms)
                 + sum(per[assignment[a]][assignment[b]] for a, b, per in m.pairs) for m in self.memory}
@@ -145,8 +157,10 @@ class Problem:
 class Solution:
     assignment: tuple[int, ...]
     objective: float
-    status: str                  # "optimal", "feasible" (time limit hit with an incumbent), "infeasible"
+    status: str                  # "optimal", "feasible" (time limit hit with an incumbent), "infeasible",
+    #                              "bounded" (nothing cheaper than the bound the caller gave exists)
     seconds: float
     num_variables: int
     num_constraints: int
     backend: str
+    gap: float | None = None     # relative gap the solver proved (objective vs its lower bound); None: unknown

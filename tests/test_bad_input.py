@@ -112,6 +112,37 @@ def test_corrupted_plans_raise_plan_format_error_or_work(case):
         pass
 
 
+@functools.lru_cache(maxsize=None)
+def _pipeline_plan_text():
+    torch.manual_seed(0)
+    ids, labels = batch()
+    return autopar.plan(build("gpt2"), autopar.ClusterSpec.local_cpu(2), (ids,), {"labels": labels},
+                        mesh_shape=(2,), axis_names=("pp",), schedule="GPipe", microbatches=2,
+                        progress=False).to_json()
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_corrupted_pipeline_entries_raise_plan_format_error_or_work(data):
+    """The same for a pipeline plan's own entry (stages, ranks, schedule), read by the summary."""
+    d = json.loads(_pipeline_plan_text())
+    path = data.draw(st.sampled_from([p for p in _paths(d) if p and p[0] == "pipeline"]), label="path")
+    parent = d
+    for k in path[:-1]:
+        parent = parent[k]
+    if data.draw(st.booleans(), label="delete") and isinstance(parent, dict):
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = copy.deepcopy(data.draw(st.sampled_from(JUNK), label="value"))
+    try:
+        plan = autopar.Plan.from_dict(d)
+    except PlanFormatError as e:
+        assert "pipeline" in str(e), e
+        return
+    plan.summary()
+    assert autopar.Plan.from_dict(json.loads(plan.to_json())).to_json() == plan.to_json()
+
+
 def test_plan_format_errors_name_the_field():
     _, _, _, text, _ = _gpt2_plan_and_graph()
     cases = [

@@ -17,9 +17,10 @@ def _count_executed(pm, ids, labels):
     axis_of = {pm.mesh.get_group(a).group_name: a for a in pm.plan.axis_names}
     counts = collections.Counter()
     phase = {"now": "forward"}
-    originals = {name: getattr(C, name) for name in ("_gather", "_reduce_scatter", "_all_reduce", "_all_to_all")}
-    kinds = {"_gather": "all_gather", "_reduce_scatter": "reduce_scatter", "_all_reduce": "all_reduce",
-             "_all_to_all": "all_to_all"}
+    # Every collective, one-call or split (codegen/overlap.py), forward or backward, is issued here.
+    kinds = {"_start_gather": "all_gather", "_start_reduce_scatter": "reduce_scatter",
+             "_start_all_reduce": "all_reduce", "_start_all_to_all": "all_to_all"}
+    originals = {name: getattr(C, name) for name in kinds}
 
     def counting(name):
         def run(*args, **kwargs):
@@ -57,6 +58,28 @@ def _graph_forward_counts(pm):
     return counts
 
 
+def _issue_before_wait(pm):
+    """Every forward collective of the top-level program is split: issued, then waited just before the
+    first use of its result. Returns how many run with compute between their issue and their wait."""
+    from autopar.runtime.collectives import SPLIT
+
+    starts = {start for start, _, _ in SPLIT.values()}
+    waits = {wait for _, wait, _ in SPLIT.values()}
+    nodes = list(pm.local_program.graph.nodes)
+    at = {n: i for i, n in enumerate(nodes)}
+    assert not [n.name for n in nodes if n.target in SPLIT], "a one-call collective was left in the program"
+    hidden = 0
+    for n in (n for n in nodes if n.target in starts):
+        (wait,) = n.users
+        assert wait.target is SPLIT[next(k for k, v in SPLIT.items() if v[0] is n.target)][1], wait.name
+        first_use = min(wait.users, key=at.__getitem__)
+        assert all(m.target in starts or m.target in waits for m in nodes[at[wait] + 1:at[first_use]]), \
+            f"{wait.name} waits before {nodes[at[wait] + 1].name}, not at the first use of its result"
+        hidden += any(m.op == "call_function" and m.target not in starts and m.target not in waits
+                      for m in nodes[at[n] + 1:at[wait]])
+    return hidden
+
+
 def _collectives_match(rank, world, model_name, mesh, pins, options):
     import autopar
 
@@ -67,11 +90,34 @@ def _collectives_match(rank, world, model_name, mesh, pins, options):
                          mesh_shape=mesh, pins=pins, **options)
     planned = collections.Counter(pm.plan.collective_counts())
     assert planned, "the plan has no collectives to check"
+    # Data-parallel gradients reduced in buckets (codegen/grad_buckets.py): one all-reduce per bucket
+    # in place of one per use of each parameter.
+    axis_of = {pm.mesh.get_group(a).group_name: a for a in pm.plan.axis_names}
+    for _, group, uses in pm._program.grad_reductions:
+        planned[("all_reduce", axis_of[group], "backward")] -= uses
+    if pm._grad_buckets is not None:
+        for group in pm._grad_buckets.groups:
+            planned[("all_reduce", axis_of[group], "backward")] += 1
     forward_planned = collections.Counter({k: v for k, v in planned.items() if k[2] == "forward"})
     assert _graph_forward_counts(pm) == forward_planned
     assert _count_executed(pm, ids, labels) == planned
     code = pm.code
     assert "def forward" in code and "all_reduce" in code or "all_gather" in code
+    hidden = _issue_before_wait(pm)
+    if pins.get("*.weight") == ["S(0)"]:
+        # ZeRO-3: each parameter's all-gather is issued while the compute before its first use runs.
+        assert hidden > 0, code
+        plain = autopar.compile(model, autopar.ClusterSpec.local_cpu(world), (ids,), {"labels": labels},
+                                plan=pm.plan, overlap=False, **options)
+        assert "_start(" not in plain.code and "_wait(" not in plain.code
+        # The same numbers with overlap off, bitwise: loss and every local gradient.
+        for m in (plain, pm):
+            m.zero_grad()
+            m.loss = m(ids, labels=labels).loss
+            m.loss.backward()
+        assert torch.equal(plain.loss, pm.loss)
+        for (name, a), (_, b) in zip(plain.named_parameters(), pm.named_parameters()):
+            assert torch.equal(a.grad, b.grad), name
 
 
 @pytest.mark.parametrize("model_name, world, mesh, kind", [
@@ -187,3 +233,42 @@ def _sharded_outputs(rank, world):
 
 def test_outputs_can_stay_sharded_as_dtensors():
     run_distributed(_sharded_outputs, 2, timeout=300)
+
+
+def _bucketed_gradients(rank, world):
+    import autopar
+
+    torch.manual_seed(0)
+    model = build("gpt2")
+    ids, labels = batch()
+    import dataclasses
+
+    # Links fast enough that splitting the batch pays: replicated weights, data-parallel gradients.
+    cluster = dataclasses.replace(autopar.ClusterSpec.local_cpu(world), intra_node_bandwidth=1e13,
+                                  intra_node_latency=1e-9)
+    pins = {"*.weight": ["R"], "*.bias": ["R"], "input_ids": ["S(0)"], "labels": ["S(0)"]}
+    one = autopar.compile(model, cluster, (ids,), {"labels": labels}, pins=pins)              # 25 MiB buckets
+    each = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=one.plan, bucket_mb=0)
+    plain = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=one.plan, overlap=False)
+    reduced = one._program.grad_reductions
+    assert len(reduced) >= 10, reduced
+    assert all(f"grad_all_reduce(p_{t.replace('.', '_')}," not in one.code for t, _, _ in reduced)
+    assert all(f"grad_all_reduce(p_{t.replace('.', '_')}," in plain.code for t, _, _ in reduced)
+    assert len(one._grad_buckets.buckets) == 1 and len(each._grad_buckets.buckets) == len(reduced)
+
+    # One bucket per parameter: all but the last bucket are launched before backward ends.
+    last = each.local_parameter(reduced[-1][0])
+    launched = []
+    last.register_post_accumulate_grad_hook(lambda p: launched.append(len(each._grad_buckets.works)))
+    for step in range(2):            # the second backward accumulates onto the first one's gradients
+        for m in (one, each, plain):
+            m(ids, labels=labels).loss.backward()
+        assert launched[-1] == len(reduced), launched
+        for (name, a), (_, b), (_, c) in zip(one.named_parameters(), each.named_parameters(),
+                                             plain.named_parameters()):
+            assert torch.equal(a.grad, b.grad), f"step {step}: {name} differs between bucket sizes"
+            torch.testing.assert_close(a.grad, c.grad, rtol=1e-5, atol=1e-7, msg=f"step {step}: {name}")
+
+
+def test_bucketed_reductions_match_unbucketed_bitwise():
+    run_distributed(_bucketed_gradients, 2, timeout=300)

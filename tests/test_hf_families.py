@@ -81,7 +81,11 @@ def _train_families(rank, world, families):
         model = build(family)
         ref = copy.deepcopy(model)
         args, kwargs = inputs(model)
-        pm = autopar.compile(model, autopar.ClusterSpec.local_cpu(world), args, kwargs)
+        # The batch split across the ranks (the solver may keep so small a model whole on each rank).
+        pins = {name: ["S(0)"] for name in ("input_ids", "labels", "decoder_input_ids") if name == "input_ids"
+                or name in kwargs}
+        pm = autopar.compile(model, autopar.ClusterSpec.local_cpu(world), args, kwargs, pins=pins)
+        assert all(pm.plan.inputs[name] == ["S(0)"] for name in pins), (family, pm.plan.inputs)
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
         for step in range(2):

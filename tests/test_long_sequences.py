@@ -17,13 +17,17 @@ SEQUENCE = {"input_ids": ["S(1)"], "labels": ["S(1)"], "*.weight": ["R"], "*.bia
 def _sdpa_pin(model_name, layout, mask=None):
     """Pin every attention call to read q, k, v in ``layout`` (and the mask, which HF LLaMA passes
     explicitly, [B, 1, S, S], in ``mask``); a pin on one layer's copy holds for every copy."""
-    return {"scaled_dot_product_attention*": {"inputs": [layout] * 3 + ([mask or layout] if model_name == "llama" else [])}}
+    hf = model_name in ("llama", "qwen2")
+    return {"scaled_dot_product_attention*": {"inputs": [layout] * 3 + ([mask or layout] if hf else [])}}
 
 
 def _plans(model_name, mesh):
     if len(mesh) == 1:
         ring = {**SEQUENCE, **_sdpa_pin(model_name, ["S(2)"])}
         yield "ring attention", ring, "ring_attention"
+        if model_name == "gpt":
+            # Checkpointed layers run the ring's forward (and its transfers) again in backward.
+            yield "ring attention, every layer recomputed", (ring, {"recompute": {"*": "all"}}), "ring_attention"
         if model_name == "llama":
             # Ulysses: attention split by heads while its neighbors stay split by the sequence; the
             # resharding between them is the all-to-all.
@@ -44,17 +48,25 @@ def _check(rank, world, model_name, mesh):
     import autopar
 
     torch.manual_seed(0)
-    model = build(model_name)
+    if model_name == "qwen2":
+        from tests.test_hf_families import build as build_family
+
+        model = build_family(model_name)
+    else:
+        model = build(model_name)
     ref = copy.deepcopy(model)
     ids, labels = batch()
     cluster = autopar.ClusterSpec.local_cpu(world)
     has_bias = any(name.endswith(".bias") for name, _ in model.named_parameters())
     for label, pins, marker in _plans(model_name, mesh):
+        pins, options = pins if isinstance(pins, tuple) else (pins, {})
         if not has_bias:            # a pin that matches nothing is an error (LLaMA has no biases)
             pins = {k: v for k, v in pins.items() if k != "*.bias"}
-        pm = autopar.compile(model, cluster, (ids,), {"labels": labels}, mesh_shape=mesh, pins=pins)
+        pm = autopar.compile(model, cluster, (ids,), {"labels": labels}, mesh_shape=mesh, pins=pins, **options)
         where = f"{model_name} / {label} on mesh {mesh}"
         assert marker in pm.code, f"{where}: the program does not call {marker}"
+        if "recomputed" in label:
+            assert pm.plan.recompute["layers"] and "checkpointed" in pm.code, where
         _train_and_compare(pm, copy.deepcopy(ref), ids, labels, where)
 
 
@@ -62,6 +74,7 @@ def _check(rank, world, model_name, mesh):
     ("llama", 2, (2,)),         # explicit causal mask, GQA (4 heads, 2 KV heads); and Ulysses
     ("gpt", 4, (4,)),           # is_causal=True: load-balanced half-chunks
     ("llama", 4, (2, 2)),       # tensor parallel heads x ring
+    ("qwen2", 2, (2,)),         # q, k, v biases, GQA, explicit mask
 ])
 def test_sequence_split_attention_trains_like_eager(model_name, world, mesh):
     run_distributed(_check, world, model_name, mesh, timeout=600)
@@ -105,3 +118,60 @@ def test_causal_ring_that_cannot_halve_each_rank_is_refused_with_the_sizes():
 def test_head_split_beyond_the_heads_is_refused_with_the_sizes():
     # Ulysses on 4 ranks needs 4 heads; the model has 2.
     _causal_pin_error(4, 16, 2, ["S(1)"], r"shape \(2, 2, 16, 8\) cannot take \['S\(1\)'\]")
+
+
+def _budget_demands_a_sequence_split(rank, world):
+    import autopar
+    from autopar.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    seq = 256
+    # One head and one sequence: attention can split neither heads nor batch, only the sequence.
+    model = GPT(GPTConfig(vocab_size=64, n_layer=2, n_head=1, d_model=32, d_ff=64, max_seq=seq))
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (1, seq), generator=torch.Generator().manual_seed(1))
+    cluster = autopar.ClusterSpec.local_cpu(world)
+    with pytest.raises(autopar.InfeasiblePlanError) as e:
+        autopar.plan(model, cluster, (ids,), {"labels": ids.clone()}, mesh_shape=(world,), memory_budget=1.0,
+                     pins={"scaled_dot_product_attention*": ["R"]}, progress=False)
+    budget = 0.9 * e.value.min_feasible_budget          # below anything that keeps attention whole
+    pm = autopar.compile(model, cluster, (ids,), {"labels": ids.clone()}, mesh_shape=(world,), memory_budget=budget)
+    for n in pm.plan.nodes:
+        if n["op"] == "scaled_dot_product_attention.default":
+            assert n["inputs"][:3] == [["S(2)"]] * 3, f"{n['name']} reads q, k, v as {n['inputs'][:3]}"
+    _train_and_compare(pm, ref, ids, ids.clone(), f"free plan under a {budget / 2**20:.2f} MiB budget")
+
+
+def test_a_budget_below_whole_attention_makes_the_solver_split_the_sequence():
+    run_distributed(_budget_demands_a_sequence_split, 2, timeout=300)
+
+
+@pytest.mark.parametrize("seq", [512, 262144])
+def test_ring_steps_cost_the_larger_of_compute_and_transfer(seq):
+    """Each of the n-1 forward ring steps costs max(block compute, block transfer); the compute is in
+    the op's FLOPs, so the plan charges only the transfer beyond it: all of it for short sequences
+    (little compute per block), none for long ones (attention's compute grows as s^2, its transfer
+    as s)."""
+    from autopar.passes.costs import CostModel
+    from autopar.passes.resharding import collective_seconds
+    from autopar.passes.strategies import node_strategies
+    from autopar.layout import S
+    from tests.reference_executor import single_op_node
+
+    import autopar
+
+    n, b, h, hkv, d = 8, 1, 8, 2, 128
+    q, k = torch.empty(b, h, seq, d, device="meta"), torch.empty(b, hkv, seq, d, device="meta")
+    node = single_op_node(torch.ops.aten.scaled_dot_product_attention.default, (q, k, k.clone()),
+                          {"enable_gqa": True})
+    ring = next(s for s in node_strategies(node, (n,)) if s.inputs == ((S(2),),) * 3)
+    cluster = autopar.ClusterSpec.preset("8xH100")
+    cm = CostModel(cluster, (n,))
+    forward = next(oc for oc in cm.op_collectives(node, ring) if oc.phase == "forward")
+    block_bytes = 2 * b * hkv * (seq // n) * d * 4
+    assert (forward.kind, forward.steps, forward.nbytes) == ("send_recv", n - 1, (n - 1) * block_bytes)
+    bw, lat = cluster.axis_link((n,), 0)
+    transfer = collective_seconds("send_recv", block_bytes, n, bw, lat)
+    compute = 4.0 * b * h * (seq // n) ** 2 * d / cluster.device.peak_flops(torch.float32)
+    assert cm.op_collective_seconds(forward) == pytest.approx((n - 1) * max(0.0, transfer - compute))
+    assert (compute < transfer) == (seq == 512)

@@ -74,6 +74,11 @@ def _check(rank, world, cases):
         assert len(pipe["stages"]) == mesh[0] * (2 if "Interleaved" in schedule or "ZBV" in schedule else 1), where
         held = [lay for lay in pm.plan.params.values()]
         assert all(lay[0] == "R" for lay in held), f"{where}: a layout shards along the pipeline axis"
+        if "dp" in axes:
+            # Data parallelism's gradient sync runs once per step, not in every microbatch's backward.
+            assert any(s.grad_sums for s in pm._stage_programs), where
+            assert pipe["grad_sync_seconds"] > 0, f"{where}: the plan does not price the gradient sync"
+            assert all("grad_all_reduce" not in s.gm.code for s in pm._stage_programs), where
         with pytest.raises(autopar.AutoparError, match="train_step"):
             pm(ids, labels=labels)
         _train_and_compare(pm, ref, ids, labels, where)
@@ -84,23 +89,29 @@ def _tp_pins(name):
 
 
 def _dp_pins():
-    return {"input_ids": ["R", "S(0)"], "labels": ["R", "S(0)"], "*.weight": ["R", "R"]}      # LLaMA: no biases
+    # Weights replicated and the batch split; the ops pinned too, or the solver may prefer to gather the
+    # tiny batch and compute replicated (a valid plan, but no data parallelism to test). LLaMA: no biases.
+    return {"input_ids": ["R", "S(0)"], "labels": ["R", "S(0)"], "*.weight": ["R", "R"],
+            "embedding*": ["R", "S(0)"], "linear*": ["R", "S(0)"]}
 
 
 def test_pipeline_parity_two_ranks():
-    """pp=2: the built-in GPT (tied embedding and head on different stages), GPT-2 and LLaMA, under
-    1F1B and GPipe; a 4-layer GPT under interleaved 1F1B and the zero-bubble V schedule."""
+    """pp=2: the built-in GPT (tied embedding and head on different stages), GPT-2, LLaMA and BERT,
+    under 1F1B and GPipe; a 4-layer GPT under interleaved 1F1B and the zero-bubble V schedule."""
     cases = [("gpt", (2,), ("pp",), "1F1B", 4, None),
              ("gpt2", (2,), ("pp",), "GPipe", 2, None),
              ("llama", (2,), ("pp",), "1F1B", 4, None),
+             ("bert", (2,), ("pp",), "GPipe", 4, None),
              ("gpt-4-layers", (2,), ("pp",), "Interleaved1F1B", 4, None),
              ("gpt-4-layers", (2,), ("pp",), "ZBVZeroBubble", 2, None)]
     run_distributed(_check, 2, cases, timeout=400)
 
 
 def test_pipeline_parity_four_ranks():
-    """pp=2 x dp=2 (batch split inside each stage) and pp=2 x tp=2 (Megatron layers inside each stage)."""
-    cases = [("llama", (2, 2), ("pp", "dp"), "1F1B", 2, _dp_pins()),
+    """pp=4 (a 4-layer GPT), pp=2 x dp=2 (batch split inside each stage) and pp=2 x tp=2 (Megatron
+    layers inside each stage)."""
+    cases = [("gpt-4-layers", (4,), ("pp",), "1F1B", 4, None),
+             ("llama", (2, 2), ("pp", "dp"), "1F1B", 2, _dp_pins()),
              ("gpt2", (2, 2), ("pp", "tp"), "GPipe", 2, _tp_pins("gpt2")),
              ("gpt", (2, 2), ("pp", "tp"), "1F1B", 4, _tp_pins("gpt"))]
     run_distributed(_check, 4, cases, timeout=600)

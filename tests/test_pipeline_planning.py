@@ -72,7 +72,7 @@ def test_zbv_places_stages_in_a_v():
 def _stack_plan(layers=8, pp=2, **kw):
     with torch.device("meta"):
         model = Stack(256, 4, 1024, layers)
-    x = torch.randn(16, 64, 256, device="meta")
+    x = torch.randn(64, 64, 256, device="meta")
     return autopar.plan(model, autopar.ClusterSpec.preset("16xH100"), (x,), mesh_shape=(pp, 16 // pp),
                         axis_names=("pp", "dp"), progress=False, **kw)
 
@@ -89,8 +89,10 @@ def test_pipeline_plan_records_stages_schedule_and_bubble(tmp_path):
     b = plan.breakdown
     assert plan.step_time == pytest.approx(b["compute"] + sum(b["communication"].values()) + b["optimizer"]
                                            + b["bubble"])
-    # The bubble is its fraction of the ideal time: every microbatch of the slowest rank.
-    assert b["bubble"] == pytest.approx(pipe["bubble_fraction"] * (b["compute"] + sum(b["communication"].values())))
+    # The bubble is its fraction of the ideal time: every microbatch of the slowest rank (the gradient
+    # sync runs once, after the last one).
+    ideal = b["compute"] + sum(b["communication"].values()) - pipe["grad_sync_seconds"]
+    assert b["bubble"] == pytest.approx(pipe["bubble_fraction"] * ideal)
     assert all(lay[0] == "R" for lay in plan.params.values())
     assert "pipeline: 2 stages" in plan.summary() and "bubble" in plan.summary()
     path = tmp_path / "plan.json"
@@ -126,7 +128,7 @@ def test_a_budget_below_the_in_flight_activations_rejects_gpipe():
 
 
 def test_batch_that_does_not_split_into_the_microbatches_is_refused():
-    with pytest.raises(autopar.AutoparError, match="does not split into 3 equal microbatches"):
+    with pytest.raises(autopar.AutoparError, match="64 does not split into 3 equal microbatches"):
         _stack_plan(microbatches=3)
 
 
@@ -175,3 +177,47 @@ def test_wide_stack_pipeline_is_balanced_on_8_layers():
                         axis_names=("pp", "tp"), progress=False, schedule="1F1B", microbatches=8)
     assert [len(s["layers"]) for s in plan.pipeline["stages"]] == [2, 2, 2, 2]
     assert math.isclose(plan.pipeline["bubble_fraction"], 3 / 8)
+
+
+def test_multi_node_clusters_try_pipeline_meshes():
+    from autopar.planner import pipeline_meshes
+
+    assert pipeline_meshes(autopar.ClusterSpec.preset("1024xH100")) == [
+        ((4, 32, 8), ("pp", "dp", "tp")), ((8, 16, 8), ("pp", "dp", "tp"))]
+    assert pipeline_meshes(autopar.ClusterSpec.preset("16xH100")) == [((2, 8), ("pp", "tp"))]
+    with torch.device("meta"):
+        model = Stack(256, 4, 1024, 4)
+    x = torch.randn(64, 64, 256, device="meta")
+    plan = autopar.plan(model, autopar.ClusterSpec.preset("16xH100"), (x,), progress=False)
+    tried = [c for c in plan.solver["candidates"] if "pipeline" in c]
+    assert [c["mesh"] for c in tried] and all(c["mesh"] == [2, 8] for c in tried)
+    assert any(t is not None for c in tried for t in c["pipeline"]["schedules"].values())
+    single = autopar.plan(model, autopar.ClusterSpec.preset("16xH100"), (x,), progress=False, pipeline=False)
+    assert not any("pipeline" in c for c in single.solver["candidates"])
+
+
+def test_explain_report_and_diff_show_the_pipeline(tmp_path):
+    plan = _stack_plan(schedule="1F1B", microbatches=4)
+    node = next(n["name"] for n in plan.nodes if n["layer"] == "blocks.6")
+    text = plan.explain(node)
+    assert "pipeline stage 1 of 2 (rank 1 of axis 'pp')" in text and "per microbatch" in text
+    html_path = tmp_path / "plan.html"
+    plan.to_html(html_path)
+    html = html_path.read_text()
+    assert 'id="pipeline"' in html and "pipeline bubble" in html and "blocks.4" in html
+    from autopar.inspection import diff
+
+    other = _stack_plan(schedule="GPipe", microbatches=4)
+    assert "pipeline of 2 stages (GPipe, 4 microbatches" in str(diff(plan, other))
+
+
+def test_cli_plans_a_pipeline_and_shows_the_bubble(tmp_path, capsys):
+    from autopar.__main__ import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "llama-tiny", "--cluster", "16xH100", "--batch", "16", "--mesh", "2,8",
+                 "--axes", "pp,dp", "--microbatches", "4", "--schedule", "1F1B", "--out", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert "pipeline bubble" in stdout and "pipeline: 2 stages on 2 ranks of axis 'pp', schedule 1F1B" in stdout
+    plan = autopar.Plan.load(out)
+    assert plan.pipeline["microbatches"] == 4 and plan.mesh_shape == (2, 8)

@@ -25,6 +25,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-budget", type=float, default=None, metavar="GB",
                    help="bytes per device, in GB (1e9 bytes); default: the device's capacity less its reserve")
     p.add_argument("--mesh", default=None, metavar="A,B,...", help="fix the mesh shape, e.g. 8,8")
+    p.add_argument("--axes", default=None, metavar="A,B,...",
+                   help="name the --mesh axes, e.g. pp,dp,tp (an axis named pp makes a pipeline plan)")
+    p.add_argument("--microbatches", type=int, default=None, metavar="M",
+                   help="pipeline plans: microbatches per step (default: chosen by predicted step time)")
+    p.add_argument("--schedule", default=None, choices=("GPipe", "1F1B", "Interleaved1F1B",
+                                                         "InterleavedZeroBubble", "ZBVZeroBubble"),
+                   help="pipeline plans: the schedule (default: chosen by predicted step time)")
+    p.add_argument("--no-pipeline", action="store_true",
+                   help="do not try pipeline meshes (tried by default on clusters of several nodes)")
     p.add_argument("--time-limit", type=float, default=60.0, metavar="S", help="ILP time limit per mesh (s)")
     p.add_argument("--sharded-outputs", action="store_true",
                    help="plan for compile(..., sharded_outputs=True): logits stay sharded, only the loss is "
@@ -74,8 +83,11 @@ def run(args: argparse.Namespace) -> int:
         return _fail(e)
     budget = args.memory_budget * 1e9 if args.memory_budget is not None else None
     try:
+        axes = tuple(args.axes.split(",")) if args.axes else None
         plan = autopar.plan(model, cluster, ex_args, ex_kwargs, memory_budget=budget, mesh_shape=mesh,
-                            time_limit=args.time_limit, sharded_outputs=args.sharded_outputs)
+                            axis_names=axes, time_limit=args.time_limit, sharded_outputs=args.sharded_outputs,
+                            microbatches=args.microbatches, schedule=args.schedule,
+                            pipeline=False if args.no_pipeline else None)
     except autopar.AutoparError as e:         # raised on purpose, with what to change; a bug keeps its traceback
         return _fail(e)
     print(plan.summary())

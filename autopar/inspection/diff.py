@@ -79,8 +79,11 @@ class PlanDiff:
 
 def _describe(plan) -> str:
     mesh = " x ".join(f"{a}={s}" for a, s in zip(plan.axis_names, plan.mesh_shape))
+    pipe = plan.pipeline
+    stages = (f", pipeline of {len(pipe['stages'])} stages ({pipe['schedule']}, {pipe['microbatches']} microbatches, "
+              f"bubble {_s(pipe['bubble_seconds'])})") if pipe else ""
     return (f"{plan.model['class']} on {plan.cluster.get('name') or plan.cluster.get('num_devices')} "
-            f"(mesh {mesh}), step {_s(plan.step_time)}, peak {_b(plan.memory['peak'])}")
+            f"(mesh {mesh}{stages}), step {_s(plan.step_time)}, peak {_b(plan.memory['peak'])}")
 
 
 def _axis_layout(layout, plan) -> str:

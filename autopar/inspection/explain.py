@@ -57,7 +57,7 @@ def _decision_lines(ix: PlanIndex, key: str) -> list[str]:
     node = ix.nodes.get(key, {})
     op, shape, axes = node.get("op", ""), node.get("shape"), ix.plan.axis_names
     lines = [(f"options for {key} (costs per layer instance, neighbours held at their chosen layouts; own = compute "
-              f"and optimizer step; memory = its bytes at the plan's peak point):"),
+              f"and optimizer step; memory = bytes held at the end of forward):"),
              f"      {'layout':<22} {'total':>10} {'own':>10} {'resharding':>11} {'memory':>11}  vs chosen"]
     chosen = entries[0]
 
@@ -103,11 +103,28 @@ def _decision_lines(ix: PlanIndex, key: str) -> list[str]:
     return lines
 
 
+def _stage_lines(plan, layer, node_name) -> list[str]:
+    """Where a pipeline plan runs a node: its stage and the rank of the pipeline axis."""
+    pipe = plan.pipeline
+    if not pipe:
+        return []
+    stages = pipe["stages"]
+    st = next((s for s in stages if layer in s["layers"]), None)
+    if st is None:           # outside the layers: before the first one (embedding) or after the last
+        names = [n["name"] for n in plan.nodes]
+        first = next((n["name"] for n in plan.nodes if n["layer"]), None)
+        st = stages[0] if first is not None and names.index(node_name) < names.index(first) else stages[-1]
+    return [f"  pipeline stage {st['index']} of {len(stages)} (rank {st['pp_rank']} of axis '{pipe['axis']}'), "
+            f"schedule {pipe['schedule']} over {pipe['microbatches']} microbatches; the figures below are "
+            f"per microbatch"]
+
+
 def _node_lines(ix: PlanIndex, name: str) -> list[str]:
     plan, n = ix.plan, ix.nodes[name]
     lines = [f"node {name}: {n['op']}" + (f", output shape {n['shape']}" if n["shape"] is not None else "")]
     if n["layer"]:
         lines.append(f"  {ix.instances_note(n['layer'])}")
+    lines += _stage_lines(ix.plan, n["layer"], n["name"])
     ins = " ".join(layout_text(l) for l in n["inputs"])
     outs = " ".join(layout_text(l) for l in n["outputs"])
     role = _role(n["op"], ",".join(layout_text(l) for l in n["outputs"]), n["shape"], plan.axis_names)

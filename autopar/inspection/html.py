@@ -51,8 +51,10 @@ def _summary_html(plan) -> str:
     parts = [(f"compute {_s(bd['compute'])}", bd["compute"], "#59a14f")]
     parts += [(f"communication on {a} {_s(t)}", t, _PALETTE[i % len(_PALETTE)]) for i, (a, t) in enumerate(comm.items())]
     parts.append((f"optimizer {_s(bd['optimizer'])}", bd["optimizer"], "#9c755f"))
+    if bd.get("bubble"):
+        parts.append((f"pipeline bubble {_s(bd['bubble'])}", bd["bubble"], "#bab0ac"))
     total_comm = sum(comm.values())
-    exposed = max(plan.step_time - bd["compute"] - bd["optimizer"], 0.0)
+    exposed = max(plan.step_time - bd["compute"] - bd["optimizer"] - bd.get("bubble", 0.0), 0.0)
     m = plan.memory
     budget = m.get("budget") or 0.0
     frac = m["peak"] / budget if budget else 0.0
@@ -79,7 +81,41 @@ def _summary_html(plan) -> str:
  <b>{_s(exposed)}</b>{" &mdash; the cost model overlaps none of it" if exposed >= total_comm * 0.999 else ""}.</p>
 <h3>Peak memory per device: {_b(m['peak'])} of {_b(budget)} budget ({100 * frac:.1f}%)</h3>
 {_stacked_bar(mem_parts + [("free", max(budget - m['peak'], 0.0), "#e8e8e8")], max(budget, m['peak']))}
-{_legend([(p[0], p[2]) for p in mem_parts])}"""
+{_legend([(p[0], p[2]) for p in mem_parts])}
+{_pipeline_html(plan)}"""
+
+
+def _pipeline_html(plan) -> str:
+    """The stages of a pipeline plan and each rank's busy and idle time over one step."""
+    pipe = plan.pipeline
+    if not pipe:
+        return ""
+    rows = "".join(
+        f"<tr><td>{st['index']}</td><td>{st['pp_rank']}</td><td>{len(st['layers'])} ({_e(st['layers'][0])} &hellip; "
+        f"{_e(st['layers'][-1])})</td><td>{_s(st['seconds'])}</td><td>{_b(st['activations'])}</td>"
+        f"<td>{st['in_flight']:.3g}</td></tr>" for st in pipe["stages"])
+    return f"""
+<h3 id="pipeline">Pipeline: {len(pipe['stages'])} stages, schedule {_e(pipe['schedule'])}, {pipe['microbatches']}
+ microbatches, bubble {100 * pipe['bubble_fraction']:.1f}% of the ideal time ({_s(pipe['bubble_seconds'])})</h3>
+<table class="stages"><tr><th>stage</th><th>pp rank</th><th>layers</th><th>seconds / microbatch</th>
+<th>activations / microbatch</th><th>in flight</th></tr>{rows}</table>
+{_timeline_svg(pipe)}"""
+
+
+def _timeline_svg(pipe, width=640) -> str:
+    """Each rank's busy time (its microbatches) and idle time (the rest of the step), to scale."""
+    ranks = pipe["ranks"]
+    busy = [r["seconds_per_microbatch"] * pipe["microbatches"] for r in ranks]
+    total = max(busy) + pipe["bubble_seconds"] or 1.0
+    bars = []
+    for i, (r, b) in enumerate(zip(ranks, busy)):
+        y = 4 + 18 * i
+        w = width * b / total
+        bars.append(f'<text x="0" y="{y + 11}" font-size="10">rank {r["rank"]}</text>'
+                    f'<rect x="50" y="{y}" width="{w:.1f}" height="14" fill="#59a14f"><title>busy {_s(b)}</title></rect>'
+                    f'<rect x="{50 + w:.1f}" y="{y}" width="{width - w:.1f}" height="14" fill="#e8e8e8">'
+                    f'<title>idle {_s(total - b)}</title></rect>')
+    return f'<svg class="timeline" width="{width + 60}" height="{8 + 18 * len(ranks)}">{"".join(bars)}</svg>'
 
 
 def _graph_data(plan, ix: PlanIndex, color) -> dict:

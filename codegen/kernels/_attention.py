@@ -326,7 +326,7 @@ class RingBlocks:
         return out.view(q.shape), lse.view(q.shape[:-1])
 
     @staticmethod
-    def backward(q, k, v, mask, kind, scale, dout, lse, delta):
+    def backward(q, k, v, mask, kind, scale, dout, out, lse, delta):
         q4, k4, v4, m4 = RingBlocks._flat(q, k, v, mask)
         b, h, lq, d = q4.shape
         mask_t, mask_strides, mask_kind = _mask_args(m4, (b, h, lq, k4.shape[2]))

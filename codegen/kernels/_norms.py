@@ -82,11 +82,13 @@ def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
 
 def _launch(block: int, backward: bool) -> dict:
     """num_warps and num_stages of the forward or backward kernel for rows of `block` elements."""
-    return dict(num_warps=min(max(block // 256, 1), 8), num_stages=1)
+    return dict(num_warps=min(max(block // 256, 1), 16 if backward else 8), num_stages=1)
 
 
 # Backward programs per SM: each keeps fp32 partial weight and bias gradients of one row's width.
-_BWD_PROGRAMS_PER_SM = 4
+# One program of 16 warps per SM was the fastest backward of `python bench/kernels.py --tune-memory`
+# (H100, 8192 x 8192 bf16): fewer registers per thread than 8 warps, and fewer partial rows to sum.
+_BWD_PROGRAMS_PER_SM = 1
 
 
 class _Norm(torch.autograd.Function):

@@ -112,6 +112,13 @@ class OpRule:
     # imports; codegen imports it.
     collectives: Callable | None = None
     local_call: Callable | None = None
+    # What that function keeps for backward (a passes.meta.SavedForBackward at full size) under a
+    # strategy, (ctx, input layouts) -> SavedForBackward or None, where it differs from the ATen op's
+    # (ring attention keeps q, k, v, the output and a logsumexp on every device, never the scores).
+    saved_sharded: Callable | None = None
+    # Bytes per device that function holds while it runs, beyond its inputs and output (ring
+    # attention's blocks in flight and accumulators), (ctx, input layouts, mesh shape) -> bytes.
+    workspace: Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -134,9 +141,11 @@ _RULES: dict = {}
 _warned: set = set()
 
 
-def register_rule(*targets, flops=None, local_args=None, saved_on_gpu=None, collectives=None, local_call=None):
+def register_rule(*targets, flops=None, local_args=None, saved_on_gpu=None, collectives=None, local_call=None,
+                  saved_sharded=None, workspace=None):
     def deco(fn):
-        rule = OpRule(fn, flops, local_args, saved_on_gpu, collectives=collectives, local_call=local_call)
+        rule = OpRule(fn, flops, local_args, saved_on_gpu, collectives=collectives, local_call=local_call,
+                      saved_sharded=saved_sharded, workspace=workspace)
         for t in targets:
             _RULES[t] = rule
         return fn

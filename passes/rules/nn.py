@@ -143,8 +143,30 @@ def _sdpa_local_call(ctx, in_layouts, args, kwargs, group_names):
         args[0], args[1], args[2], mask, causal, kwargs.get("scale"), group_names[axis]), {}
 
 
+def _sdpa_workspace(ctx, in_layouts, mesh_shape):
+    """Ring attention's working set in backward, its larger phase: the key/value block and the next
+    one, their fp32 gradient accumulators and the next ones, the fp32 dq accumulator, the incoming
+    gradient and one block's gradients; a causal ring adds its load-balanced copies."""
+    if _sharding_axis(in_layouts[1], 2) is None:
+        return 0.0
+    q, k = ctx.ins[0], ctx.ins[1]
+    qb = math.prod(local_shape(q.shape, in_layouts[0], mesh_shape)) * q.dtype.itemsize
+    kvb = 2 * math.prod(local_shape(k.shape, in_layouts[1], mesh_shape)) * k.dtype.itemsize
+    wide = max(1.0, 4 / q.dtype.itemsize)
+    total = 2 * kvb + 2 * kvb * wide + qb * wide + qb + (qb + kvb)
+    if ctx.arg(5, "is_causal", False):
+        total += qb + kvb
+    return total
+
+
+def _sdpa_saved_sharded(ctx, in_layouts):
+    """Ring attention keeps what flash attention keeps, whatever the device."""
+    return _sdpa_saved_on_gpu(ctx) if _sharding_axis(in_layouts[1], 2) is not None else None
+
+
 @register_rule(aten.scaled_dot_product_attention.default, flops=_sdpa_flops, saved_on_gpu=_sdpa_saved_on_gpu,
-               collectives=_sdpa_collectives, local_call=_sdpa_local_call)
+               collectives=_sdpa_collectives, local_call=_sdpa_local_call, saved_sharded=_sdpa_saved_sharded,
+               workspace=_sdpa_workspace)
 def sdpa_rule(ctx):
     """Batch, heads (Ulysses is a head split between sequence-split neighbors: the resharding is the
     all-to-all), query rows against whole keys (all-gathered keys and values), and ring attention."""

@@ -85,7 +85,7 @@ def test_triton_blocks_match_math_blocks():
         tol = dict(rtol=2e-3, atol=2e-3) if device == "cuda" else dict(rtol=1e-4, atol=1e-4)   # TF32 dots on a GPU
         for x, y, what in zip(got, want, ("out", "lse")):
             assert_close(x.float(), y, **tol, msg=lambda m: f"{kind} {what}: {m}")
-        got = triton_blocks.backward(q, k, v, mask, kind, 0.25, dout, lse, delta)
-        want = MathBlocks.backward(q, k, v, mask, kind, 0.25, dout, lse, delta)
+        got = triton_blocks.backward(q, k, v, mask, kind, 0.25, dout, None, lse, delta)
+        want = MathBlocks.backward(q, k, v, mask, kind, 0.25, dout, None, lse, delta)
         for x, y, what in zip(got, want, ("dq", "dk", "dv")):
             assert_close(x.float(), y, **tol, msg=lambda m: f"{kind} {what}: {m}")

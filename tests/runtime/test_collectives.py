@@ -17,12 +17,17 @@ from torch.testing import assert_close
 from autopar.errors import ShardingError
 from autopar.runtime.collectives import (
     COLLECTIVE_KIND,
+    SPLIT,
     all_gather,
     all_reduce,
     all_to_all,
     grad_all_reduce,
     local_chunk,
     reduce_scatter,
+    all_gather_start,
+    all_reduce_start,
+    all_to_all_start,
+    reduce_scatter_start,
     same_on_all_ranks,
 )
 from tests.distributed_utils import run_distributed
@@ -46,6 +51,20 @@ def _check(fn, x, weight, out, grad):
     assert_close(x.grad, grad)
 
 
+ONE_CALL = (all_gather, reduce_scatter, all_reduce, all_to_all)
+
+
+def _split(one):
+    """The issue-then-wait form of the one-call collective ``one``, with compute in between."""
+    start, wait, wait_args = SPLIT[one]
+
+    def run(x, *args, **kwargs):
+        issued = start(x, *args, **kwargs)
+        torch.randn(64, 64) @ torch.randn(64, 64)
+        return wait(issued, *wait_args(x, *args, **kwargs))
+    return run
+
+
 def _check_all(name, salt):
     """Check every collective on group ``name``; ``salt`` tells apart groups of one mesh axis."""
     group = dist.distributed_c10d._resolve_process_group(name)
@@ -59,22 +78,27 @@ def _check_all(name, salt):
     weight = _rand(SHAPE, salt, "weight")  # loss weight with a replicated gradient
     weights = [_rand(SHAPE, salt, "weight", q) for q in range(n)]  # rank q's term of a partial one
 
+    for gather, scatter, reduce, a2a in (ONE_CALL, tuple(_split(f) for f in ONE_CALL)):
+        for d in range(3):
+            # S(d) -> R, the output's gradient replicated: each rank slices it.
+            _check(lambda x: gather(x, d, name, grad="slice"), chunk(full, d), weight, full, chunk(weight, d))
+            # S(d) -> R, the output's gradient partial: its sum over ranks is the true gradient.
+            _check(lambda x: gather(x, d, name), chunk(full, d), weights[r], full, chunk(sum(weights), d))
+            # P -> S(d): the input gradient is replicated.
+            _check(lambda x: scatter(x, d, name), partial[r], chunk(weight, d), chunk(sum(partial), d), weight)
+        _check(lambda x: reduce(x, name), partial[r], weight, sum(partial), weight)
+        # gloo has a native all-to-all (torch 2.13), so this runs the same path as nccl.
+        for s, d in itertools.permutations(range(3), 2):
+            _check(lambda x: a2a(x, s, d, name), chunk(full, s), chunk(weight, d), chunk(full, d),
+                   chunk(weight, s))
     for d in range(3):
-        # S(d) -> R, the output's gradient replicated: each rank slices it.
-        _check(lambda x: all_gather(x, d, name, grad="slice"), chunk(full, d), weight, full, chunk(weight, d))
-        # S(d) -> R, the output's gradient partial: its sum over ranks is the true gradient.
-        _check(lambda x: all_gather(x, d, name), chunk(full, d), weights[r], full, chunk(sum(weights), d))
-        # P -> S(d): the input gradient is replicated.
-        _check(lambda x: reduce_scatter(x, d, name), partial[r], chunk(weight, d), chunk(sum(partial), d), weight)
         # R -> S(d) without communication; the backward assembles the replicated gradient.
         _check(lambda x: local_chunk(x, d, name), full, chunk(weight, d), chunk(full, d), weight)
-    _check(lambda x: all_reduce(x, name), partial[r], weight, sum(partial), weight)
     _check(lambda x: grad_all_reduce(x, name), full, weights[r], full, sum(weights))
-    # gloo has a native all-to-all (torch 2.13), so this runs the same path as nccl.
-    for s, d in itertools.permutations(range(3), 2):
-        _check(lambda x: all_to_all(x, s, d, name), chunk(full, s), chunk(weight, d), chunk(full, d), chunk(weight, s))
     # Negative dims name the same dims.
     assert_close(all_to_all(chunk(full, 0), -3, -1, name), chunk(full, 2))
+    assert_close(_split(all_to_all)(chunk(full, 0), -3, -1, name), chunk(full, 2))
+    assert_close(_split(all_gather)(chunk(full, 2), -1, name), full)
 
 
 def _check_tensor_parallel_mlp(rank, world_size):
@@ -170,6 +194,8 @@ def test_collective_kinds():
     assert COLLECTIVE_KIND == {
         all_gather: "all_gather", reduce_scatter: "reduce_scatter", all_reduce: "all_reduce",
         grad_all_reduce: "all_reduce", local_chunk: None, all_to_all: "all_to_all",
+        all_gather_start: "all_gather", reduce_scatter_start: "reduce_scatter", all_reduce_start: "all_reduce",
+        all_to_all_start: "all_to_all",
     }
 
 

@@ -67,3 +67,24 @@ def _odd_causal(rank, world):
 
 def test_causal_ring_needs_two_halves_per_rank():
     run_distributed(_odd_causal, 2)
+
+
+def _ring_bf16(rank, world):
+    name = dist.group.WORLD.group_name
+    rows = slice(rank * S // world, (rank + 1) * S // world)
+    q, k, v = (_rand((B, h, S, D), "bf16", w).to(torch.bfloat16) for h, w in ((H, "q"), (2, "k"), (2, "v")))
+    full = [t.float().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=True)
+    ref.sum().backward()
+    mine = [t[:, :, rows].clone().requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*mine, None, True, None, name)
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16
+    tol = dict(rtol=2e-2, atol=2e-2)             # bf16 inputs, outputs and gradients; fp32 merging
+    assert_close(out.float(), ref.detach()[:, :, rows], **tol)
+    for t, ref_t in zip(mine, full):
+        assert_close(t.grad.float(), ref_t.grad[:, :, rows], **tol)
+
+
+def test_ring_attention_in_bf16():
+    run_distributed(_ring_bf16, 2)

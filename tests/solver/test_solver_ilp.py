@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from solver_strategies import problems, unit_of
 
 from autopar.errors import AutoparError
-from autopar.solver import Choice, Edge, MemoryConstraint, Problem, brute_force, greedy, solve
-from autopar.solver import ilp
+from autopar.solver import Choice, Edge, MemoryConstraint, Problem, SharedEdge, brute_force, greedy, solve
+from autopar.solver import ilp, milp
 
 SETTINGS = settings(max_examples=100, deadline=None, derandomize=True)
 
@@ -148,7 +148,7 @@ def test_timeout_without_any_fitting_layout_raises(monkeypatch):
     p = Problem(choices=[Choice("a", (1.0, 2.0)), Choice("b", (1.0, 3.0))],
                 memory=[MemoryConstraint("peak", ((0, (6.0, 4.0)), (1, (6.0, 5.0))))], memory_limit=9.0)
     monkeypatch.setattr(ilp, "greedy", lambda problem: (0, 0))
-    monkeypatch.setattr(ilp, "run", lambda model, solver: None)
+    monkeypatch.setattr(ilp, "run", lambda model, backend, **kw: milp.Result(None, None, None))
     with pytest.raises(AutoparError, match="time limit"):
         solve(p)
 
@@ -172,3 +172,54 @@ def test_chain_200_by_16():
     assert s.status == "optimal"
     assert s.objective == pytest.approx(chain_optimum(p), rel=1e-6)
     assert s.num_variables == n * k + (n - 1) * k * k
+
+
+@SETTINGS
+@given(p=problems())
+def test_bound_stops_a_problem_that_cannot_beat_it(p):
+    want = brute_force(p)
+    if want.status == "infeasible":
+        assert solve(p, bound=1e9).status == "bounded"   # nothing within the memory limit, at any price
+        return
+    below = solve(p, bound=want.objective - 1e-3 * unit_of(p))
+    assert below.status == "bounded"
+    above = solve(p, bound=want.objective + 1e-3 * unit_of(p))
+    assert above.status == "optimal"
+    assert math.isclose(above.objective, want.objective, rel_tol=ilp.GAP, abs_tol=1e-9 * unit_of(p))
+
+
+def test_memory_constraints_join_when_the_answer_breaks_them(caplog):
+    # The greedy layout (0, 0) is stuck in a local optimum far under the budget; the layout of least
+    # time, (1, 1), breaks the budget, so the constraint joins the model after the first solve.
+    p = Problem(choices=[Choice("a", (1.0, 1.1)), Choice("b", (1.0, 0.0))],
+                edges=[Edge(0, 1, ((0.0, 5.0), (5.0, 0.0)))],
+                memory=[MemoryConstraint("peak", ((0, (0.0, 10.0)),))], memory_limit=9.0)
+    assert greedy(p) == (0, 0)
+    with caplog.at_level(logging.DEBUG, logger="autopar.solver.ilp"):
+        s = solve(p)
+    assert (s.status, s.assignment) == ("optimal", (0, 0))
+    assert s.assignment == brute_force(p).assignment
+    assert any("join the model" in r.message for r in caplog.records)
+    p.memory_limit = 10.0
+    assert solve(p).assignment == (1, 1)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_gap_holds_against_an_exact_solve_beyond_brute_force(seed):
+    # Chains with memory and shared edges too big to enumerate: the default gap against a zero-gap solve.
+    rng = random.Random(seed)
+    n, k = 16, 5
+    choices = [Choice(f"c{i}", tuple(rng.random() for _ in range(k)), count=rng.randint(1, 4)) for i in range(n)]
+    edges = [Edge(i, i + 1, tuple(tuple(rng.random() for _ in range(k)) for _ in range(k))) for i in range(n - 1)]
+    shared = [SharedEdge(i, ((i + 1, tuple(rng.randrange(-1, 3) for _ in range(k))),
+                             (i + 2, tuple(rng.randrange(-1, 3) for _ in range(k)))),
+                         tuple(tuple(rng.random() for _ in range(k)) for _ in range(3))) for i in range(0, n - 2, 3)]
+    mem = [MemoryConstraint(f"m{j}", tuple((i, tuple(rng.random() for _ in range(k))) for i in range(n)))
+           for j in range(3)]
+    p = Problem(choices=choices, edges=edges, shared=shared, memory=mem, memory_limit=0.4 * n)
+    exact = ilp.run(ilp.formulate(p)[0].model, "highs", time_limit=600.0, gap=0.0)
+    assert exact.status == "optimal"
+    s = solve(p)
+    assert s.status == "optimal" and p.feasible(s.assignment) and s.gap <= ilp.GAP
+    best = p.objective(ilp.formulate(p)[0].assignment(exact.values))
+    assert best <= s.objective <= best * (1 + ilp.GAP)

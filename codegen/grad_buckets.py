@@ -1,0 +1,44 @@
+"""Bucketed gradient reductions (``grad_buckets_pass``), as DDP does them.
+
+Code generation reduces a replicated parameter's gradient with a ``grad_all_reduce`` on each of its
+uses, inside the backward of that use, waiting at once. When every use of a parameter is reduced over
+the same group, reducing the parameter's accumulated gradient once gives the same sum. This pass takes
+those reductions out of the program and lists the parameters in ``ProgramMeta.grad_reductions``, in
+the order their gradients become ready in backward (reverse order of first use), with their group
+and the number of reductions each replaces; the runtime
+(runtime/grad_buckets.py) packs them into buckets and launches each bucket's all-reduce as soon as
+its gradients are accumulated, while backward goes on.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from autopar.passes.meta import program_meta, set_program_meta
+from autopar.passes.runner import requires
+from autopar.runtime import collectives as C
+
+
+@requires("local_program_pass")
+def grad_buckets_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    graph = gm.graph
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    found = []
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for p, (kind, target) in zip(placeholders, program_meta(gm).placeholders):
+        if kind != "param" or not p.users:
+            continue
+        users = list(p.users)
+        groups = {u.args[1] if len(u.args) > 1 else u.kwargs.get("group_name") for u in users
+                  if u.op == "call_function" and u.target is C.grad_all_reduce}
+        if len(groups) != 1 or any(u.target is not C.grad_all_reduce for u in users):
+            continue
+        first_use = min(position[v] for u in users for v in u.users) if any(u.users for u in users) else 0
+        for u in users:
+            u.replace_all_uses_with(p)
+            graph.erase_node(u)
+        found.append((first_use, target, groups.pop(), len(users)))
+    ready_order = tuple(f[1:] for f in sorted(found, key=lambda f: -f[0]))
+    set_program_meta(gm, grad_reductions=ready_order)
+    graph.lint()
+    gm.recompile()
+    return gm

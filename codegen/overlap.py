@@ -1,0 +1,48 @@
+"""Overlap of forward collectives with compute in a rank's local program (``overlap_pass``).
+
+Code generation emits each resharding as one call that communicates and waits, just before the op
+that reads it. This pass splits every such call into ``*_start`` (issue) and ``*_wait`` (the
+``runtime.collectives`` pairs): the wait moves to just before the first use of the result, and the
+start moves up to as soon as both its input is computed and the previous collective has been waited.
+Independent compute then runs while the collective is in flight. At most one split collective is in
+flight at a time, and collectives are issued in program order, so every rank issues them in the same
+order and no more than one extra communication buffer is alive (a ZeRO-3 parameter is gathered
+while the compute before its first use runs, not all parameters at the start of the step).
+
+Only the top-level graph is scheduled: collectives inside recomputed layers (codegen/recompute.py)
+and those inside sharded ops (runtime/sharded_ops.py) still wait at once.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from autopar.passes.runner import requires
+from autopar.runtime import collectives as C
+
+
+@requires("local_program_pass")
+def overlap_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    graph = gm.graph
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    previous_wait = None
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in C.SPLIT]:
+        start_fn, wait_fn, wait_args = C.SPLIT[node.target]
+        users = sorted(node.users, key=position.__getitem__)
+        if not users:
+            continue
+        # Issue after the latest of: the inputs, the previous collective's wait.
+        after = max((*node.all_input_nodes, *((previous_wait,) if previous_wait else ())), key=position.__getitem__)
+        first_op = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr"))
+        with graph.inserting_before(first_op) if position[after] < position[first_op] else graph.inserting_after(after):
+            start = graph.call_function(start_fn, node.args, dict(node.kwargs))
+        with graph.inserting_before(users[0]):
+            wait = graph.call_function(wait_fn, (start, *wait_args(*node.args, **node.kwargs)))
+        start.meta.update(node.meta)
+        wait.meta.update(node.meta)
+        node.replace_all_uses_with(wait)
+        graph.erase_node(node)
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        previous_wait = wait
+    graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,77 @@
+"""The planner's shortcuts (a 1e-4 optimality gap, memory constraints added lazily, candidate meshes
+skipped or cut off by the best plan so far, two meshes solved at once) keep its plans within 0.1% of
+the optimum: checked against an exact solve of every candidate mesh, with every memory constraint in
+the model from the start and no gap, on the zoo's small models."""
+import dataclasses
+
+import pytest
+
+import autopar
+from autopar import zoo
+from autopar.cluster import default_axis_names
+from autopar.passes.costs import CostModel
+from autopar.passes.problem import build_problem
+from autopar.passes.strategies import strategies_pass
+from autopar.planner import default_optimizer, evaluate, prepare
+from autopar.solver import ilp, milp, minimum_feasible_budget
+
+CLUSTER = autopar.ClusterSpec.preset("8xH100")
+
+
+def exact(prob):
+    """The optimum of ``prob`` with every memory constraint and a zero gap: (objective, assignment)."""
+    f, _, _ = ilp.formulate(prob)
+    assert not f.impossible
+    res = milp.run(f.model, "highs", time_limit=600.0, gap=0.0)
+    assert res.status == "optimal"
+    a = f.assignment(res.values)
+    assert prob.feasible(a)
+    return prob.objective(a), a
+
+
+def reference(model, args, kwargs, tight: bool):
+    """The budget, and per candidate mesh (its problem, exact objective, step time of the exact optimum
+    as the planner evaluates it; None where no layout fits). A tight budget lies between the least
+    any layout needs and what the fastest layouts use, so memory binds."""
+    prep = prepare(model, args, kwargs, CLUSTER)
+    built = {}
+    for shape in CLUSTER.mesh_candidates():
+        strategies_pass(prep.gm, shape)
+        cm = CostModel(CLUSTER, shape, default_optimizer(model))
+        built[shape] = (build_problem(prep.gm, cm, None), cm)
+    budget = None
+    if tight:
+        least = min(minimum_feasible_budget(prob)[0] for (prob, _), _ in built.values())
+        used = max(max(prob.memory_usage(exact(prob)[1]).values()) for (prob, _), _ in built.values())
+        assert least < used
+        budget = (least + used) / 2
+    out = {}
+    for shape, ((prob, idx), cm) in built.items():
+        prob = dataclasses.replace(prob, memory_limit=budget)
+        if budget is not None and minimum_feasible_budget(prob)[0] > budget:
+            out[shape] = (prob, None, None)
+            continue
+        objective, a = exact(prob)
+        strategies_pass(prep.gm, shape)
+        p = evaluate(prep, idx, a, cm, shape, default_axis_names(shape), CLUSTER, budget or CLUSTER.usable_memory)
+        out[shape] = (prob, objective, p.step_time)
+    return budget, out
+
+
+@pytest.mark.parametrize("name, tight", [("gpt2-tiny", False), ("gpt2-tiny", True), ("llama-tiny", False),
+                                         ("bert-tiny", False), ("gpt-tiny", True)])
+def test_plan_within_a_tenth_of_a_percent_of_the_exact_optimum(name, tight):
+    model, args, kwargs = zoo.build(name, batch=8)
+    budget, ref = reference(model, args, kwargs, tight)
+    plan = autopar.plan(model, CLUSTER, args, kwargs, memory_budget=budget, progress=False)
+    best = min(step for _, _, step in ref.values() if step is not None)
+    assert plan.step_time <= best * (1 + 1e-3)
+    assert plan.memory["peak"] <= plan.memory["budget"]
+    for entry in plan.solver["candidates"]:
+        prob, objective, step = ref[tuple(entry["mesh"])]
+        if entry["status"] == "bounded":       # skipped or cut off: it could not have beaten the plan
+            assert step is None or step >= plan.step_time * (1 - 1e-9)
+            assert objective is None or entry["lower_bound"] <= objective * (1 + 1e-9)
+        elif entry["status"] == "optimal":
+            assert entry["gap"] is not None and entry["gap"] <= ilp.GAP
+            assert objective * (1 - 1e-9) <= entry["objective"] <= objective * (1 + ilp.GAP)
