@@ -308,7 +308,7 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
         report(f"mesh {shape}, {m} microbatches: solving {len(prob.choices)} decisions")
         sol = solve_under_budget(prob, sm, budget, time_limit=time_limit)
         entry = {"mesh": list(shape), "status": sol.status, "objective": sol.objective, "seconds": sol.seconds,
-                 "variables": sol.num_variables, "constraints": sol.num_constraints,
+                 "variables": sol.num_variables, "constraints": sol.num_constraints, "gap": sol.gap,
                  "pipeline": {"microbatches": m, "schedules": {}}}
         tried.append(entry)
         if sol.status == "infeasible" or prob.objective(sol.assignment) >= INFEASIBLE:

@@ -39,10 +39,11 @@ def run(name, cluster, batch, *, dedup=True, layers=None, time_limit=120.0):
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     cands = plan.solver["candidates"]
     best = next(c for c in cands if c["mesh"] == plan.mesh["shape"])
-    solved = [c for c in cands if c["variables"]]
-    gaps = [c["gap"] for c in solved if c["gap"] is not None]
+    # Meshes skipped before a solve (e.g. a pipeline axis longer than the model) carry no solver figures.
+    solved = [c for c in cands if c.get("variables")]
+    gaps = [c["gap"] for c in solved if c.get("gap") is not None]
     return {"seconds": seconds, "cpu": cpu, **plan.solver["timings"],
-            "variables": sum(c["variables"] for c in cands), "constraints": sum(c["constraints"] for c in cands),
+            "variables": sum(c["variables"] for c in solved), "constraints": sum(c["constraints"] for c in solved),
             "solved": f"{len(solved)}/{len(cands)}", "gap": max(gaps) if gaps else None,
             "mesh": plan.mesh["shape"], "status": best["status"], "step_time": plan.step_time,
             "peak_gib": plan.memory["peak"] / 2**30}
