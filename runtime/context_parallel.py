@@ -149,7 +149,7 @@ class MathBlocks:
         return dq, dk, dv
 
 
-def _flat_heads(q, k, v, mask):
+def flat_heads(q, k, v, mask):
     """Grouped block operands as [B, H, L, D] (the key/value heads repeated for their query heads)
     and the mask as [B, H or 1, Lq, Lk]."""
     b, hkv, g, lq, d = q.shape
@@ -176,7 +176,7 @@ class AtenBlocks:
     def forward(q, k, v, mask, kind, scale):
         if q.device.type != "cpu":
             return MathBlocks.forward(q, k, v, mask, kind, scale)
-        q4, k4, v4, m4 = _flat_heads(q, k, v, mask)
+        q4, k4, v4, m4 = flat_heads(q, k, v, mask)
         m4 = AtenBlocks._additive(m4, q4)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q4, k4, v4, 0.0, kind == "diagonal", attn_mask=m4, scale=scale)
@@ -190,7 +190,7 @@ class AtenBlocks:
     def backward(q, k, v, mask, kind, scale, dout, out, lse, delta):
         if q.device.type != "cpu":
             return MathBlocks.backward(q, k, v, mask, kind, scale, dout, out, lse, delta)
-        q4, k4, v4, m4 = _flat_heads(q, k, v, mask)
+        q4, k4, v4, m4 = flat_heads(q, k, v, mask)
         m4 = AtenBlocks._additive(m4, q4)
         b, h, lq, d = q4.shape
         # Rows with no key anywhere (lse -inf) get +inf, so that their probabilities are exp(-inf) = 0.

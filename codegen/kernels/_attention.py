@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from autopar.runtime.context_parallel import flat_heads
+
 from ._util import dot_precision, interpreting
 
 
@@ -310,24 +312,14 @@ class RingBlocks:
     gradients summed back."""
 
     @staticmethod
-    def _flat(q, k, v, mask):
-        b, hkv, g, lq, d = q.shape
-        lk = k.shape[3]
-        q4 = q.reshape(b, hkv * g, lq, d)
-        k4 = k.expand(b, hkv, g, lk, d).reshape(b, hkv * g, lk, d)
-        v4 = v.expand(b, hkv, g, lk, d).reshape(b, hkv * g, lk, d)
-        m4 = None if mask is None else mask.reshape(mask.shape[0], mask.shape[1] * mask.shape[2], *mask.shape[3:])
-        return q4, k4, v4, m4
-
-    @staticmethod
     def forward(q, k, v, mask, kind, scale):
-        q4, k4, v4, m4 = RingBlocks._flat(q, k, v, mask)
+        q4, k4, v4, m4 = flat_heads(q, k, v, mask)
         out, lse, *_ = _launch_forward(q4, k4, v4, kind == "diagonal", m4, scale)
         return out.view(q.shape), lse.view(q.shape[:-1])
 
     @staticmethod
     def backward(q, k, v, mask, kind, scale, dout, out, lse, delta):
-        q4, k4, v4, m4 = RingBlocks._flat(q, k, v, mask)
+        q4, k4, v4, m4 = flat_heads(q, k, v, mask)
         b, h, lq, d = q4.shape
         mask_t, mask_strides, mask_kind = _mask_args(m4, (b, h, lq, k4.shape[2]))
         rows = (b, h, lq)
