@@ -581,19 +581,22 @@ class StepMemory:
             if s not in held and s not in holders and s not in to_end and s.node.op == "call_function":
                 frees.setdefault(("F", t), []).append((_T, -1, self.value(s)))
 
-        # A recomputed instance keeps the inputs it reads from outside until its backward ends.
+        # A recomputed instance keeps the inputs it reads from outside until its backward ends. A storage
+        # that several instances of a class read (an attention mask every layer reads) is one tensor:
+        # kept while the first of them in execution order is recomputed (counts recompute the first
+        # instances), until that instance's backward, the last of theirs.
+        external = {}         # (storage, recompute decision) -> (indicator, position of its instance)
         for inst, (ri, ind, nodes) in instances.items():
-            first, seen = pos[nodes[0]], set()
             for n in nodes:
                 for v in input_values(n):
                     s = base(v)
-                    if s in seen or s.node.op != "call_function" or inst_of.get(s.node) == inst \
-                            or s in to_end or s in holders:
+                    if s.node.op != "call_function" or inst_of.get(s.node) == inst or s in to_end or s in holders:
                         continue
-                    seen.add(s)
-                    q = _times(self.value(s), ri, ind)
-                    frees.setdefault(("F", last_use[s]), []).append((_A, 1, q))
-                    frees.setdefault(("B", first), []).append((_A, -1, q))
+                    external.setdefault((s, ri), (ind, pos[nodes[0]]))
+        for (s, ri), (ind, first) in external.items():
+            q = _times(self.value(s), ri, ind)
+            frees.setdefault(("F", last_use[s]), []).append((_A, 1, q))
+            frees.setdefault(("B", first), []).append((_A, -1, q))
 
         # Forward.
         for t, n in enumerate(calls):
