@@ -152,6 +152,14 @@ class CostModel:
         rule = rule_for(node)
         return rule.workspace(context_for(node), s.inputs, self.mesh_shape) if rule.workspace else 0.0
 
+    def backward_workspace_bytes(self, node: fx.Node, s: Strategy) -> float | None:
+        """Bytes ``node``'s own sharded backward holds beyond the gradients it returns (the rule's
+        ``backward_workspace``), or None where the ATen op's measured figure holds."""
+        if node.op != "call_function":
+            return None
+        rule = rule_for(node)
+        return rule.backward_workspace(context_for(node), s.inputs, self.mesh_shape) if rule.backward_workspace else None
+
     def op_comm_seconds(self, node: fx.Node, s: Strategy) -> float:
         return sum(self.op_collective_seconds(oc) for oc in self.op_collectives(node, s))
 

@@ -451,6 +451,20 @@ class StepMemory:
         c = self._choice(node)
         return _one(c, [nbytes / self.cm.work_split(self._strategy(node, o)) for o in self._options(c)])
 
+    def _backward_work(self, node, saved) -> Bytes:
+        """Bytes an op's backward holds beyond the gradients it returns: its sharded form's own figure
+        where the rule gives one (the vocab-parallel loss), else the ATen op's measured one."""
+        measured = saved.backward if saved is not None else 0
+        if rule_for(node).backward_workspace is None:
+            return self._per_work(node, measured) if measured else Bytes(None, None, 0.0)
+        c = self._choice(node)
+        table = []
+        for o in self._options(c):
+            s = self._strategy(node, o)
+            own = self.cm.backward_workspace_bytes(node, s)
+            table.append(own if own is not None else measured / self.cm.work_split(s))
+        return _one(c, table)
+
     # --- the events ---------------------------------------------------------------------------------
     def _build(self, gm, instances):
         from autopar.passes.costs import VIEW_OPS
@@ -672,9 +686,8 @@ class StepMemory:
                         after.append((cat, q))       # accumulated into the gradient already there
                     else:
                         grads[key] = q
-                saved = meta_of(n).saved
-                if saved is not None and saved.backward:
-                    q = self._per_work(n, saved.backward)
+                q = self._backward_work(n, meta_of(n).saved)
+                if not q.zero():
                     add((_T, 1, q))
                     after.append((_T, q))
                 self.points.append((len(self.events), "backward", n.name))
