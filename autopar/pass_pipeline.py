@@ -39,8 +39,8 @@ def analysis_passes(device_type: str) -> tuple:
     return (partial(saved_activations_pass, target_device=device_type), count_saving_consumers_pass)
 
 
-def mesh_passes(mesh_shape) -> tuple:
-    return (partial(strategies_pass, mesh_shape=tuple(mesh_shape)),)
+def mesh_passes(mesh_shape, zero: bool = True) -> tuple:
+    return (partial(strategies_pass, mesh_shape=tuple(mesh_shape), zero=zero),)
 
 
 def codegen_passes(plan: Plan, front: "FrontEnd", group_names, device, *, sharded_outputs: bool,
@@ -108,4 +108,4 @@ def generate(front: FrontEnd, plan: Plan, group_names, device, *, sharded_output
     cap = front.captured
     return Program(gm, info.placeholders, info.output_layouts, cap.in_spec, cap.out_spec, cap.input_shapes,
                    dict(cap.constant_values), dict(info.kernels), grad_reductions=info.grad_reductions,
-                   bucket_bytes=int(bucket_mb * 2**20), stages=stages)
+                   bucket_bytes=int(bucket_mb * 2**20), stages=stages, sharded_states=info.sharded_states)

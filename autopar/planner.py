@@ -198,11 +198,11 @@ def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
             return sum(self.steps_seconds([st], info.dtype.itemsize, grad)
                        / (self.microbatches if st.op == "grad_all_reduce" else 1) for st in steps)
 
-        def param_bytes(self, node, layout):
-            return tuple(x / self.stages for x in super().param_bytes(node, layout))
+        def param_bytes(self, node, layout, zero=None):
+            return tuple(x / self.stages for x in super().param_bytes(node, layout, zero))
 
-        def optimizer_seconds(self, node, layout):      # of the whole parameter, once per step
-            return super().optimizer_seconds(node, layout) * self.stages / self.microbatches
+        def optimizer_seconds(self, node, layout, zero=None):      # of the whole parameter, once per step
+            return super().optimizer_seconds(node, layout, zero) * self.stages / self.microbatches
 
     return PerMicrobatch
 
@@ -295,7 +295,7 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
         prep = prepare(model, mb_args, mb_kwargs, sub_cluster, skip_passes=skip_passes, insert_passes=insert_passes)
         PL.check_layers(prep.gm, p)
         loss_output(prep.gm)          # the last stage hands the loss to the schedule
-        prep.runner.run(mesh_passes(sub_shape), prep.gm, f"mesh {shape}")
+        prep.runner.run(mesh_passes(sub_shape, zero=False), prep.gm, f"mesh {shape}")
         cm = cost_model(sub_cluster, sub_shape, optimizer, fused=fused)
         # The ILP prices one microbatch, with what runs once per step (gradient sync, optimizer) divided by
         # m, and bounds the memory of 1F1B's first stage: a p-th of the parameters and states, and the
@@ -538,7 +538,7 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
     for c in colls:
         comm_by_node[c["node"]] = comm_by_node.get(c["node"], 0.0) + c["seconds"]
 
-    params, inputs, nodes, param_bytes = {}, {}, [], {}
+    params, inputs, nodes, param_bytes, zero = {}, {}, [], {}, {}
     mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
     compute = optim = 0.0
     for n, s in chosen.items():
@@ -547,12 +547,14 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
             if role and role.kind == "param":
                 lay = s.outputs[0]
                 params[role.target] = format_layout(lay)
-                p, g, o = cm.param_bytes(n, lay)
+                if s.zero is not None:
+                    zero[role.target] = {"stage": s.zero.stage, "axis": axis_names[s.zero.axis], "dim": s.zero.dim}
+                p, g, o = cm.param_bytes(n, lay, s.zero)
                 mem["params"] += p
                 mem["grads"] += g
                 mem["optimizer"] += o
                 param_bytes[role.target] = p + g + o
-                optim += cm.optimizer_seconds(n, lay)
+                optim += cm.optimizer_seconds(n, lay, s.zero)
             elif role and role.kind == "input" and s.outputs:
                 inputs[role.target] = format_layout(s.outputs[0])
             continue
@@ -590,7 +592,7 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
         params=params, inputs=inputs, nodes=nodes, collectives=colls, memory=mem, step_time=step,
         breakdown={"compute": compute, "communication": comm_axis, "optimizer": optim,
                    "recompute": recompute_compute},
-        solver={}, sharded_outputs=sharded_outputs, recompute=recompute,
+        solver={}, sharded_outputs=sharded_outputs, recompute=recompute, zero=zero,
     )
 
 

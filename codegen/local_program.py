@@ -21,7 +21,7 @@ from autopar.passes.reshard_plan import gathered_output, plan_reshards
 from autopar.passes.meta import meta_of, op_name, set_meta, set_program_meta
 from autopar.passes.rules import context_for, rule_for
 from autopar.passes.runner import requires
-from autopar.passes.strategies import Strategy, input_values, node_strategies
+from autopar.passes.strategies import Strategy, ZeroState, input_values, node_strategies, zero_variants
 from autopar.plan import Plan
 from autopar.runtime import collectives as C
 
@@ -69,7 +69,15 @@ def strategies_from_plan(gm: fx.GraphModule, plan: Plan) -> dict:
                 except ShardingError as e:
                     raise PlanFormatError(str(e)) from e
             outs = (lay,) if isinstance(val, torch.Tensor) else ()
-            out[node] = Strategy((), outs, (False,) * nax)
+            zero = None
+            if role.kind == "param" and role.target in plan.zero:
+                z = plan.zero[role.target]
+                zero = ZeroState(z["stage"], axes.index(z["axis"]), z["dim"])
+                if zero not in zero_variants(tuple(val.shape), lay, plan.mesh_shape):
+                    raise PlanFormatError(f"plan zero[{role.target!r}] = {z}: the parameter {format_layout(lay)} "
+                                          f"of shape {list(val.shape)} cannot shard its state that way on mesh "
+                                          f"{list(plan.mesh_shape)}; plan this model again")
+            out[node] = Strategy((), outs, (False,) * nax, zero)
         elif node.op == "call_function":
             entry = by_name.get(node.name)
             val = node.meta.get("val")
@@ -154,7 +162,10 @@ def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str]
                     outs.append(env[a] if isinstance(a, fx.Node) else a)
             g.output(pytree.tree_unflatten(outs, spec))
     local = fx.GraphModule(gm, g, class_name="LocalProgram")
-    set_program_meta(local, placeholders=tuple(placeholders), output_layouts=tuple(output_layouts))
+    zero = tuple((fqn, z["stage"], group_names[plan.axis_names.index(z["axis"])], z["dim"])
+                 for fqn, z in plan.zero.items())
+    set_program_meta(local, placeholders=tuple(placeholders), output_layouts=tuple(output_layouts),
+                     sharded_states=zero)
     return local
 
 

@@ -355,6 +355,9 @@ class StepMemory:
                 for j in self._options(cb):
                     s = self._strategy(node, j)
                     steps = self.cm.resharding(v, src.outputs[v.index] if src else s.inputs[k], node, s, k) or []
+                    z = src.zero if src else None
+                    if z is not None and z.stage >= 2:     # its own reduce-scatter reduces it instead
+                        steps = [st for st in steps if not (st.op == "grad_all_reduce" and st.axis == z.axis)]
                     b = nbytes * local_fraction(s.inputs[k], self.cm.mesh_shape)
                     frow.append(b if any(st.op in _ALLOCATING_STEPS for st in steps) else 0.0)
                     brow.append(b if steps else 0.0)
@@ -380,6 +383,14 @@ class StepMemory:
             table.append(value_info(v).nbytes if steps else 0.0)
         q = _one(c, table)
         return None if q.zero() else q
+
+    def _contiguous_shard(self, node, s) -> bool:
+        """Whether a ZeRO shard is a contiguous block of the parameter's local tensor: no dim before
+        its own is larger than one."""
+        from autopar.layout import local_shape
+
+        shape = local_shape(tuple(node.meta["val"].shape), s.outputs[0], self.cm.mesh_shape)
+        return all(k == 1 for k in shape[:s.zero.dim])
 
     def _per_work(self, node, nbytes: float) -> Bytes:
         """Bytes private to an op (norm statistics, a log-softmax): they scale with its share of the
@@ -413,17 +424,32 @@ class StepMemory:
         inst_of = {n: inst for inst, (_, _, nodes) in instances.items() for n in nodes}
 
         # Static for the whole step: parameters, optimizer states, inputs, buffers.
-        grads_of = {}
+        grads_of, step_of, scatter, gathers = {}, {}, {}, {}
         for n in gm.graph.nodes:
             val = n.meta.get("val")
             if n.op != "placeholder" or not isinstance(val, torch.Tensor):
                 continue
             if is_param(n):
                 c = self._choice(n)
-                p, g, o = zip(*(self.cm.param_bytes(n, self._strategy(n, i).outputs[0]) for i in self._options(c)))
-                add((_P, 1, _one(c, p)))
-                add((_O, 1, _one(c, o)))
-                grads_of[n] = _one(c, g)
+                opts = [self._strategy(n, i) for i in self._options(c)]
+                full = [self.cm.param_bytes(n, s.outputs[0]) for s in opts]
+                kept = [self.cm.param_bytes(n, s.outputs[0], s.zero) for s in opts]
+                add((_P, 1, _one(c, [k[0] for k in kept])))
+                add((_O, 1, _one(c, [k[2] for k in kept])))
+                grads_of[n] = _one(c, [f[1] for f in full])      # the gradient backward accumulates
+                shards = [1 if s.zero is None else self.cm.mesh_shape[s.zero.axis] for s in opts]
+                step_of[n] = _one(c, [f[1] / k for f, k in zip(full, shards)])
+                if any(s.zero is not None and s.zero.stage >= 2 for s in opts):
+                    # ZeRO-2: once accumulated, the gradient is reduce-scattered into its shard.
+                    z2 = [s.zero is not None and s.zero.stage >= 2 for s in opts]
+                    scatter[n] = (_one(c, [k[1] if z else 0.0 for k, z in zip(kept, z2)]),
+                                  _one(c, [f[1] if z else 0.0 for f, z in zip(full, z2)]))
+                if any(s.zero is not None for s in opts):
+                    # After the step the updated shards are all-gathered into a new tensor, then copied
+                    # into the parameter; a shard that is not a contiguous block is copied first.
+                    gathers[n] = _one(c, [0.0 if s.zero is None else
+                                          f[0] * (1 + (0 if self._contiguous_shard(n, s) else 1 / k))
+                                          for s, f, k in zip(opts, full, shards)])
             else:
                 add((_T, 1, Bytes(None, None, float(val.numel() * val.element_size()))))
 
@@ -572,6 +598,13 @@ class StepMemory:
         # Backward, seeded by the gradient of the scalar outputs (the loss).
         grads = {_canonical(Value(a)): self.value(Value(a)) for a in outputs
                  if requires_grad(a) and a.meta["val"].dim() == 0}
+        # A parameter's gradient is complete (and a ZeRO-2 one reduce-scattered) after the backward of
+        # its first reader.
+        ready = {}
+        for p in scatter:
+            first = min((m for m in p.users if m in pos), key=pos.__getitem__, default=None)
+            if first is not None:
+                ready.setdefault(first, []).append(p)
         started = set()
         for t in range(len(calls) - 1, -1, -1):
             n = calls[t]
@@ -619,18 +652,23 @@ class StepMemory:
                 add((_A, -1, q))
             for cat, sign, q in frees.get(("B", t), ()):
                 add((cat, sign, q))
+            for p in ready.get(n, ()):
+                shard, whole = scatter[p]
+                add((_G, 1, shard))
+                self.points.append((len(self.events), "backward", f"reduce_scatter {meta_of(p).role.target}"))
+                add((_G, -1, whole))
 
         # The optimizer step and its transient buffers, as torch's Adam makes them by default (states
         # in the parameter's dtype). The foreach path on CUDA makes one buffer as large as all the
         # states (the square roots of the second moments). The per-parameter loop on CPU makes two per parameter (the square root and
         # its quotient, the denominator) and keeps the denominator until the next one replaces it.
         if self.cm.cluster.device_type == "cuda":
-            for g in grads_of.values():
+            for g in step_of.values():
                 add((_T, 1, g))
             self.points.append((len(self.events), "optimizer", "step"))
         else:
             previous = None
-            for n, g in grads_of.items():
+            for n, g in step_of.items():
                 add((_T, 1, g))
                 add((_T, 1, g))
                 self.points.append((len(self.events), "optimizer", meta_of(n).role.target))
@@ -640,6 +678,10 @@ class StepMemory:
                 previous = g
             if previous is not None:
                 add((_T, -1, previous))
+        for n, q in gathers.items():
+            add((_T, 1, q))
+            self.points.append((len(self.events), "optimizer", f"all_gather {meta_of(n).role.target}"))
+            add((_T, -1, q))
 
     # --- evaluation ---------------------------------------------------------------------------------
     def walk(self, assignment: Sequence[int]) -> list[StepPoint]:

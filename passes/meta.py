@@ -77,6 +77,8 @@ class ProgramMeta:
     grad_reductions: tuple = ()           # (parameter, group name, uses) whose gradient the runtime
                                           # reduces in buckets (codegen/grad_buckets.py), in backward
                                           # order, in place of one reduction per use
+    sharded_states: tuple = ()            # (parameter, ZeRO stage, group name, dim) of every parameter
+                                          # whose optimizer state the runtime shards (runtime/zero.py)
 
 
 _EMPTY = AutoparMeta()

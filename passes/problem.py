@@ -68,7 +68,9 @@ def _pinned_options(rep: fx.Node, pins: dict, mesh_axes: int):
     """Options of ``rep`` allowed by the first matching pin, or None when no pin names it.
 
     A pin is the output layout (``["R", "S(1)"]``), or ``{"output": layout, "inputs": [layout per
-    tensor input]}`` with either key, for ops whose strategies differ only in how they read."""
+    tensor input]}`` with either key, for ops whose strategies differ only in how they read. A
+    parameter's pin may add ``"zero": 0, 1 or 2``: its optimizer state replicated (0), or sharded along
+    an axis it is replicated on (ZeRO-1), with its gradient (ZeRO-2)."""
     import fnmatch
 
     from autopar.errors import ShardingError
@@ -79,10 +81,14 @@ def _pinned_options(rep: fx.Node, pins: dict, mesh_axes: int):
         if not fnmatch.fnmatchcase(name, pattern):
             continue
         want = pin if isinstance(pin, dict) else {"output": pin}
-        unknown = set(want) - {"output", "inputs"}
+        unknown = set(want) - {"output", "inputs", "zero"}
         if unknown:
             raise ShardingError(f"pin {pattern!r}: unknown keys {sorted(unknown)}; a pin gives 'output' and/or "
-                                f"'inputs'")
+                                f"'inputs', and 'zero' for a parameter")
+        zero = want.get("zero")
+        if zero not in (None, 0, 1, 2):
+            raise ShardingError(f"pin {pattern!r}: zero must be 0 (state replicated), 1 (ZeRO-1) or 2 (ZeRO-2), got "
+                                f"{zero!r}; ZeRO-3 is a sharded parameter layout (['S(0)'])")
         out = [str(p) for p in want["output"]] if "output" in want else None
         ins = [[str(p) for p in lay] for lay in want["inputs"]] if "inputs" in want else None
         for lay in ([out] if out is not None else []) + (ins or []):
@@ -92,7 +98,13 @@ def _pinned_options(rep: fx.Node, pins: dict, mesh_axes: int):
         opts = meta_of(rep).strategies.strategies
         allowed = {o for o, s in enumerate(opts)
                    if (out is None or (s.outputs and format_layout(s.outputs[0]) == out))
-                   and (ins is None or [format_layout(l) for l in s.inputs] == ins)}
+                   and (ins is None or [format_layout(l) for l in s.inputs] == ins)
+                   and (zero is None or (s.zero.stage if s.zero is not None else 0) == zero)}
+        if not allowed and zero:
+            raise ShardingError(f"pin {pattern!r} asks {name} for ZeRO-{zero}{f' with layout {out}' if out else ''}, "
+                                f"which it cannot take here: a ZeRO-1/2 state is sharded along a mesh axis the "
+                                f"parameter is replicated on, along a dim no other axis shards and that divides "
+                                f"by that axis's size")
         refused = "".join(f"; refused: {r}" for r in meta_of(rep).refused[:8])
         if not allowed and ins is None:
             offered = sorted({str(format_layout(s.outputs[0])) for s in opts if s.outputs})
@@ -164,7 +176,7 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
                 c += cm.compute_seconds(m, s) + cm.op_comm_seconds(m, s)
                 f += cm.forward_seconds(m, s)
                 if m.op == "placeholder" and meta_of(m).role.kind == "param":
-                    c += cm.optimizer_seconds(m, s.outputs[0])
+                    c += cm.optimizer_seconds(m, s.outputs[0], s.zero) + cm.zero_seconds(m, s.outputs[0], s.zero)
             costs.append(c)
             fwd.append(f)
         allowed = None
@@ -298,7 +310,7 @@ def _shared_edge(v: Value, rs, count: int, idx: ProblemIndex, cm: CostModel) -> 
             partial = grad_partial_axes(dst, st.splits_work, grad)
             row.append(request(dst, partial))
         reader_rows.append((idx.choice_of_key[key_of(rc)], tuple(row)))
-    cost = tuple(tuple(cm.transition_seconds(v, output_layout(v, i), dst, partial) for i in range(n_src))
+    cost = tuple(tuple(cm.param_transition_seconds(v, strategy_of(v.node, i), dst, partial) for i in range(n_src))
                  for (dst, partial) in requests)
     return SharedEdge(idx.choice_of_key[key_of(rp)], tuple(reader_rows), cost, tuple(sorted(always)), count)
 
