@@ -34,6 +34,9 @@ def _count_executed(pm, ids, labels):
         loss = pm(ids, labels=labels).loss
         phase["now"] = "backward"
         loss.backward()
+        # ZeRO-1/2 parameters gather their updated shards after the optimizer's step.
+        phase["now"] = "optimizer"
+        torch.optim.SGD(pm.parameters(), lr=0.0).step()
     finally:
         for name, fn in originals.items():
             setattr(C, name, fn)
@@ -246,7 +249,8 @@ def _bucketed_gradients(rank, world):
     # Links fast enough that splitting the batch pays: replicated weights, data-parallel gradients.
     cluster = dataclasses.replace(autopar.ClusterSpec.local_cpu(world), intra_node_bandwidth=1e13,
                                   intra_node_latency=1e-9)
-    pins = {"*.weight": ["R"], "*.bias": ["R"], "input_ids": ["S(0)"], "labels": ["S(0)"]}
+    plain_dp = {"output": ["R"], "zero": 0}
+    pins = {"*.weight": plain_dp, "*.bias": plain_dp, "input_ids": ["S(0)"], "labels": ["S(0)"]}
     one = autopar.compile(model, cluster, (ids,), {"labels": labels}, pins=pins)              # 25 MiB buckets
     each = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=one.plan, bucket_mb=0)
     plain = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=one.plan, overlap=False)
