@@ -39,7 +39,8 @@ class Plan:
     alternatives: dict = field(default_factory=dict)
     sharded_outputs: bool = False    # non-scalar outputs are returned as computed, not gathered
     # layer instances whose activations are recomputed in backward: {"classes": {class: {"count",
-    # "of", "layers"}}, "layers": [instance, ...]}
+    # "of", "layers"}}, "layers": [instance, ...]}, and where attention cores alone are (selective
+    # recompute), "attention": {"classes": ..., "layers": [...], "regions": {region: [node, ...]}}
     recompute: dict = field(default_factory=lambda: {"classes": {}, "layers": []})
     # pipeline plans: {"axis", "schedule", "microbatches", "virtual_stages", "bubble_fraction",
     # "bubble_seconds", "stages": [{"index", "pp_rank", "layers", "seconds", ...}], "ranks": [...]}
@@ -327,7 +328,13 @@ def _schema(axes) -> dict:
         "sharded_outputs": _boolean,
         "recompute": _object({"classes": _dict_of(_object({"count": _integer(0), "of": _integer(1),
                                                             "layers": _list_of(_string)})),
-                              "layers": _list_of(_string)}, open_ended=False),
+                              "layers": _list_of(_string)},
+                             {"attention": _object({"classes": _dict_of(_object({"count": _integer(0),
+                                                                                 "of": _integer(1),
+                                                                                 "layers": _list_of(_string)})),
+                                                    "layers": _list_of(_string),
+                                                    "regions": _dict_of(_list_of(_string))}, open_ended=False)},
+                             open_ended=False),
         "extra": _object({}, {"warnings": _list_of(_string)}),
         "pipeline": _optional(_pipeline(axes)),
         "zero": _dict_of(_object({"stage": _zero_stage, "axis": _one_of(axes), "dim": _integer(0)},

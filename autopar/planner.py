@@ -525,10 +525,13 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
             chosen[n] = meta_of(n).strategies.strategies[idx.option_of(n, assignment)]
     low = plan_reshards(gm, chosen, cm.mesh_shape, sharded_outputs)
     colls = collectives(low, cm, axis_names)
-    recompute = recomputed_layers(gm, idx.recompute_counts(assignment))
+    recompute = recomputed_layers(gm, idx.recompute_counts(assignment), idx.selective_counts(assignment))
+    cores = {name for names in recompute.get("attention", {}).get("regions", {}).values() for name in names}
     instance_of = {n: meta_of(n).layer.layer for n in chosen
-                   if n.op == "call_function" and meta_of(n).layer and meta_of(n).layer.layer in recompute["layers"]}
-    # Recomputed layers run their forward again in backward, with the collectives inside them.
+                   if n.op == "call_function" and meta_of(n).layer and (meta_of(n).layer.layer in recompute["layers"]
+                                                                        or n.name in cores)}
+    # Recomputed layers and attention cores run their forward again in backward, with the collectives
+    # they read through.
     recomputed_nodes = {n.name for n in instance_of}
     rerun = [{**c, "phase": "backward", "recompute": True} for c in colls
              if c["phase"] == "forward" and c["node"] in recomputed_nodes]
@@ -602,21 +605,41 @@ def _smallest_valid_budget(prob, sm: StepMemory):
     The memory-only minimum ignores seconds, so it may pick a resharding that cannot happen (priced
     INFEASIBLE); starting from it, look for the least budget at which the time-aware solve avoids them.
     """
-    lower_bound, _ = minimum_budget(prob, sm)
+    lower_bound, least = minimum_budget(prob, sm)
+    if prob.objective(least) < INFEASIBLE:          # the least peak's own layout is a valid plan
+        return lower_bound, least
     for factor in (1.0 + 1e-6, 1.01, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0, 100.0):
-        sol = solve_under_budget(prob, sm, lower_bound * factor, time_limit=30.0)
+        try:
+            sol = solve_under_budget(prob, sm, lower_bound * factor, time_limit=30.0)
+        except AutoparError:        # no layout found within the time limit at this budget: try a larger one
+            continue
         if sol.status != "infeasible" and prob.objective(sol.assignment) < INFEASIBLE:
             return sm.peak(sol.assignment)[1], sol.assignment
     return None
 
 
-def recomputed_layers(gm, counts: dict) -> dict:
+def recomputed_layers(gm, counts: dict, selective: dict | None = None) -> dict:
     """The plan's ``recompute`` entry: per layer class, how many of its instances recompute (the first
-    ones, in execution order), and the instances by name."""
+    ones, in execution order), and the instances by name; with ``selective`` (class -> how many of the
+    next instances recompute their attention cores only), ``attention`` lists those too, with each
+    core's nodes by region name."""
+    from autopar.passes.layers import attention_cores
+    from autopar.passes.memory import core_region
+
     order = layer_instances(gm)
     classes = {cls: {"count": r, "of": len(order[cls]), "layers": list(order[cls])[:r]}
                for cls, r in counts.items() if r}
-    return {"classes": classes, "layers": [inst for c in classes.values() for inst in c["layers"]]}
+    out = {"classes": classes, "layers": [inst for c in classes.values() for inst in c["layers"]]}
+    picked = {cls: list(order[cls])[counts.get(cls, 0):counts.get(cls, 0) + k]
+              for cls, k in (selective or {}).items() if k}
+    if picked:
+        regions = {core_region(inst, c): [n.name for n in core]
+                   for cls, insts in picked.items() for inst in insts
+                   for c, core in enumerate(attention_cores(order[cls][inst]))}
+        out["attention"] = {"classes": {cls: {"count": len(insts), "of": len(order[cls]), "layers": insts}
+                                        for cls, insts in picked.items()},
+                            "layers": [inst for insts in picked.values() for inst in insts], "regions": regions}
+    return out
 
 
 def _boundary_bytes(instance_of: dict, chosen: dict, cm: CostModel) -> dict:

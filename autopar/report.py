@@ -96,6 +96,9 @@ def summary(plan) -> str:
     for cls, r in plan.recompute["classes"].items():
         lines.append(f"recomputed in backward: {r['count']} of {r['of']} {cls} ({', '.join(r['layers'][:4])}"
                      f"{', ...' if r['count'] > 4 else ''})")
+    for cls, r in plan.recompute.get("attention", {}).get("classes", {}).items():
+        lines.append(f"attention core recomputed in backward (selective): {r['count']} of {r['of']} {cls} "
+                     f"({', '.join(r['layers'][:4])}{', ...' if r['count'] > 4 else ''})")
     sv = plan.solver
     if sv:
         lines.append(f"solver: {sv.get('status')} in {sv.get('seconds', 0):.2f}s ({sv.get('backend')}, "

@@ -112,7 +112,7 @@ def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str]
     env: dict = {}
     resharded: dict = {}
     placeholders, output_layouts = [], []
-    current = {"layer": None}          # the layer tag of the node being emitted
+    current = {"layer": None, "node": None}          # the layer tag and name of the node being emitted
 
     def reshard(key):
         if key in resharded:
@@ -131,7 +131,7 @@ def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str]
                 x = g.call_function(fn, (x, st.dim, st.dst_dim, group))
             else:
                 x = g.call_function(fn, (x, group))
-            set_meta(x, step=st, layer=current["layer"])
+            set_meta(x, step=st, layer=current["layer"], reader=current["node"])
         resharded[key] = x
         return x
 
@@ -143,10 +143,10 @@ def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str]
         elif node.op == "get_attr":
             env[node] = g.get_attr(node.target)
         elif node.op == "call_function":
-            current["layer"] = meta_of(node).layer
+            current["layer"], current["node"] = meta_of(node).layer, node.name
             env[node] = _emit(g, node, strategy[node], low, env, reshard, mesh_shape, group_names)
             set_meta(env[node], source=node.name, layer=current["layer"])
-            current["layer"] = None
+            current["layer"] = current["node"] = None
         elif node.op == "output":
             leaves, spec = pytree.tree_flatten(node.args[0])
             outs, k = [], 0

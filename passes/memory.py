@@ -286,7 +286,7 @@ class StepMemory:
     """
 
     def __init__(self, gm, cm, idx, num_options: Sequence[int], *, sharded_outputs: bool = False):
-        from autopar.passes.layers import layer_instances
+        from autopar.passes.layers import attention_cores, layer_instances
 
         self.cm, self.idx, self.num_options = cm, idx, tuple(num_options)
         self.sharded_outputs = sharded_outputs
@@ -294,14 +294,19 @@ class StepMemory:
         self.points: list[tuple[int, str, str]] = []       # (number of events before it, phase, name)
         self._values: dict = {}
         self._copies: dict = {}
-        instances = {}
+        instances = {}        # a recomputed region (a layer instance, or its attention core) -> (decision,
+        #                       1 or 0 per option of it: whether the region recomputes, its nodes)
         for cls, insts in layer_instances(gm).items():
             if cls in idx.recompute:
-                ri, counts = idx.recompute[cls]
+                ri, counts, selective = idx.recompute[cls]
                 for j, (inst, nodes) in enumerate(insts.items()):
                     ind = tuple(1.0 if r > j else 0.0 for r in counts)
                     if any(ind):
                         instances[inst] = (ri, ind, nodes)
+                    ind = tuple(1.0 if r <= j < r + k else 0.0 for r, k in zip(counts, selective))
+                    if any(ind):
+                        for c, core in enumerate(attention_cores(nodes)):
+                            instances[core_region(inst, c)] = (ri, ind, core)
         self._build(gm, instances)
 
     # --- bytes of values under the decisions -------------------------------------------------------
@@ -421,7 +426,10 @@ class StepMemory:
             role = meta_of(n).role
             return n.op == "placeholder" and role is not None and role.kind == "param"
 
-        inst_of = {n: inst for inst, (_, _, nodes) in instances.items() for n in nodes}
+        inst_of = {}          # node -> the recomputed regions it is in (a layer and its attention core)
+        for inst, (_, _, nodes) in instances.items():
+            for n in nodes:
+                inst_of.setdefault(n, []).append(inst)
 
         # Static for the whole step: parameters, optimizer states, inputs, buffers.
         grads_of, step_of, scatter, gathers = {}, {}, {}, {}
@@ -529,11 +537,11 @@ class StepMemory:
             if any(c is None for c in conds):
                 held.add(s)
                 frees.setdefault(("B", pos[h0]), []).append((_A, -1, vb))
-                inst = inst_of.get(s.node)
-                if inst is not None and all(inst_of.get(h) == inst for h, _ in hs):
-                    ri, ind, _ = instances[inst]
-                    frees.setdefault(("F", t), []).append((_A, -1, _times(vb, ri, ind)))
-                    remat.setdefault(inst, []).append(_times(vb, ri, ind))
+                for inst in inst_of.get(s.node, ()):
+                    if all(inst in inst_of.get(h, ()) for h, _ in hs):
+                        ri, ind, _ = instances[inst]
+                        frees.setdefault(("F", t), []).append((_A, -1, _times(vb, ri, ind)))
+                        remat.setdefault(inst, []).append(_times(vb, ri, ind))
             else:
                 cond = next(c for h, c in hs if h is h0)
                 frees.setdefault(("F", t), []).extend([(_T, -1, vb), (_A, 1, cond)])
@@ -548,7 +556,7 @@ class StepMemory:
             for n in nodes:
                 for v in input_values(n):
                     s = base(v)
-                    if s in seen or s.node.op != "call_function" or inst_of.get(s.node) == inst \
+                    if s in seen or s.node.op != "call_function" or inst in inst_of.get(s.node, ()) \
                             or s in to_end or s in holders:
                         continue
                     seen.add(s)
@@ -579,8 +587,7 @@ class StepMemory:
                 add((_T, -1, q))
             for cat, sign, q in frees.get(("F", t), ()):
                 add((cat, sign, q))
-            inst = inst_of.get(n)
-            if inst is not None:
+            for inst in inst_of.get(n, ()):
                 # A recomputed op drops what it keeps until its instance's backward starts. A kept
                 # resharded copy depends on two layouts already: it stays (the safe side), as the
                 # product with the recompute count would depend on three decisions.
@@ -608,12 +615,12 @@ class StepMemory:
         started = set()
         for t in range(len(calls) - 1, -1, -1):
             n = calls[t]
-            inst = inst_of.get(n)
-            if inst is not None and inst not in started:
-                started.add(inst)
-                for q in remat.get(inst, ()):
-                    add((_A, 1, q))
-                self.points.append((len(self.events), "recompute", inst))
+            for inst in inst_of.get(n, ()):
+                if inst not in started:
+                    started.add(inst)
+                    for q in remat.get(inst, ()):
+                        add((_A, 1, q))
+                    self.points.append((len(self.events), "recompute", inst))
             outs = output_values(n)
             if n.target is not operator.getitem and requires_grad(n) and any(o in grads for o in outs):
                 view = n.target in VIEW_OPS
@@ -725,6 +732,11 @@ class StepMemory:
                         acc[i][j] += sign * v
         return MemoryConstraint(f"{phase} {name} (point {k})", tuple((c, tuple(v)) for c, v in terms.items()),
                                 constant, tuple((a, b, tuple(map(tuple, m))) for (a, b), m in pairs.items()))
+
+
+def core_region(inst: str, k: int) -> str:
+    """The name of layer instance ``inst``'s ``k``-th attention core as a recomputed region."""
+    return f"{inst}:attention" + (str(k) if k else "")
 
 
 def output_values(n) -> list:

@@ -64,6 +64,7 @@ class AutoparMeta:
     # In a rank's local program (codegen):
     source: str | None = None             # the planned node this node computes
     step: Any = None                      # the resharding step (passes.resharding.Step) it runs
+    reader: str | None = None             # a resharding step's: the planned node it was emitted for
     fused: tuple[str, ...] = ()           # the local nodes a generated kernel replaced
 
 

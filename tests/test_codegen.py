@@ -91,6 +91,27 @@ def _collectives_match(rank, world, model_name, mesh, pins, options):
     ids, labels = batch()
     pm = autopar.compile(model, autopar.ClusterSpec.local_cpu(world), (ids,), {"labels": labels},
                          mesh_shape=mesh, pins=pins, **options)
+    check_collectives(pm, ids, labels)
+    hidden = _issue_before_wait(pm)
+    if pins.get("*.weight") == ["S(0)"]:
+        # ZeRO-3: each parameter's all-gather is issued while the compute before its first use runs.
+        assert hidden > 0, pm.code
+        plain = autopar.compile(model, autopar.ClusterSpec.local_cpu(world), (ids,), {"labels": labels},
+                                plan=pm.plan, overlap=False, **options)
+        assert "_start(" not in plain.code and "_wait(" not in plain.code
+        # The same numbers with overlap off, bitwise: loss and every local gradient.
+        for m in (plain, pm):
+            m.zero_grad()
+            m.loss = m(ids, labels=labels).loss
+            m.loss.backward()
+        assert torch.equal(plain.loss, pm.loss)
+        for (name, a), (_, b) in zip(plain.named_parameters(), pm.named_parameters()):
+            assert torch.equal(a.grad, b.grad), name
+
+
+def check_collectives(pm, ids, labels):
+    """The collectives the program runs in forward, backward and after the optimizer's step are the
+    plan's, by kind, axis and phase (gradient buckets counted as the runtime launches them)."""
     planned = collections.Counter(pm.plan.collective_counts())
     assert planned, "the plan has no collectives to check"
     # Data-parallel gradients reduced in buckets (codegen/grad_buckets.py): one all-reduce per bucket
@@ -104,23 +125,9 @@ def _collectives_match(rank, world, model_name, mesh, pins, options):
     forward_planned = collections.Counter({k: v for k, v in planned.items() if k[2] == "forward"})
     assert _graph_forward_counts(pm) == forward_planned
     assert _count_executed(pm, ids, labels) == planned
+    pm.zero_grad()
     code = pm.code
     assert "def forward" in code and "all_reduce" in code or "all_gather" in code
-    hidden = _issue_before_wait(pm)
-    if pins.get("*.weight") == ["S(0)"]:
-        # ZeRO-3: each parameter's all-gather is issued while the compute before its first use runs.
-        assert hidden > 0, code
-        plain = autopar.compile(model, autopar.ClusterSpec.local_cpu(world), (ids,), {"labels": labels},
-                                plan=pm.plan, overlap=False, **options)
-        assert "_start(" not in plain.code and "_wait(" not in plain.code
-        # The same numbers with overlap off, bitwise: loss and every local gradient.
-        for m in (plain, pm):
-            m.zero_grad()
-            m.loss = m(ids, labels=labels).loss
-            m.loss.backward()
-        assert torch.equal(plain.loss, pm.loss)
-        for (name, a), (_, b) in zip(plain.named_parameters(), pm.named_parameters()):
-            assert torch.equal(a.grad, b.grad), name
 
 
 @pytest.mark.parametrize("model_name, world, mesh, kind", [
