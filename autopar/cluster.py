@@ -307,7 +307,8 @@ class ClusterSpec:
         """The cluster this process runs in, under torchrun or an initialized process group.
 
         Initializes the default group from torchrun's environment variables when needed (nccl when
-        CUDA is available, else gloo). Known GPUs (H100, H200, A100 in the device name) get their
+        CUDA is available, else gloo); under ``torchrun --max-restarts`` each restart's group keys are
+        its own, so a restarted rank never reads a dead rank's address. Known GPUs (H100, H200, A100 in the device name) get their
         preset figures, other GPUs rough generic ones; the memory is the device's real capacity.
         ``devices_per_node`` is ``LOCAL_WORLD_SIZE``.
         """
@@ -321,7 +322,7 @@ class ClusterSpec:
                     "torchrun, initialize torch.distributed first, or use ClusterSpec.preset/local_cpu")
             if torch.cuda.is_available():
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            _init_default_group("nccl" if torch.cuda.is_available() else "gloo")
         world = dist.get_world_size()
         cuda = torch.cuda.is_available() and dist.get_backend() != "gloo"
         default_local = min(world, torch.cuda.device_count()) if cuda else world
@@ -500,3 +501,19 @@ def _total_ram() -> float:
         return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (AttributeError, ValueError, OSError):
         return 16e9
+
+
+def _init_default_group(backend: str) -> None:
+    """``init_process_group`` from torchrun's environment, with the group's store keys prefixed by the
+    restart count. torchrun keeps one store across restarts; without the prefix a restarted rank can
+    read the address a rank of the failed attempt published and wait on a closed port until the group
+    times out."""
+    import torch.distributed as dist
+
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None:
+        dist.init_process_group(backend)
+        return
+    store, rank, world = next(dist.rendezvous("env://"))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"autopar/attempt_{restart}/", store),
+                            rank=rank, world_size=world)

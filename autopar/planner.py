@@ -34,6 +34,7 @@ from autopar.solver import GAP, greedy
 log = logging.getLogger("autopar")
 
 SOLVER_THREADS = 2   # candidate meshes solved at once
+_PHASES = ("capture", "passes", "build", "solve", "evaluate")
 
 
 @dataclass
@@ -120,13 +121,14 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
             prep = prepare(model, example_inputs, example_kwargs, cluster, skip_passes=skip_passes,
                            insert_passes=insert_passes, front=front)
         best, tried, meshes, t_build = None, [], [], time.perf_counter()
+        pipe = {k: 0.0 for k in _PHASES}        # seconds of the pipeline meshes, by phase
         for shape, names in candidates:
             if "pp" in names:
                 try:
                     p = _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget,
                                        optimizer, fused, pins, sharded_outputs, recompute, time_limit, skip_passes,
                                        insert_passes, microbatches, schedule, tried, report, cost_model,
-                                       added=cluster.mesh_shape is None)
+                                       added=cluster.mesh_shape is None, timings=pipe)
                 except AutoparError as e:
                     if cluster.mesh_shape is not None:
                         raise
@@ -141,10 +143,10 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
             cm = cost_model(cluster, shape, optimizer, fused=fused)
             report(f"mesh {shape}: costs")
             prob, idx = build_problem(prep.gm, cm, budget, pins, sharded_outputs, recompute)
-            sm = StepMemory(prep.gm, cm, idx, [len(c.costs) for c in prob.choices], sharded_outputs=sharded_outputs)
             quick = greedy(prob)
             meshes.append(_Mesh(len(meshes), shape, names, prob, idx, cm, _strategies_of(prep.gm),
-                                prob.lower_bound(), prob.objective(quick) if prob.feasible(quick) else math.inf, sm))
+                                prob.lower_bound(), prob.objective(quick) if prob.feasible(quick) else math.inf,
+                                prep.gm, sharded_outputs))
         t_build = time.perf_counter() - t_build
         t_search = time.perf_counter()
         best, searched, infeasible, t_eval = _search(meshes, best, prep, cluster, budget, sharded_outputs,
@@ -163,10 +165,11 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
             warnings.warn(w, AutoparWarning, stacklevel=2)
         best.solver["candidates"] = tried
         best.solver["gap_tolerance"] = GAP
-        if prep is not None:        # pipeline meshes time their own captures and solves (their candidates)
-            front_passes = sum(r.seconds for r in prep.runner.records if not r.stage.startswith("mesh"))
-            best.solver["timings"] = {"capture": prep.capture_seconds, "passes": front_passes,
-                                      "build": t_build, "solve": t_search - t_eval, "evaluate": t_eval}
+        front_passes = 0.0 if prep is None else sum(r.seconds for r in prep.runner.records
+                                                    if not r.stage.startswith("mesh"))
+        own = {"capture": 0.0 if prep is None else prep.capture_seconds, "passes": front_passes,
+               "build": t_build - sum(pipe.values()), "solve": t_search - t_eval, "evaluate": t_eval}
+        best.solver["timings"] = {k: own[k] + pipe[k] for k in _PHASES}
         best.solver["planning_seconds"] = time.perf_counter() - t0
         best.solver["passes"] = [{"name": r.name, "stage": r.stage, "seconds": r.seconds, "skipped": r.skipped}
                                  for r in (prep.runner.records if prep is not None else [])]
@@ -250,10 +253,11 @@ def idle_axis_warnings(gm, p: Plan) -> list[str]:
 
 def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget, optimizer, fused, pins,
                    sharded_outputs, recompute, time_limit, skip_passes, insert_passes, microbatches, schedule,
-                   tried, report, cost_model=CostModel, added=False) -> Plan | None:
+                   tried, report, cost_model=CostModel, added=False, timings=None) -> Plan | None:
     """The fastest pipeline plan on mesh ``shape`` (axis ``pp`` among ``names``), or None when none fits.
     On a mesh the planner ``added`` itself, only the most microbatches that leave every data-parallel
-    rank a whole sample are tried (each count is one more capture and solve)."""
+    rank a whole sample are tried (each count is one more capture and solve). ``timings`` (capture,
+    passes, build, solve, evaluate seconds) accumulates this mesh's."""
     import math
 
     from autopar import pipelining as PL
@@ -289,10 +293,17 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
         pins = _drop_first_axis(pins)
     link = cluster.axis_link(shape, axis)
     best = None
+    timings = {k: 0.0 for k in _PHASES} if timings is None else timings
     for m in counts:
         mb_args, mb_kwargs = PL.microbatch_inputs(example_inputs, example_kwargs, m)
         report(f"mesh {shape}, {m} microbatches: capturing")
+        t0 = time.perf_counter()
         prep = prepare(model, mb_args, mb_kwargs, sub_cluster, skip_passes=skip_passes, insert_passes=insert_passes)
+        front_passes = sum(r.seconds for r in prep.runner.records)
+        timings["capture"] += prep.capture_seconds
+        timings["passes"] += front_passes
+        timings["build"] += time.perf_counter() - t0 - prep.capture_seconds - front_passes
+        t0 = time.perf_counter()
         PL.check_layers(prep.gm, p)
         loss_output(prep.gm)          # the last stage hands the loss to the schedule
         prep.runner.run(mesh_passes(sub_shape, zero=False), prep.gm, f"mesh {shape}")
@@ -306,13 +317,18 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
         prob, idx = build_problem(prep.gm, scaled, budget, pins, sharded_outputs, False)
         sm = StepMemory(prep.gm, scaled, idx, [len(c.costs) for c in prob.choices], sharded_outputs=sharded_outputs)
         report(f"mesh {shape}, {m} microbatches: solving {len(prob.choices)} decisions")
+        timings["build"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
         sol = solve_under_budget(prob, sm, budget, time_limit=time_limit)
+        timings["solve"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
         entry = {"mesh": list(shape), "status": sol.status, "objective": sol.objective, "seconds": sol.seconds,
                  "variables": sol.num_variables, "constraints": sol.num_constraints, "gap": sol.gap,
                  "pipeline": {"microbatches": m, "schedules": {}}}
         tried.append(entry)
         if sol.status == "infeasible" or prob.objective(sol.assignment) >= INFEASIBLE:
             continue
+        t0 = time.perf_counter()
         sub = evaluate(prep, idx, sol.assignment, cm, sub_shape, sub_names, sub_cluster, budget, sm, sharded_outputs)
         chosen = {n: meta_of(n).strategies.strategies[idx.option_of(n, sol.assignment)] for n in prep.gm.graph.nodes
                   if n.op in ("placeholder", "call_function") and meta_of(n).strategies is not None}
@@ -325,6 +341,7 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
             entry["pipeline"]["schedules"][sched] = None if found is None else found["step_time"]
             if found is not None and (best is None or found["step_time"] < best[0]["step_time"]):
                 best = (found, sub, sol)
+        timings["evaluate"] += time.perf_counter() - t0
     if best is None:
         return None
     found, sub, sol = best
@@ -400,7 +417,19 @@ class _Mesh:
     strategies: dict           # node -> its StrategySet on this mesh
     lower_bound: float         # no layout on this mesh is faster
     estimate: float            # the greedy layout's step time (inf when it does not fit)
-    memory: StepMemory         # the step's memory on this mesh
+    gm: fx.GraphModule
+    sharded_outputs: bool
+    _memory: StepMemory | None = None
+
+    @property
+    def memory(self) -> StepMemory:
+        """The step's memory on this mesh, made when first needed: a mesh cut off by its lower bound
+        never needs it. The graph holds the last mesh's strategies, so this mesh's are put back first."""
+        if self._memory is None:
+            _restore_strategies(self.strategies)
+            self._memory = StepMemory(self.gm, self.cm, self.idx, [len(c.costs) for c in self.prob.choices],
+                                      sharded_outputs=self.sharded_outputs)
+        return self._memory
 
 
 def _strategies_of(gm) -> dict:

@@ -6,9 +6,10 @@ depth.
     python bench/plan_time.py --quick         # the cases to run before stopping work on the planner
     python bench/plan_time.py --depth-only    # only the 16- against 32-layer comparison
 
-Columns: capture (torch.export), passes (normalize, layers, saved activations), build (strategies,
-costs and the solver's problem for every candidate mesh), solve (the searches, two meshes at a time,
-less the evaluation of their plans), total wall seconds and the summed CPU seconds of the process (on a
+Columns: capture (torch.export; pipeline meshes capture again at their microbatch shapes), passes
+(normalize, layers, saved activations), build (strategies, costs, the solver's problem and the step's
+memory events for every candidate mesh), solve (the searches, two meshes at a time, and the pipeline
+meshes' solves, with the memory re-solves, less the evaluation of their plans), total wall seconds and the summed CPU seconds of the process (on a
 shared machine the CPU seconds vary less than the wall), the meshes solved of those tried, and the
 worst optimality gap the solver proved for a mesh it solved.
 """

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import operator
 import weakref
 
@@ -22,6 +23,8 @@ from typing import Any, Sequence
 
 from autopar.passes.meta import SavedForBackward, meta_of, set_meta
 from autopar.passes.rules import rule_for, tensor_inputs
+
+log = logging.getLogger(__name__)
 
 
 def _storage_key(t: torch.Tensor):
@@ -43,6 +46,7 @@ def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda") -
     """Write ``SavedForBackward`` on every call_function node."""
     owner: dict = {}            # storage -> (node, is_param)
     env: dict = {}
+    transients: dict = {}       # _call_key -> _backward_transient
     current = {"node": None, "saved": []}
 
     def pack(t):
@@ -90,7 +94,15 @@ def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda") -
                     owner.setdefault(_storage_key(o), (node, False))
             saved = _attribute(node, current["saved"], outs, owner, target_device)
             if node.target not in _FUSED_ON_CPU and node.target is not operator.getitem:
-                saved = dataclasses.replace(saved, backward=_backward_transient(node.target, args, kwargs))
+                # Repeated layers run the same ops on the same shapes: one backward per distinct call.
+                key = _call_key(node.target, args, kwargs)
+                if key is None or key not in transients:
+                    t = _backward_transient(node.target, args, kwargs)
+                    if key is not None:
+                        transients[key] = t
+                else:
+                    t = transients[key]
+                saved = dataclasses.replace(saved, backward=t)
             set_meta(node, saved=saved)
     return gm
 
@@ -119,6 +131,26 @@ class _NewBytes(TorchDispatchMode):
     def _free(self, key, n, _ref):
         self.live -= n
         self._refs.pop(key, None)
+
+
+def _call_key(target, args, kwargs):
+    """What ``_backward_transient`` depends on: the op, its tensors' shapes, strides, dtypes and
+    whether they need a gradient, and its other arguments; None when an argument is not plainly
+    hashable."""
+    def part(a):
+        if isinstance(a, torch.Tensor):
+            return ("T", tuple(a.shape), a.stride(), a.dtype, a.requires_grad)
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__, *(part(x) for x in a))
+        if a is None or isinstance(a, (bool, int, float, str, torch.dtype, torch.device, torch.layout,
+                                       torch.memory_format)):
+            return (type(a).__name__, a)
+        raise TypeError
+
+    try:
+        return (target, part(list(args)), tuple(sorted((k, part(v)) for k, v in kwargs.items())))
+    except TypeError:
+        return None
 
 
 def _backward_transient(target, args, kwargs) -> int:
@@ -328,44 +360,77 @@ class StepMemory:
 
         return None if meta_of(node).strategies is None else strategy_of(node, o)
 
+    @staticmethod
+    def _fold_key(v, node=None, k=None):
+        """What the bytes of ``v`` (read by ``node`` as input ``k``) depend on: the value itself, or for
+        values and readers inside repeated layers their position in the layer, which every instance of
+        the layer shares with its decisions and strategies (passes.layers)."""
+        from autopar.passes.problem import key_of
+        from autopar.passes.strategies import value_info
+
+        ka = key_of(v.node) if meta_of(v.node).strategies is not None else None
+        kb = None if node is None else key_of(node)
+        if ka is None or ka[0] != "L" or (kb is not None and kb[0] != "L"):
+            return (v, node, k)
+        info = value_info(v)
+        return (ka, v.index, kb, k, info.shape, info.dtype)
+
     def value(self, v) -> Bytes:
         """Bytes of value ``v`` at the layout its producer makes it in."""
         from autopar.layout import local_fraction
         from autopar.passes.strategies import value_info
 
-        if v not in self._values:
+        key = self._fold_key(v)
+        if key not in self._values:
             nbytes = value_info(v).nbytes
             c = self._choice(v.node)
             table = []
             for o in self._options(c):
                 s = self._strategy(v.node, o)
                 table.append(nbytes * (1.0 if s is None else local_fraction(s.outputs[v.index], self.cm.mesh_shape)))
-            self._values[v] = _one(c, table)
-        return self._values[v]
+            self._values[key] = _one(c, table)
+        return self._values[key]
 
     def copy(self, v, node, k):
         """(bytes of the resharded copy that ``node`` reads input ``k`` through, bytes of that input's
         gradient at the layout read when a resharding's backward converts it); None where there is none."""
         from autopar.layout import local_fraction
-        from autopar.passes.strategies import value_info
+        from autopar.passes.resharding import grad_partial_axes
+        from autopar.passes.strategies import requires_grad, value_info
 
-        key = (v, node, k)
+        key = self._fold_key(v, node, k)
         if key not in self._copies:
-            nbytes = value_info(v).nbytes
+            info = value_info(v)
+            mesh = tuple(self.cm.mesh_shape)
+            grad = requires_grad(v.node)
             ca, cb = self._choice(v.node), self._choice(node)
+            # Readers' options ask for few distinct (layout, gradient reduction) requests and producers
+            # make few distinct layouts: the steps are found once per distinct pair.
+            reads = []
+            for j in self._options(cb):
+                s = self._strategy(node, j)
+                dst = tuple(s.inputs[k])
+                reads.append((dst, grad_partial_axes(dst, s.splits_work, grad), s))
+            size = {dst: info.nbytes * local_fraction(dst, mesh) for dst, _, _ in reads}
+            found = {}
             fwd, bwd = [], []
             for i in self._options(ca):
                 src = self._strategy(v.node, i)
+                z = None if src is None else src.zero
+                zero_axis = z.axis if z is not None and z.stage >= 2 else None
+                src = None if src is None else tuple(src.outputs[v.index])
                 frow, brow = [], []
-                for j in self._options(cb):
-                    s = self._strategy(node, j)
-                    steps = self.cm.resharding(v, src.outputs[v.index] if src else s.inputs[k], node, s, k) or []
-                    z = src.zero if src else None
-                    if z is not None and z.stage >= 2:     # its own reduce-scatter reduces it instead
-                        steps = [st for st in steps if not (st.op == "grad_all_reduce" and st.axis == z.axis)]
-                    b = nbytes * local_fraction(s.inputs[k], self.cm.mesh_shape)
-                    frow.append(b if any(st.op in _ALLOCATING_STEPS for st in steps) else 0.0)
-                    brow.append(b if steps else 0.0)
+                for dst, partial, s in reads:
+                    pair = (src or dst, dst, partial, zero_axis)
+                    if pair not in found:
+                        steps = self.cm.resharding(v, pair[0], node, s, k) or []
+                        if zero_axis is not None:       # its own reduce-scatter reduces it instead
+                            steps = [st for st in steps if not (st.op == "grad_all_reduce" and st.axis == zero_axis)]
+                        found[pair] = (size[dst] if any(st.op in _ALLOCATING_STEPS for st in steps) else 0.0,
+                                       size[dst] if steps else 0.0)
+                    f, b = found[pair]
+                    frow.append(f)
+                    brow.append(b)
                 fwd.append(frow)
                 bwd.append(brow)
             f, b = _pair(ca, cb, fwd), _pair(ca, cb, bwd)
@@ -407,11 +472,12 @@ class StepMemory:
     def _build(self, gm, instances):
         from autopar.passes.costs import VIEW_OPS
         from autopar.passes.reshard_plan import gathered_output
-        from autopar.passes.strategies import Value, input_values, requires_grad
+        from autopar.passes.strategies import Value, requires_grad
 
         calls = [n for n in gm.graph.nodes if n.op == "call_function"]
         pos = {n: t for t, n in enumerate(calls)}
         add = self.events.append
+        input_values, output_values = _memoized(_input_values), _memoized(_output_values)
 
         def base(v):
             """The value whose storage ``v`` shares (views and getitems lead back to it)."""
@@ -550,19 +616,26 @@ class StepMemory:
             if s not in held and s not in holders and s not in to_end and s.node.op == "call_function":
                 frees.setdefault(("F", t), []).append((_T, -1, self.value(s)))
 
-        # A recomputed instance keeps the inputs it reads from outside until its backward ends.
+        # A recomputed instance keeps the inputs it reads from outside until its backward ends. A storage
+        # that several regions of a class read (an attention mask every layer reads) is one tensor:
+        # kept while any of them is recomputed, until the backward of the first of them in execution
+        # order, the last of theirs (exact when whole layers alone recompute: counts recompute the
+        # first instances; with attention cores too, on the safe side).
+        external = {}         # (storage, recompute decision) -> (indicator, position of its instance)
         for inst, (ri, ind, nodes) in instances.items():
-            first, seen = pos[nodes[0]], set()
             for n in nodes:
                 for v in input_values(n):
                     s = base(v)
-                    if s in seen or s.node.op != "call_function" or inst in inst_of.get(s.node, ()) \
-                            or s in to_end or s in holders:
+                    if s.node.op != "call_function" or inst in inst_of.get(s.node, ()) or s in to_end \
+                            or s in holders:
                         continue
-                    seen.add(s)
-                    q = _times(self.value(s), ri, ind)
-                    frees.setdefault(("F", last_use[s]), []).append((_A, 1, q))
-                    frees.setdefault(("B", first), []).append((_A, -1, q))
+                    e = external.get((s, ri))
+                    external[(s, ri)] = (ind, pos[nodes[0]]) if e is None else \
+                        (tuple(max(x, y) for x, y in zip(e[0], ind)), min(e[1], pos[nodes[0]]))
+        for (s, ri), (ind, first) in external.items():
+            q = _times(self.value(s), ri, ind)
+            frees.setdefault(("F", last_use[s]), []).append((_A, 1, q))
+            frees.setdefault(("B", first), []).append((_A, -1, q))
 
         # Forward.
         for t, n in enumerate(calls):
@@ -711,27 +784,64 @@ class StepMemory:
 
     def constraint(self, k: int):
         """Point ``k`` as a memory constraint of the solver: its live bytes as terms of the decisions."""
+        return self.constraints([k])[0]
+
+    def constraints(self, ks: Sequence[int]) -> list:
+        """``constraint`` of every point in ``ks``, in one pass over the events."""
         from autopar.solver import MemoryConstraint
 
-        upto, phase, name = self.points[k]
+        order = sorted(set(ks))
+        made, e = {}, 0
         constant, terms, pairs = 0.0, {}, {}
-        for _cat, sign, q in self.events[:upto]:
-            if q.a is None:
-                constant += sign * q.table
-            elif q.b is None:
-                acc = terms.setdefault(q.a, [0.0] * len(q.table))
-                for i, v in enumerate(q.table):
-                    acc[i] += sign * v
-            else:
-                a, b, table = q.a, q.b, q.table
-                if a > b:
-                    a, b, table = b, a, tuple(zip(*table))
-                acc = pairs.setdefault((a, b), [[0.0] * len(table[0]) for _ in table])
-                for i, row in enumerate(table):
-                    for j, v in enumerate(row):
-                        acc[i][j] += sign * v
-        return MemoryConstraint(f"{phase} {name} (point {k})", tuple((c, tuple(v)) for c, v in terms.items()),
-                                constant, tuple((a, b, tuple(map(tuple, m))) for (a, b), m in pairs.items()))
+        for k in order:
+            upto, phase, name = self.points[k]
+            while e < upto:
+                _cat, sign, q = self.events[e]
+                e += 1
+                if q.a is None:
+                    constant += sign * q.table
+                elif q.b is None:
+                    acc = terms.get(q.a)
+                    if acc is None:
+                        acc = terms[q.a] = [0.0] * len(q.table)
+                    for i, v in enumerate(q.table):
+                        acc[i] += sign * v
+                else:
+                    a, b, table = q.a, q.b, q.table
+                    if a > b:
+                        a, b, table = b, a, tuple(zip(*table))
+                    acc = pairs.get((a, b))
+                    if acc is None:
+                        acc = pairs[(a, b)] = [[0.0] * len(table[0]) for _ in table]
+                    for i, row in enumerate(table):
+                        r = acc[i]
+                        for j, v in enumerate(row):
+                            r[j] += sign * v
+            made[k] = MemoryConstraint(f"{phase} {name} (point {k})", tuple((c, tuple(v)) for c, v in terms.items()),
+                                       constant, tuple((a, b, tuple(map(tuple, m))) for (a, b), m in pairs.items()))
+        return [made[k] for k in ks]
+
+
+def _memoized(f):
+    cache = {}
+
+    def get(n):
+        r = cache.get(n)
+        if r is None:
+            r = cache[n] = f(n)
+        return r
+
+    return get
+
+
+def _input_values(n) -> list:
+    from autopar.passes.strategies import input_values
+
+    return input_values(n)
+
+
+def _output_values(n) -> list:
+    return output_values(n)
 
 
 def core_region(inst: str, k: int) -> str:
@@ -798,30 +908,52 @@ def _initial_points(sm: StepMemory, problem) -> list[int]:
     return sorted(picks)
 
 
+def _over_budget(walk, budget: float, have: set) -> list[int]:
+    """The points to add to the solver's constraints after a solve whose step goes over ``budget``:
+    the highest point of each stretch of consecutive points over it (one solve then learns every
+    stretch at once; the rest of a stretch usually falls with its highest point), skipping those held."""
+    cap = budget * (1 + 1e-9)
+    out, run = [], None
+    for k, p in enumerate(walk):
+        t = p.total
+        if t > cap:
+            if run is None or t > walk[run].total:
+                run = k
+        elif run is not None:
+            out.append(run)
+            run = None
+    if run is not None:
+        out.append(run)
+    return [k for k in out if k not in have]
+
+
 def solve_under_budget(problem, sm: StepMemory, budget: float, *, time_limit: float = 60.0, bound=None):
     """The fastest assignment whose step peak (``sm.peak``) fits ``budget``: solve with the memory
-    constraints of a few candidate points, walk the step, add the point over the budget, solve again.
-    Every returned feasible solution's walked peak is within the budget. ``bound`` is the solver's:
-    stop ("bounded") once no assignment can beat that many seconds."""
+    constraints of a few candidate points, walk the step, add the points over the budget (the highest
+    of each stretch), solve again. Every returned feasible solution's walked peak is within the budget.
+    ``bound`` is the solver's: stop ("bounded") once no assignment can beat that many seconds."""
     from autopar.errors import AutoparError
     from autopar.solver import solve
 
     problem.memory_limit = budget
-    problem.memory = [sm.constraint(k) for k in _initial_points(sm, problem)]
-    have = {c.name for c in problem.memory}
+    have = set(_initial_points(sm, problem))
+    problem.memory = sm.constraints(sorted(have))
     for _ in range(_MAX_ROUNDS):
         sol = solve(problem, time_limit=time_limit, bound=bound)
         if sol.status in ("infeasible", "bounded"):
             return sol
-        k, peak = sm.peak(sol.assignment)
-        if peak <= budget * (1 + 1e-9):
+        walk = sm.walk(sol.assignment)
+        k = max(range(len(walk)), key=lambda i: walk[i].total)
+        if walk[k].total <= budget * (1 + 1e-9):
             return sol
-        c = sm.constraint(k)
-        if c.name in have:
-            raise AutoparError(f"memory point {c.name!r} is over the budget although the solver was held to "
-                               f"it ({peak:.0f} > {budget:.0f} bytes); please report this")
-        have.add(c.name)
-        problem.memory.append(c)
+        add = _over_budget(walk, budget, have)
+        if k in have or not add:
+            raise AutoparError(f"memory point {sm.points[k][1]} {sm.points[k][2]!r} is over the budget although "
+                               f"the solver was held to it ({walk[k].total:.0f} > {budget:.0f} bytes); please "
+                               f"report this")
+        log.debug("step peak %.0f over the budget %.0f: memory points %s join", walk[k].total, budget, add)
+        have.update(add)
+        problem.memory.extend(sm.constraints(add))
     raise AutoparError(f"no layout within {budget:.0f} bytes was proven after {_MAX_ROUNDS} rounds of memory "
                        f"points; raise the budget")
 
@@ -831,7 +963,7 @@ def minimum_budget(problem, sm: StepMemory, *, time_limit: float = 60.0) -> tupl
     ``solve_under_budget``: minimize the largest point held so far, walk, add the highest point."""
     from autopar.solver import minimum_feasible_budget
 
-    problem.memory = [sm.constraint(k) for k in _initial_points(sm, problem)]
+    problem.memory = sm.constraints(_initial_points(sm, problem))
     have = {c.name for c in problem.memory}
     best = None
     for _ in range(_MAX_ROUNDS):

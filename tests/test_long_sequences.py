@@ -5,7 +5,6 @@ import copy
 
 import pytest
 import torch
-from autopar import errors as autopar_errors
 
 from tests.distributed_utils import run_distributed
 from tests.hf_models import batch, build
@@ -81,10 +80,6 @@ def test_sequence_split_attention_trains_like_eager(model_name, world, mesh):
     run_distributed(_check, world, model_name, mesh, timeout=600)
 
 
-@pytest.mark.xfail(strict=True, raises=autopar_errors.InfeasiblePlanError, reason=(
-    "the step memory model counts the loss's backward buffers and gradient buffers that the earlier "
-    "model left out; under it this plan's smallest feasible budget is 105 GiB per device, over the "
-    "H100's usable 67 GiB, until recompute and the loss's memory are tightened (docs/status.md)"))
 def test_long_context_7b_on_one_node_splits_every_attention_along_the_sequence():
     """Qwen2-7B's shape (28 heads, 4 KV heads) at 131072 tokens, batch 1, bf16 parameters, on one
     8xH100 node: 4 KV heads allow at most a 4-way head split, so the plan that fits splits every

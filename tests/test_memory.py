@@ -96,3 +96,26 @@ def test_a_budget_below_the_smallest_feasible_one_is_refused(gpt2_bounds):
         autopar.plan(model, cluster, args, kwargs, memory_budget=smallest * 0.98, progress=False, kernels="aten")
     assert e.value.min_feasible_budget == pytest.approx(smallest, rel=1e-6)
     assert e.value.largest_consumers
+
+
+def test_a_storage_every_recomputed_layer_reads_is_kept_once():
+    """LLaMA's attention mask and rotary tables are made once and read by every layer: with every
+    layer recomputed they are kept once until the first layer's backward, so two more layers keep
+    only two more layer inputs at the end of forward, however large the mask (seq x seq)."""
+    import transformers as tf
+
+    seq, hidden, batch = 256, 16, 2
+
+    def end_of_forward(layers):
+        torch.manual_seed(0)
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=2,
+                                                   num_key_value_heads=1, intermediate_size=32, vocab_size=64,
+                                                   max_position_embeddings=seq, use_cache=False))
+        ids = torch.zeros(batch, seq, dtype=torch.long)
+        p = autopar.plan(model, autopar.ClusterSpec.local_cpu(1), (ids,), {"labels": ids.clone()}, progress=False,
+                         kernels="aten", recompute={"model.layers.*": "all"})
+        assert len(p.recompute["layers"]) == layers
+        return p.memory["activations"]
+
+    layer_input = batch * seq * hidden * 4
+    assert end_of_forward(4) - end_of_forward(2) == pytest.approx(2 * layer_input)
