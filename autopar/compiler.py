@@ -34,7 +34,9 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
     ``skip_passes`` and ``insert_passes`` change the pass pipeline on every rank (docs/extending.md).
     ``overlap=False`` makes every collective wait where it is issued, for debugging (codegen/overlap.py).
     ``bucket_mb`` is the size of the buckets data-parallel gradients are all-reduced in during backward
-    (DDP's ``bucket_cap_mb``; codegen/grad_buckets.py)."""
+    (DDP's ``bucket_cap_mb``; codegen/grad_buckets.py).
+    ``precision`` (a planning option) is Lightning's name of the training precision: "32-true",
+    "bf16-mixed" or "bf16-true"; a given plan's own is used, and a different one is refused."""
     from autopar.codegen.triton import resolve_kernels
     from autopar.pass_pipeline import front_end, generate, new_runner
     from autopar.runtime.module import build, device_type, init_mesh, rank_device
@@ -53,7 +55,15 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
     if runner.debug_dir is not None and world > 1:
         runner.debug_dir = Path(runner.debug_dir) / f"rank{dist.get_rank()}"
         runner.debug_dir.mkdir(parents=True, exist_ok=True)
-    front = front_end(model, example_inputs, example_kwargs, runner)
+    precision = plan_options.get("precision")
+    if plan is not None:
+        if precision is not None and precision != plan.precision:
+            raise PlanFormatError(f"precision={precision!r} but the plan was made for {plan.precision!r}; plan "
+                                  f"again with it")
+        plan_options.pop("precision", None)
+        precision = plan.precision
+    front = front_end(model, example_inputs, example_kwargs, runner, precision=precision,
+                      device_type=cluster.device_type)
     if plan is None:
         plan = _plan_on_rank0(model, cluster, example_inputs, example_kwargs, memory_budget, front,
                               {**plan_options, "kernels": kernels, "sharded_outputs": bool(sharded_outputs)})
@@ -66,7 +76,7 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
         from autopar.pipelining import microbatch_inputs
 
         mb_args, mb_kwargs = microbatch_inputs(example_inputs, example_kwargs, plan.pipeline["microbatches"])
-        front = front_end(model, mb_args, mb_kwargs, runner)
+        front = front_end(model, mb_args, mb_kwargs, runner, precision=precision, device_type=cluster.device_type)
     mesh = init_mesh(plan)
     groups = [mesh.get_group(a).group_name for a in plan.axis_names]
     program = generate(front, plan, groups, rank_device(), sharded_outputs=sharded_outputs, kernels=kernels,

@@ -2,7 +2,8 @@
 (passes/runner.py), which logs, times, lints, skips and checks them; ``PASS_NAMES`` lists them all in
 order, which is how ``skip_passes`` and ``insert_passes`` name them.
 
-1. front end, on every rank: ``capture`` (torch.export), then ``FRONT_END``;
+1. front end, on every rank: ``capture`` (torch.export), ``autocast_pass`` (mixed precision's casts),
+   then ``FRONT_END``;
 2. analysis, where planning runs: ``analysis_passes``;
 3. per candidate mesh: ``mesh_passes``, then costs and the solver (autopar/planner.py);
 4. codegen, on every rank, from the Plan: ``codegen_passes``; the result is the runtime's Program.
@@ -26,6 +27,7 @@ from autopar.passes.layers import layers_pass
 from autopar.passes.memory import saved_activations_pass
 from autopar.passes.meta import program_meta
 from autopar.passes.normalize import normalize_pass
+from autopar.passes.precision import Precision, autocast_pass, resolve_precision
 from autopar.passes.runner import PassRunner, pass_name
 from autopar.passes.strategies import mark_requires_grad_pass, strategies_pass
 from autopar.errors import AutoparError
@@ -55,7 +57,7 @@ def codegen_passes(plan: Plan, front: "FrontEnd", group_names, device, *, sharde
             *((overlap_pass, grad_buckets_pass) if overlap else ()))
 
 
-PASS_NAMES = tuple(pass_name(p) for p in (*FRONT_END, *analysis_passes("cpu"), *mesh_passes(()),
+PASS_NAMES = tuple(pass_name(p) for p in (autocast_pass, *FRONT_END, *analysis_passes("cpu"), *mesh_passes(()),
                                            local_program_pass, recompute_pass, retarget_devices_pass, fuse_pass,
                                            overlap_pass, grad_buckets_pass))
 
@@ -65,6 +67,7 @@ class FrontEnd:
     captured: CapturedProgram
     gm: fx.GraphModule            # the captured graph after the front-end passes
     runner: PassRunner
+    precision: Precision
 
 
 def new_runner(skip_passes=(), insert_passes=(), debug_dir=None) -> PassRunner:
@@ -74,12 +77,17 @@ def new_runner(skip_passes=(), insert_passes=(), debug_dir=None) -> PassRunner:
     return runner
 
 
-def front_end(model, example_inputs, example_kwargs, runner: PassRunner) -> FrontEnd:
-    """Capture ``model`` and run the passes that depend only on the model."""
+def front_end(model, example_inputs, example_kwargs, runner: PassRunner, *, precision: str | None = None,
+              device_type: str = "cpu") -> FrontEnd:
+    """Capture ``model`` and run the passes that depend only on the model and the training precision
+    (passes/precision.py: ``precision`` is a Lightning name, None for the model's own dtype, with
+    autocast's op lists of ``device_type``)."""
+    prec = resolve_precision(precision, model)
     captured = capture(model, example_inputs, example_kwargs)
     runner.dump(captured.gm, "capture")
-    gm = runner.run(FRONT_END, captured.gm, "front end")
-    return FrontEnd(captured, gm, runner)
+    gm = runner.run((partial(autocast_pass, precision=prec, device_type=device_type), *FRONT_END), captured.gm,
+                    "front end")
+    return FrontEnd(captured, gm, runner, prec)
 
 
 def generate(front: FrontEnd, plan: Plan, group_names, device, *, sharded_outputs: bool,

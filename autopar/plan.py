@@ -14,6 +14,8 @@ from autopar.errors import PlanFormatError, ShardingError
 from autopar.layout import Placement
 
 PLAN_VERSION = 1
+# Lightning's names of the training precisions (autopar.passes.precision)
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 PHASES = ("forward", "backward", "optimizer")
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 MEMORY_KEYS = ("peak", "params", "grads", "optimizer", "activations")
@@ -45,6 +47,8 @@ class Plan:
     # pipeline plans: {"axis", "schedule", "microbatches", "virtual_stages", "bubble_fraction",
     # "bubble_seconds", "stages": [{"index", "pp_rank", "layers", "seconds", ...}], "ranks": [...]}
     pipeline: dict | None = None
+    # the training precision, by Lightning's name (autopar.passes.precision.PRECISIONS)
+    precision: str = "32-true"
     # parameters whose optimizer state (ZeRO-1), and gradient too (ZeRO-2), are sharded along an axis
     # the parameter is replicated on: FQN -> {"stage": 1 or 2, "axis": axis name, "dim": dim}
     zero: dict = field(default_factory=dict)
@@ -326,6 +330,7 @@ def _schema(axes) -> dict:
                                                            "skipped": _boolean}))}),
         "alternatives": _dict_of(_list_of(alternative)),
         "sharded_outputs": _boolean,
+        "precision": _one_of(PRECISIONS),
         "recompute": _object({"classes": _dict_of(_object({"count": _integer(0), "of": _integer(1),
                                                             "layers": _list_of(_string)})),
                               "layers": _list_of(_string)},
@@ -364,7 +369,8 @@ def _validate(d: Any) -> None:
     if version != PLAN_VERSION:
         raise PlanFormatError(f"plan format version {version!r} is not supported (this autopar reads "
                               f"version {PLAN_VERSION}); plan the model again with this version")
-    optional = ("version", "extra", "alternatives", "sharded_outputs", "recompute", "pipeline", "zero")
+    optional = ("version", "extra", "alternatives", "sharded_outputs", "recompute", "pipeline", "precision",
+                "zero")
     missing = [k for k in Plan.__dataclass_fields__ if k not in optional and k not in d]
     if missing:
         raise PlanFormatError(f"plan is missing fields {missing}")

@@ -23,6 +23,7 @@ from autopar.passes.layers import layer_counts, layer_instances
 from autopar.passes.memory import StepMemory, minimum_budget, solve_under_budget
 from autopar.passes.reshard_plan import collectives, plan_reshards
 from autopar.passes.meta import meta_of, op_name, set_meta
+from autopar.passes.precision import Precision, resolve_precision
 from autopar.passes.problem import ProblemIndex, build_problem
 from autopar.passes.runner import PassRunner
 from autopar.passes.strategies import root_of
@@ -44,19 +45,21 @@ class Prepared:
     runner: PassRunner
     fingerprint: str
     capture_seconds: float = 0.0   # 0.0 when the caller ran the front end
+    precision: Precision | None = None
 
 
 def prepare(model, example_inputs, example_kwargs, cluster: ClusterSpec, *, skip_passes=(), insert_passes=(),
-            front: FrontEnd | None = None) -> Prepared:
+            front: FrontEnd | None = None, precision: str | None = None) -> Prepared:
     """Capture the model and run the passes that do not depend on the mesh; ``front`` is a front end
     already run (``autopar.compile`` runs it once and plans from it)."""
     capture_seconds = 0.0
     if front is None:
         t0 = time.perf_counter()
-        front = front_end(model, example_inputs, example_kwargs, new_runner(skip_passes, insert_passes))
+        front = front_end(model, example_inputs, example_kwargs, new_runner(skip_passes, insert_passes),
+                          precision=precision, device_type=cluster.device_type)
         capture_seconds = time.perf_counter() - t0 - sum(r.seconds for r in front.runner.records)
     gm = front.runner.run(analysis_passes(cluster.device_type), front.gm, "analysis")
-    return Prepared(front.captured, gm, front.runner, model_fingerprint(model), capture_seconds)
+    return Prepared(front.captured, gm, front.runner, model_fingerprint(model), capture_seconds, front.precision)
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -66,10 +69,10 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def default_optimizer(model) -> OptimizerSpec:
-    dtype = next((p.dtype for p in model.parameters()), torch.float32)
-    # Adam keeps two fp32 states; low-precision parameters also keep an fp32 master copy (ZeRO's K=12).
-    return OptimizerSpec(8.0 if dtype == torch.float32 else 12.0)
+def default_optimizer(model, precision: str | None = None) -> OptimizerSpec:
+    """torch's Adam: two states in the dtype of the parameters it updates, float32 master weights under
+    "bf16-mixed" (with the master itself, ZeRO's K = 12 bytes per parameter), bfloat16 under "bf16-true"."""
+    return OptimizerSpec(2.0 * resolve_precision(precision, model).param_dtype.itemsize)
 
 
 def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), example_kwargs=None, *,
@@ -78,7 +81,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
          insert_passes=(), pins: dict | None = None, kernels: str = "aten", sharded_outputs: bool = False,
          recompute: bool | dict = True, cost_model: type[CostModel] = CostModel,
          front: FrontEnd | None = None, microbatches: int | None = None, schedule: str | None = None,
-         pipeline: bool | None = None) -> Plan:
+         pipeline: bool | None = None, precision: str | None = None) -> Plan:
     """Find the fastest layout of ``model`` on ``cluster`` that fits ``memory_budget`` bytes per device.
 
     ``pins`` forces layouts by hand: ``{"*.mlp.c_fc.weight": ["R", "S(1)"], "input_ids": ["S(0)", "R"]}``
@@ -99,12 +102,18 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     ``microbatches`` and ``schedule`` (one of ``pipelining.SCHEDULES``) fix what is otherwise chosen by
     predicted step time. With the mesh left to the planner, ``pipeline=None`` also tries pipeline meshes
     on clusters of several nodes (``pipeline_meshes``), ``True`` on any cluster, ``False`` never.
+    ``precision`` is Lightning's name of the training precision: "32-true", "bf16-mixed" (autocast's
+    bfloat16 compute and activations over float32 master weights and optimizer states) or "bf16-true";
+    None trains in the model's own dtype (passes/precision.py).
     """
     t0 = time.perf_counter()
     if mesh_shape is not None:
         cluster = _with_mesh(cluster, mesh_shape, axis_names)
     budget = float(memory_budget) if memory_budget is not None else cluster.usable_memory
-    optimizer = optimizer or default_optimizer(model)
+    prec = resolve_precision(precision, model)
+    if front is not None and front.precision != prec:
+        raise AutoparError(f"the front end was captured under precision {front.precision.name!r}, not {prec.name!r}")
+    optimizer = optimizer or default_optimizer(model, prec.name)
     if kernels not in ("auto", "triton", "aten"):
         raise ValueError(f"kernels must be 'auto', 'triton' or 'aten', got {kernels!r}")
     fused = kernels == "triton" or (kernels == "auto" and cluster.device_type == "cuda")
@@ -119,7 +128,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
         if any("pp" not in names for _, names in candidates):
             report("capturing")
             prep = prepare(model, example_inputs, example_kwargs, cluster, skip_passes=skip_passes,
-                           insert_passes=insert_passes, front=front)
+                           insert_passes=insert_passes, front=front, precision=prec.name)
         best, tried, meshes, t_build = None, [], [], time.perf_counter()
         pipe = {k: 0.0 for k in _PHASES}        # seconds of the pipeline meshes, by phase
         for shape, names in candidates:
@@ -128,7 +137,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
                     p = _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget,
                                        optimizer, fused, pins, sharded_outputs, recompute, time_limit, skip_passes,
                                        insert_passes, microbatches, schedule, tried, report, cost_model,
-                                       added=cluster.mesh_shape is None, timings=pipe)
+                                       added=cluster.mesh_shape is None, timings=pipe, precision=prec.name)
                 except AutoparError as e:
                     if cluster.mesh_shape is not None:
                         raise
@@ -160,6 +169,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
             raise no_fit(tried[-1]["mesh"][0], tried[-1]["pipeline"]["microbatches"], budget)
         if best is None:
             _raise_infeasible(prep, infeasible, cluster, budget)
+        best.precision = prec.name
         best.extra["warnings"] = idle_axis_warnings(prep.gm, best) if prep is not None else []
         for w in best.extra["warnings"]:
             warnings.warn(w, AutoparWarning, stacklevel=2)
@@ -253,7 +263,7 @@ def idle_axis_warnings(gm, p: Plan) -> list[str]:
 
 def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget, optimizer, fused, pins,
                    sharded_outputs, recompute, time_limit, skip_passes, insert_passes, microbatches, schedule,
-                   tried, report, cost_model=CostModel, added=False, timings=None) -> Plan | None:
+                   tried, report, cost_model=CostModel, added=False, timings=None, precision=None) -> Plan | None:
     """The fastest pipeline plan on mesh ``shape`` (axis ``pp`` among ``names``), or None when none fits.
     On a mesh the planner ``added`` itself, only the most microbatches that leave every data-parallel
     rank a whole sample are tried (each count is one more capture and solve). ``timings`` (capture,
@@ -298,7 +308,8 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
         mb_args, mb_kwargs = PL.microbatch_inputs(example_inputs, example_kwargs, m)
         report(f"mesh {shape}, {m} microbatches: capturing")
         t0 = time.perf_counter()
-        prep = prepare(model, mb_args, mb_kwargs, sub_cluster, skip_passes=skip_passes, insert_passes=insert_passes)
+        prep = prepare(model, mb_args, mb_kwargs, sub_cluster, skip_passes=skip_passes, insert_passes=insert_passes,
+                       precision=precision)
         front_passes = sum(r.seconds for r in prep.runner.records)
         timings["capture"] += prep.capture_seconds
         timings["passes"] += front_passes

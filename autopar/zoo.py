@@ -83,6 +83,9 @@ _ZOO = {
     "gpt-tiny": (_gpt_tiny, 16),
 }
 NAMES = tuple(_ZOO)
+# What the zoo's large models are trained in: bf16 compute over fp32 master weights.
+DEFAULT_PRECISION = {"gpt2-xl": "bf16-mixed", "llama3-8b": "bf16-mixed", "llama2-70b": "bf16-mixed",
+                     "gqa-7b-128k": "bf16-mixed"}
 
 
 def build(name: str, *, batch: int = 8, seq: int | None = None, device="meta", dtype=None):

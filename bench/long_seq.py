@@ -3,8 +3,8 @@
     python bench/long_seq.py --offline            # Qwen2-7B's shape on 8xH100, 32k to 128k tokens
     OMP_NUM_THREADS=1 python bench/long_seq.py --cpu [--world 2] [--budget-mb 48]
 
---offline plans `gqa-7b-128k` (28 heads, 4 KV heads, hidden 3584, 28 layers) at batch 1 with bf16
-parameters on one 8xH100 node (mesh (8,)), once free and once with every attention call pinned
+--offline plans `gqa-7b-128k` (28 heads, 4 KV heads, hidden 3584, 28 layers) at batch 1 in bf16-mixed
+precision (fp32 master weights and Adam states, bf16 compute) with sharded outputs on one 8xH100 node (mesh (8,)), once free and once with every attention call pinned
 whole (`R`: with 4 KV heads and batch 1 there is no other split on 8 devices that is not along the
 sequence), and prints the predicted step time and peak, or the smallest budget that would fit.
 
@@ -57,10 +57,11 @@ def offline(args):
     print("|---|---|---|---|---|---|")
     for seq in args.seqs or (32768, 65536, 131072):
         for label, pins in (("free", None), ("whole", {"scaled_dot_product_attention*": ["R"]})):
-            model, a, kw = zoo.build("gqa-7b-128k", batch=1, seq=seq, dtype=torch.bfloat16)
+            model, a, kw = zoo.build("gqa-7b-128k", batch=1, seq=seq)
             t0 = time.perf_counter()
             try:
-                p = autopar.plan(model, cluster, a, kw, mesh_shape=(8,), pins=pins, progress=False)
+                p = autopar.plan(model, cluster, a, kw, mesh_shape=(8,), pins=pins, progress=False,
+                                 precision="bf16-mixed", sharded_outputs=True)
                 row = f"{p.step_time:.3f} | {p.memory['peak'] / 2**30:.1f} | {_attention_form(p)}"
             except autopar.InfeasiblePlanError as e:
                 need = getattr(e, "min_feasible_budget", None)

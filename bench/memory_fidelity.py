@@ -7,6 +7,7 @@ included, taking the largest over ranks:
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 bench/memory_fidelity.py
     python -m torch.distributed.run --standalone --nproc-per-node 4 bench/memory_fidelity.py --kinds 2d
+    python -m torch.distributed.run --standalone --nproc-per-node 2 bench/memory_fidelity.py --precision bf16-mixed
 
 With ``--gpu`` (one CUDA device, no torchrun needed) it plans for a one-device cluster of the GPU's
 preset (``--preset``, default 1xH100) and measures ``torch.cuda.max_memory_allocated`` over the same
@@ -88,6 +89,8 @@ def main():
                     help="comma-separated: none, or a factor of the smallest feasible budget")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--precision", default=None, choices=("32-true", "bf16-mixed", "bf16-true"),
+                    help="training precision (default: the model's own, 32-true)")
     ap.add_argument("--gpu", action="store_true", help="one CUDA device: torch.cuda.max_memory_allocated "
                                                        "against the one-device plan")
     ap.add_argument("--preset", default="1xH100", help="the cluster preset of the GPU in --gpu mode")
@@ -123,6 +126,8 @@ def main():
             opts = options(arch, kind, ranks, model)
             if opts is None or (a.gpu and kind not in ("auto", "recompute")):
                 continue
+            if a.precision:
+                opts = {**opts, "precision": a.precision}
             if a.gpu:
                 opts = {k: v for k, v in opts.items() if k not in ("mesh_shape", "pins")}
             smallest = [None]

@@ -27,9 +27,11 @@ def _measure(rank, world, cases):
 
     cluster = autopar.ClusterSpec.local_cpu(world)
     failures = []
-    for arch, kind, factor in cases:
+    for arch, kind, factor, *precision in cases:
         model, args, kwargs = build(arch, 32, 4, "cpu")
         opts = options(arch, kind, world, model)
+        if precision:
+            opts = {**opts, "precision": precision[0]}
         budget = [None]
         if factor is not None and rank == 0:
             budget = [factor * _smallest(model, cluster, args, kwargs, opts)]
@@ -62,6 +64,12 @@ def _measure(rank, world, cases):
 ], ids=["no-budget-a", "no-budget-b", "tight-budget"])
 def test_predicted_peak_matches_measured_on_two_ranks(cases):
     run_distributed(_measure, 2, cases, timeout=600)
+
+
+def test_bf16_mixed_predicted_peak_matches_measured_on_two_ranks():
+    """fp32 master weights, gradients and Adam states, bf16 copies of the weights and bf16 activations."""
+    run_distributed(_measure, 2, [("gpt2", "dp", None, "bf16-mixed"), ("llama", "megatron", None, "bf16-mixed"),
+                                  ("gpt", "zero3", 1.05, "bf16-mixed")], timeout=600)
 
 
 @pytest.fixture(scope="module")

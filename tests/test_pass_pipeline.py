@@ -29,18 +29,18 @@ def _plan(**options):
 def test_every_pass_runs_through_the_runner_in_pipeline_order():
     p = _plan()
     ran = [r["name"] for r in p.solver["passes"]]
-    assert ran[:5] == list(PASS_NAMES[:5])                    # front end, then analysis
-    assert set(ran[5:]) == {"strategies_pass"}                # then one per candidate mesh
+    assert ran[:6] == list(PASS_NAMES[:6])                    # front end, then analysis
+    assert set(ran[6:]) == {"strategies_pass"}                # then one per candidate mesh
     assert all(r["seconds"] >= 0 and not r["skipped"] for r in p.solver["passes"])
-    assert {r["stage"] for r in p.solver["passes"][:3]} == {"front end"}
+    assert {r["stage"] for r in p.solver["passes"][:4]} == {"front end"}
 
 
 def test_a_skipped_pass_is_recorded_and_a_required_one_gives_a_clear_error():
     p = _plan(skip_passes=("normalize_pass",))
-    assert p.solver["passes"][0] == {"name": "normalize_pass", "stage": "front end", "seconds": 0.0, "skipped": True}
+    assert p.solver["passes"][1] == {"name": "normalize_pass", "stage": "front end", "seconds": 0.0, "skipped": True}
     assert "add.Tensor" not in {n["op"] for n in p.nodes}      # normalize would have split the bias off
     with pytest.raises(PassError, match=r"strategies_pass requires \['mark_requires_grad_pass'\], which were "
-                                        r"skipped; passes run so far: \['normalize_pass', 'layers_pass'"):
+                                        r"skipped; passes run so far: \['autocast_pass', 'normalize_pass', 'layers_pass'"):
         _plan(skip_passes=("mark_requires_grad_pass",))
     with pytest.raises(PassError, match="no pass is named.*'normalise_pass'"):
         _plan(skip_passes=("normalise_pass",))
@@ -54,7 +54,7 @@ def test_a_users_pass_runs_after_the_pass_it_names():
 
     p = _plan(insert_passes=[("normalize_pass", count_matmuls_pass)])
     names = [r["name"] for r in p.solver["passes"]]
-    assert names[:3] == ["normalize_pass", "count_matmuls_pass", "layers_pass"]
+    assert names[:4] == ["autocast_pass", "normalize_pass", "count_matmuls_pass", "layers_pass"]
     assert seen == [2]                                         # it saw the normalized graph (biases split off)
 
 
@@ -64,7 +64,7 @@ def test_a_failing_pass_names_the_passes_run_before_it():
         raise ValueError("bad graph")
 
     with pytest.raises(PassError, match=r"pass broken_pass \(stage front end\) failed after "
-                                        r"\['normalize_pass', 'layers_pass'\]: ValueError: bad graph"):
+                                        r"\['autocast_pass', 'normalize_pass', 'layers_pass'\]: ValueError: bad graph"):
         _plan(insert_passes=[("layers_pass", broken_pass)])
 
 
@@ -83,9 +83,10 @@ def test_debug_mode_writes_each_passs_graph(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOPAR_DEBUG_DIR", str(tmp_path))
     _plan(mesh_shape=(2,))
     files = sorted(f.name for f in tmp_path.iterdir())
-    assert files[:4] == ["00_capture.py", "01_normalize_pass.py", "02_layers_pass.py", "03_mark_requires_grad_pass.py"]
+    assert files[:5] == ["00_capture.py", "01_autocast_pass.py", "02_normalize_pass.py", "03_layers_pass.py",
+                         "04_mark_requires_grad_pass.py"]
     assert "strategies_pass" in files[-1]
-    assert "torch.ops.aten.add.Tensor" in (tmp_path / "01_normalize_pass.py").read_text()
+    assert "torch.ops.aten.add.Tensor" in (tmp_path / "02_normalize_pass.py").read_text()
 
 
 def test_partial_binds_options_and_keeps_the_name():

@@ -9,6 +9,7 @@ import argparse
 import sys
 
 _DTYPES = ("float32", "bfloat16", "float16")
+_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,7 +22,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="NxDEVICE (e.g. 8xH100, 64xH100, 8xA100), or cpu:N for N local gloo processes")
     p.add_argument("--batch", type=int, default=8, help="global batch size (default 8)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's zoo default)")
-    p.add_argument("--dtype", choices=_DTYPES, default="float32", help="parameter dtype (default float32)")
+    p.add_argument("--dtype", choices=_DTYPES, default=None,
+                   help="the model's parameter dtype (default: float32, bfloat16 under --precision bf16-true)")
+    p.add_argument("--precision", choices=_PRECISIONS, default=None,
+                   help="training precision, Lightning's names (default: bf16-mixed for the zoo's large models "
+                        "gpt2-xl, llama3-8b, llama2-70b, gqa-7b-128k, else the model's own dtype)")
     p.add_argument("--memory-budget", type=float, default=None, metavar="GB",
                    help="bytes per device, in GB (1e9 bytes); default: the device's capacity less its reserve")
     p.add_argument("--mesh", default=None, metavar="A,B,...", help="fix the mesh shape, e.g. 8,8")
@@ -73,12 +78,18 @@ def run(args: argparse.Namespace) -> int:
 
     import autopar
     from autopar import zoo
+    from autopar.passes.precision import resolve_precision
 
     try:
         cluster = _cluster(args.cluster)
         mesh = _mesh(args.mesh)
+        precision = args.precision
+        if precision is None and args.dtype is None:
+            precision = zoo.DEFAULT_PRECISION.get(args.model)
+        dtype = args.dtype or ("bfloat16" if precision == "bf16-true" else "float32")
         model, ex_args, ex_kwargs = zoo.build(args.model, batch=args.batch, seq=args.seq, device="meta",
-                                              dtype=getattr(torch, args.dtype))
+                                              dtype=getattr(torch, dtype))
+        resolve_precision(precision, model)
     except (ValueError, ImportError) as e:    # bad names, presets, meshes; transformers missing
         return _fail(e)
     budget = args.memory_budget * 1e9 if args.memory_budget is not None else None
@@ -87,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         plan = autopar.plan(model, cluster, ex_args, ex_kwargs, memory_budget=budget, mesh_shape=mesh,
                             axis_names=axes, time_limit=args.time_limit, sharded_outputs=args.sharded_outputs,
                             microbatches=args.microbatches, schedule=args.schedule,
-                            pipeline=False if args.no_pipeline else None)
+                            pipeline=False if args.no_pipeline else None, precision=precision)
     except autopar.AutoparError as e:         # raised on purpose, with what to change; a bug keeps its traceback
         return _fail(e)
     print(plan.summary())

@@ -1,0 +1,168 @@
+"""Mixed precision ("bf16-mixed"): autocast's casts written into the graph, checked against CPU autocast
+itself; training on gloo ranks against eager single-process training under ``torch.autocast``; the
+memory and cost models' view of each copy; bad names."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import autopar
+from autopar.passes.precision import autocast_dtypes
+from tests.distributed_utils import run_distributed
+from tests.hf_models import MEGATRON, batch, build
+
+aten = torch.ops.aten
+STEPS = 4
+# The issue's promise for bf16-mixed losses against eager autocast over several steps.
+LOSS_RTOL = 0.02
+# bf16 keeps 8 significant bits (a relative rounding of 2^-9). A sharded plan sums partial products in
+# another order and reduces partial gradients in bf16, so an entry may differ from eager autocast's by
+# a few roundings of the largest entry: 2^-6 of it.
+GRAD_TOL = 2.0 ** -6
+
+
+class _Casts(TorchDispatchMode):
+    """The dtype each of an op's tensor arguments is cast to by autocast, seen at dispatch."""
+
+    def __init__(self, args):
+        super().__init__()
+        self.position = {id(a): k for k, a in enumerate(args)}
+        self.casts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is aten._to_copy.default and id(args[0]) in self.position:
+            self.casts.setdefault(self.position[id(args[0])], (kwargs or {}).get("dtype"))
+        return func(*args, **(kwargs or {}))
+
+
+# Casts themselves (what they copy is no autocast cast) and export's checks.
+_NOT_AUTOCAST = {aten._assert_tensor_metadata.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout,
+                 aten.type_as.default}
+
+
+@pytest.mark.parametrize("model_name", ["gpt", "gpt2", "llama", "bert"])
+def test_the_cpu_casts_are_cpu_autocasts(model_name):
+    """Every op of the captured model, run on fake tensors in bf16 and fp32 mixes under CPU autocast:
+    the casts autocast makes are the ones the pass writes."""
+    from autopar.passes.capture import capture
+
+    model = build(model_name)
+    ids, labels = batch()
+    gm = capture(model, (ids,), {"labels": labels}).gm
+    checked = 0
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or not hasattr(node.target, "_schema"):
+                continue
+            if node.target in _NOT_AUTOCAST or "dtype" in node.kwargs:
+                continue
+            tensors = [a for a in node.args if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+            if not any(t.meta["val"].is_floating_point() for t in tensors):
+                continue
+            for low in (False, True):      # every floating input fp32, then bf16
+                def val(a):
+                    if not isinstance(a, torch.fx.Node):
+                        return a
+                    v = a.meta["val"]
+                    v = torch.empty(v.shape, dtype=v.dtype)
+                    return v.to(torch.bfloat16) if low and v.is_floating_point() else v
+
+                args = torch.fx.node.map_aggregate(node.args, val)
+                kwargs = torch.fx.node.map_aggregate(node.kwargs, val)
+                flat = [a for a in args if isinstance(a, torch.Tensor)]
+                mode = _Casts(flat)
+                with torch.autocast("cpu", torch.bfloat16), mode:
+                    node.target(*args, **kwargs)
+                have = [a.dtype if a.is_floating_point() else None for a in flat]
+                want = autocast_dtypes(node.target, have, "cpu", torch.bfloat16)
+                seen = [mode.casts.get(k, d) for k, d in enumerate(have)]
+                assert seen == want, f"{node.format_node()}: autocast casts {seen}, the pass {want}"
+                checked += 1
+    assert checked > 20
+
+
+def test_an_unknown_precision_is_refused_with_the_names():
+    model = build("gpt")
+    ids, labels = batch()
+    with pytest.raises(ValueError, match=r"'fp8'.*'32-true', 'bf16-mixed', 'bf16-true'"):
+        autopar.plan(model, autopar.ClusterSpec.local_cpu(2), (ids,), {"labels": labels}, precision="fp8",
+                     progress=False)
+    with pytest.raises(ValueError, match=r"float32 master weights|build the model in float32"):
+        autopar.plan(copy.deepcopy(model).to(torch.bfloat16), autopar.ClusterSpec.local_cpu(2), (ids,),
+                     {"labels": labels}, precision="bf16-mixed", progress=False)
+
+
+def test_the_models_count_the_master_and_the_bf16_copy():
+    """Offline: under bf16-mixed the parameters, gradients and Adam states are fp32 (4 + 4 + 8 bytes per
+    parameter), matmuls are priced at bf16 FLOP/s, and bf16 activations make the saved bytes fewer."""
+    model = build("llama")
+    ids, labels = batch()
+    cluster = autopar.ClusterSpec.preset("8xH100")
+    n = sum(p.numel() for p in model.parameters())
+    kw = dict(mesh_shape=(8,), pins={name: ["R"] for name, _ in model.named_parameters()}, progress=False,
+              recompute=False)
+    fp32 = autopar.plan(model, cluster, (ids,), {"labels": labels}, **kw)
+    mixed = autopar.plan(model, cluster, (ids,), {"labels": labels}, precision="bf16-mixed", **kw)
+    assert mixed.precision == "bf16-mixed" and fp32.precision == "32-true"
+    assert (mixed.memory["params"], mixed.memory["grads"], mixed.memory["optimizer"]) == (4 * n, 4 * n, 8 * n)
+    assert mixed.memory["activations"] < fp32.memory["activations"]
+    mm = [x for x in mixed.nodes if x["op"] == "linear.default"]
+    ref = {x["name"]: x for x in fp32.nodes}
+    assert mm and all(x["compute_seconds"] < ref[x["name"]]["compute_seconds"] for x in mm)
+
+
+def _train(rank, world, cases):
+    import autopar
+    from torch.distributed.tensor import DTensor
+
+    cluster = autopar.ClusterSpec.local_cpu(world)
+    for model_name, kind, mesh in cases:
+        torch.manual_seed(0)
+        model = build(model_name)
+        ref = copy.deepcopy(model)
+        ids, labels = batch()
+        params = dict(model.named_parameters())
+        pins = {"dp": {n: ["R"] * len(mesh) for n in params},
+                "megatron": {k: [v] for k, v in MEGATRON[model_name].items()},
+                "zero3": {n: ["S(0)"] if p.shape[0] % world == 0 else ["R"] for n, p in params.items()},
+                "auto": {}}[kind]
+        where = f"{model_name} {kind} on mesh {mesh}"
+        pm = autopar.compile(model, cluster, (ids,), {"labels": labels}, mesh_shape=mesh, pins=pins,
+                             precision="bf16-mixed", kernels="aten", recompute=False)
+        assert "torch.bfloat16" in pm.code, where
+        assert all(p.dtype == torch.float32 for p in pm.parameters()), f"{where}: master weights are fp32"
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        for step in range(STEPS):
+            out = pm(ids, labels=labels)
+            out.loss.backward()
+            with torch.autocast("cpu", torch.bfloat16):
+                ref_out = ref(ids, labels=labels)
+            ref_out.loss.backward()
+            assert out.logits.dtype == ref_out.logits.dtype == torch.bfloat16, where
+            assert abs(out.loss.item() / ref_out.loss.item() - 1) <= LOSS_RTOL, \
+                f"{where}: step {step} loss {out.loss.item()} vs eager autocast {ref_out.loss.item()}"
+            if step == 0:
+                scale = max(p.grad.abs().max().item() for p in ref.parameters())
+                for fqn, p in ref.named_parameters():
+                    local = pm.local_parameter(fqn)
+                    assert local.grad.dtype == torch.float32, where
+                    grad = DTensor.from_local(local.grad, pm.mesh, [x.to_dtensor() for x in pm._layouts[fqn]],
+                                              run_check=False).full_tensor()
+                    err = (grad - p.grad).abs().max().item()
+                    assert err <= GRAD_TOL * scale, f"{where}: gradient of {fqn} off by {err} (largest {scale})"
+            opt.step(), ref_opt.step()
+            opt.zero_grad(), ref_opt.zero_grad()
+
+
+def test_bf16_mixed_trains_like_eager_autocast_on_two_ranks():
+    run_distributed(_train, 2, [("gpt", "dp", (2,)), ("llama", "megatron", (2,)), ("gpt2", "zero3", (2,))],
+                    timeout=600)
+
+
+def test_bf16_mixed_trains_like_eager_autocast_on_four_ranks():
+    run_distributed(_train, 4, [("llama", "auto", (2, 2))], timeout=600)
