@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import AutoparError
-from autopar.layout import global_shape, parse_layout
+from autopar.layout import global_shape
 
 MARKER = "autopar.json"
 FORMAT = 1
@@ -95,7 +95,7 @@ def load(path, pmodel, optimizer=None):
     dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
     with torch.no_grad():
         for fqn in _held(pmodel, state["model"]):
-            local = pmodel.local_parameter(fqn)
+            local = pmodel.local_tensor(fqn)
             loaded = state["model"][fqn]
             loaded = loaded.to_local() if hasattr(loaded, "to_local") else loaded
             if loaded.data_ptr() != local.data_ptr():
@@ -199,7 +199,7 @@ def _optimizer_state(pmodel, optimizer):
         fqn = fqn_of.get(id(p))
         if fqn is None:
             continue
-        layout = parse_layout(pmodel.plan.params[fqn])
+        layout = pmodel.state_layout(fqn)       # a ZeRO-1/2 parameter's state is sharded where it is not
         shape = torch.Size(global_shape(p.shape, layout, pmodel.plan.mesh_shape))
         entry = {}
         for key, value in st.items():

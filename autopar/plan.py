@@ -41,13 +41,17 @@ class Plan:
     alternatives: dict = field(default_factory=dict)
     sharded_outputs: bool = False    # non-scalar outputs are returned as computed, not gathered
     # layer instances whose activations are recomputed in backward: {"classes": {class: {"count",
-    # "of", "layers"}}, "layers": [instance, ...]}
+    # "of", "layers"}}, "layers": [instance, ...]}, and where attention cores alone are (selective
+    # recompute), "attention": {"classes": ..., "layers": [...], "regions": {region: [node, ...]}}
     recompute: dict = field(default_factory=lambda: {"classes": {}, "layers": []})
     # pipeline plans: {"axis", "schedule", "microbatches", "virtual_stages", "bubble_fraction",
     # "bubble_seconds", "stages": [{"index", "pp_rank", "layers", "seconds", ...}], "ranks": [...]}
     pipeline: dict | None = None
     # the training precision, by Lightning's name (autopar.passes.precision.PRECISIONS)
     precision: str = "32-true"
+    # parameters whose optimizer state (ZeRO-1), and gradient too (ZeRO-2), are sharded along an axis
+    # the parameter is replicated on: FQN -> {"stage": 1 or 2, "axis": axis name, "dim": dim}
+    zero: dict = field(default_factory=dict)
     version: int = PLAN_VERSION
     extra: dict = field(default_factory=dict)
 
@@ -98,6 +102,19 @@ class Plan:
         for c in self.collectives:
             k = (c["kind"], c["axis"], c["phase"])
             out[k] = out.get(k, 0) + 1
+        return out
+
+    def zero_stages(self) -> dict:
+        """Parameter FQN -> (ZeRO stage, mesh axis) for every parameter whose state is sharded: 1 or 2
+        from ``zero``, 3 where the parameter itself is sharded along an axis its readers gather it on."""
+        out = {fqn: (z["stage"], z["axis"]) for fqn, z in self.zero.items()}
+        gathered = {(c["value"], c["axis"]) for c in self.collectives
+                    if c["kind"] == "all_gather" and c["phase"] == "forward"}
+        for fqn, lay in self.params.items():
+            value = "p_" + fqn.replace(".", "_")          # torch.export's name for the parameter
+            for axis, p in zip(self.axis_names, lay):
+                if fqn not in out and p != "R" and (value, axis) in gathered:
+                    out[fqn] = (3, axis)
         return out
 
     def explain(self, name: str) -> str:
@@ -162,6 +179,11 @@ def _one_of(options):
         if not isinstance(v, str) or v not in options:
             _fail(where, f"must be one of {list(options)}, got {v!r}")
     return check
+
+
+def _zero_stage(v, where):
+    if v not in (1, 2) or isinstance(v, bool):
+        _fail(where, f"must be 1 (ZeRO-1) or 2 (ZeRO-2), got {v!r}")
 
 
 def _optional(check):
@@ -311,9 +333,17 @@ def _schema(axes) -> dict:
         "precision": _one_of(PRECISIONS),
         "recompute": _object({"classes": _dict_of(_object({"count": _integer(0), "of": _integer(1),
                                                             "layers": _list_of(_string)})),
-                              "layers": _list_of(_string)}, open_ended=False),
+                              "layers": _list_of(_string)},
+                             {"attention": _object({"classes": _dict_of(_object({"count": _integer(0),
+                                                                                 "of": _integer(1),
+                                                                                 "layers": _list_of(_string)})),
+                                                    "layers": _list_of(_string),
+                                                    "regions": _dict_of(_list_of(_string))}, open_ended=False)},
+                             open_ended=False),
         "extra": _object({}, {"warnings": _list_of(_string)}),
         "pipeline": _optional(_pipeline(axes)),
+        "zero": _dict_of(_object({"stage": _zero_stage, "axis": _one_of(axes), "dim": _integer(0)},
+                                 open_ended=False)),
     }
 
 
@@ -339,7 +369,8 @@ def _validate(d: Any) -> None:
     if version != PLAN_VERSION:
         raise PlanFormatError(f"plan format version {version!r} is not supported (this autopar reads "
                               f"version {PLAN_VERSION}); plan the model again with this version")
-    optional = ("version", "extra", "alternatives", "sharded_outputs", "recompute", "pipeline", "precision")
+    optional = ("version", "extra", "alternatives", "sharded_outputs", "recompute", "pipeline", "precision",
+                "zero")
     missing = [k for k in Plan.__dataclass_fields__ if k not in optional and k not in d]
     if missing:
         raise PlanFormatError(f"plan is missing fields {missing}")
@@ -367,6 +398,17 @@ def _validate(d: Any) -> None:
             _fail("recompute.layers", f"{rc['layers']} must be the layers its classes list ({sorted(listed)})")
     if d.get("pipeline") is not None:
         _validate_pipeline(d["pipeline"], d["mesh"])
+    for fqn, z in (d.get("zero") or {}).items():
+        lay = d["params"].get(fqn)
+        if lay is None:
+            _fail(f"zero.{fqn}", "names no parameter of the plan")
+        if lay[d["mesh"]["axes"].index(z["axis"])] != "R":
+            _fail(f"zero.{fqn}", f"shards the state along axis {z['axis']!r}, where the parameter is not replicated "
+                                 f"({lay})")
+        if any(p == f"S({z['dim']})" for p in lay):
+            _fail(f"zero.{fqn}", f"shards dim {z['dim']}, which the parameter's layout {lay} shards already")
+        if d.get("pipeline") is not None:
+            _fail(f"zero.{fqn}", "pipeline plans do not shard optimizer states of replicated parameters")
 
 
 def _validate_pipeline(pipe: Any, mesh: dict) -> None:

@@ -211,11 +211,11 @@ def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
             return sum(self.steps_seconds([st], info.dtype.itemsize, grad)
                        / (self.microbatches if st.op == "grad_all_reduce" else 1) for st in steps)
 
-        def param_bytes(self, node, layout):
-            return tuple(x / self.stages for x in super().param_bytes(node, layout))
+        def param_bytes(self, node, layout, zero=None):
+            return tuple(x / self.stages for x in super().param_bytes(node, layout, zero))
 
-        def optimizer_seconds(self, node, layout):      # of the whole parameter, once per step
-            return super().optimizer_seconds(node, layout) * self.stages / self.microbatches
+        def optimizer_seconds(self, node, layout, zero=None):      # of the whole parameter, once per step
+            return super().optimizer_seconds(node, layout, zero) * self.stages / self.microbatches
 
     return PerMicrobatch
 
@@ -317,7 +317,7 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
         t0 = time.perf_counter()
         PL.check_layers(prep.gm, p)
         loss_output(prep.gm)          # the last stage hands the loss to the schedule
-        prep.runner.run(mesh_passes(sub_shape), prep.gm, f"mesh {shape}")
+        prep.runner.run(mesh_passes(sub_shape, zero=False), prep.gm, f"mesh {shape}")
         cm = cost_model(sub_cluster, sub_shape, optimizer, fused=fused)
         # The ILP prices one microbatch, with what runs once per step (gradient sync, optimizer) divided by
         # m, and bounds the memory of 1F1B's first stage: a p-th of the parameters and states, and the
@@ -565,10 +565,13 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
             chosen[n] = meta_of(n).strategies.strategies[idx.option_of(n, assignment)]
     low = plan_reshards(gm, chosen, cm.mesh_shape, sharded_outputs)
     colls = collectives(low, cm, axis_names)
-    recompute = recomputed_layers(gm, idx.recompute_counts(assignment))
+    recompute = recomputed_layers(gm, idx.recompute_counts(assignment), idx.selective_counts(assignment))
+    cores = {name for names in recompute.get("attention", {}).get("regions", {}).values() for name in names}
     instance_of = {n: meta_of(n).layer.layer for n in chosen
-                   if n.op == "call_function" and meta_of(n).layer and meta_of(n).layer.layer in recompute["layers"]}
-    # Recomputed layers run their forward again in backward, with the collectives inside them.
+                   if n.op == "call_function" and meta_of(n).layer and (meta_of(n).layer.layer in recompute["layers"]
+                                                                        or n.name in cores)}
+    # Recomputed layers and attention cores run their forward again in backward, with the collectives
+    # they read through.
     recomputed_nodes = {n.name for n in instance_of}
     rerun = [{**c, "phase": "backward", "recompute": True} for c in colls
              if c["phase"] == "forward" and c["node"] in recomputed_nodes]
@@ -578,7 +581,7 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
     for c in colls:
         comm_by_node[c["node"]] = comm_by_node.get(c["node"], 0.0) + c["seconds"]
 
-    params, inputs, nodes, param_bytes = {}, {}, [], {}
+    params, inputs, nodes, param_bytes, zero = {}, {}, [], {}, {}
     mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
     compute = optim = 0.0
     for n, s in chosen.items():
@@ -587,12 +590,14 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
             if role and role.kind == "param":
                 lay = s.outputs[0]
                 params[role.target] = format_layout(lay)
-                p, g, o = cm.param_bytes(n, lay)
+                if s.zero is not None:
+                    zero[role.target] = {"stage": s.zero.stage, "axis": axis_names[s.zero.axis], "dim": s.zero.dim}
+                p, g, o = cm.param_bytes(n, lay, s.zero)
                 mem["params"] += p
                 mem["grads"] += g
                 mem["optimizer"] += o
                 param_bytes[role.target] = p + g + o
-                optim += cm.optimizer_seconds(n, lay)
+                optim += cm.optimizer_seconds(n, lay, s.zero)
             elif role and role.kind == "input" and s.outputs:
                 inputs[role.target] = format_layout(s.outputs[0])
             continue
@@ -630,7 +635,7 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
         params=params, inputs=inputs, nodes=nodes, collectives=colls, memory=mem, step_time=step,
         breakdown={"compute": compute, "communication": comm_axis, "optimizer": optim,
                    "recompute": recompute_compute},
-        solver={}, sharded_outputs=sharded_outputs, recompute=recompute,
+        solver={}, sharded_outputs=sharded_outputs, recompute=recompute, zero=zero,
     )
 
 
@@ -640,21 +645,41 @@ def _smallest_valid_budget(prob, sm: StepMemory):
     The memory-only minimum ignores seconds, so it may pick a resharding that cannot happen (priced
     INFEASIBLE); starting from it, look for the least budget at which the time-aware solve avoids them.
     """
-    lower_bound, _ = minimum_budget(prob, sm)
+    lower_bound, least = minimum_budget(prob, sm)
+    if prob.objective(least) < INFEASIBLE:          # the least peak's own layout is a valid plan
+        return lower_bound, least
     for factor in (1.0 + 1e-6, 1.01, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0, 100.0):
-        sol = solve_under_budget(prob, sm, lower_bound * factor, time_limit=30.0)
+        try:
+            sol = solve_under_budget(prob, sm, lower_bound * factor, time_limit=30.0)
+        except AutoparError:        # no layout found within the time limit at this budget: try a larger one
+            continue
         if sol.status != "infeasible" and prob.objective(sol.assignment) < INFEASIBLE:
             return sm.peak(sol.assignment)[1], sol.assignment
     return None
 
 
-def recomputed_layers(gm, counts: dict) -> dict:
+def recomputed_layers(gm, counts: dict, selective: dict | None = None) -> dict:
     """The plan's ``recompute`` entry: per layer class, how many of its instances recompute (the first
-    ones, in execution order), and the instances by name."""
+    ones, in execution order), and the instances by name; with ``selective`` (class -> how many of the
+    next instances recompute their attention cores only), ``attention`` lists those too, with each
+    core's nodes by region name."""
+    from autopar.passes.layers import attention_cores
+    from autopar.passes.memory import core_region
+
     order = layer_instances(gm)
     classes = {cls: {"count": r, "of": len(order[cls]), "layers": list(order[cls])[:r]}
                for cls, r in counts.items() if r}
-    return {"classes": classes, "layers": [inst for c in classes.values() for inst in c["layers"]]}
+    out = {"classes": classes, "layers": [inst for c in classes.values() for inst in c["layers"]]}
+    picked = {cls: list(order[cls])[counts.get(cls, 0):counts.get(cls, 0) + k]
+              for cls, k in (selective or {}).items() if k}
+    if picked:
+        regions = {core_region(inst, c): [n.name for n in core]
+                   for cls, insts in picked.items() for inst in insts
+                   for c, core in enumerate(attention_cores(order[cls][inst]))}
+        out["attention"] = {"classes": {cls: {"count": len(insts), "of": len(order[cls]), "layers": insts}
+                                        for cls, insts in picked.items()},
+                            "layers": [inst for insts in picked.values() for inst in insts], "regions": regions}
+    return out
 
 
 def _boundary_bytes(instance_of: dict, chosen: dict, cm: CostModel) -> dict:

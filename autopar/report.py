@@ -68,10 +68,17 @@ def summary(plan) -> str:
             lines.append(f"  {n['name'][:34]:<34} {n['op'][:28]:<28} {out[:16]:<16} {_s(n['compute_seconds']):>10}  {cs}")
     for w in plan.extra.get("warnings", []):
         lines.append(f"\nwarning: {w}")
-    sharded = {k: v for k, v in plan.params.items() if any(p != "R" for p in v)}
-    lines.append(f"\nparameters: {len(plan.params)}, sharded: {len(sharded)}")
+    stages = plan.zero_stages()
+    sharded = {k: v for k, v in plan.params.items() if any(p != "R" for p in v) or k in stages}
+    by_stage = {}
+    for stage, _ in stages.values():
+        by_stage[stage] = by_stage.get(stage, 0) + 1
+    zero = ", ".join(f"ZeRO-{k} {by_stage[k]}" for k in sorted(by_stage))
+    lines.append(f"\nparameters: {len(plan.params)}, sharded: {len(sharded)}"
+                 + (f"; optimizer states sharded: {zero}, replicated {len(plan.params) - len(stages)}" if zero else ""))
     for k, v in list(sharded.items())[:12]:
-        lines.append(f"  {k:<60} {v}")
+        z = f"  ZeRO-{stages[k][0]} along {stages[k][1]}" if k in stages else ""
+        lines.append(f"  {k:<60} {v}{z}")
     if len(sharded) > 12:
         lines.append(f"  ... {len(sharded) - 12} more")
     m = plan.memory
@@ -90,6 +97,9 @@ def summary(plan) -> str:
     for cls, r in plan.recompute["classes"].items():
         lines.append(f"recomputed in backward: {r['count']} of {r['of']} {cls} ({', '.join(r['layers'][:4])}"
                      f"{', ...' if r['count'] > 4 else ''})")
+    for cls, r in plan.recompute.get("attention", {}).get("classes", {}).items():
+        lines.append(f"attention core recomputed in backward (selective): {r['count']} of {r['of']} {cls} "
+                     f"({', '.join(r['layers'][:4])}{', ...' if r['count'] > 4 else ''})")
     sv = plan.solver
     if sv:
         lines.append(f"solver: {sv.get('status')} in {sv.get('seconds', 0):.2f}s ({sv.get('backend')}, "

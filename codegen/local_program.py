@@ -21,7 +21,7 @@ from autopar.passes.reshard_plan import gathered_output, plan_reshards
 from autopar.passes.meta import meta_of, op_name, set_meta, set_program_meta
 from autopar.passes.rules import context_for, rule_for
 from autopar.passes.runner import requires
-from autopar.passes.strategies import Strategy, input_values, node_strategies
+from autopar.passes.strategies import Strategy, ZeroState, input_values, node_strategies, zero_variants
 from autopar.plan import Plan
 from autopar.runtime import collectives as C
 
@@ -69,7 +69,15 @@ def strategies_from_plan(gm: fx.GraphModule, plan: Plan) -> dict:
                 except ShardingError as e:
                     raise PlanFormatError(str(e)) from e
             outs = (lay,) if isinstance(val, torch.Tensor) else ()
-            out[node] = Strategy((), outs, (False,) * nax)
+            zero = None
+            if role.kind == "param" and role.target in plan.zero:
+                z = plan.zero[role.target]
+                zero = ZeroState(z["stage"], axes.index(z["axis"]), z["dim"])
+                if zero not in zero_variants(tuple(val.shape), lay, plan.mesh_shape):
+                    raise PlanFormatError(f"plan zero[{role.target!r}] = {z}: the parameter {format_layout(lay)} "
+                                          f"of shape {list(val.shape)} cannot shard its state that way on mesh "
+                                          f"{list(plan.mesh_shape)}; plan this model again")
+            out[node] = Strategy((), outs, (False,) * nax, zero)
         elif node.op == "call_function":
             entry = by_name.get(node.name)
             val = node.meta.get("val")
@@ -104,7 +112,7 @@ def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str]
     env: dict = {}
     resharded: dict = {}
     placeholders, output_layouts = [], []
-    current = {"layer": None}          # the layer tag of the node being emitted
+    current = {"layer": None, "node": None}          # the layer tag and name of the node being emitted
 
     def reshard(key):
         if key in resharded:
@@ -123,7 +131,7 @@ def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str]
                 x = g.call_function(fn, (x, st.dim, st.dst_dim, group))
             else:
                 x = g.call_function(fn, (x, group))
-            set_meta(x, step=st, layer=current["layer"])
+            set_meta(x, step=st, layer=current["layer"], reader=current["node"])
         resharded[key] = x
         return x
 
@@ -135,10 +143,10 @@ def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str]
         elif node.op == "get_attr":
             env[node] = g.get_attr(node.target)
         elif node.op == "call_function":
-            current["layer"] = meta_of(node).layer
+            current["layer"], current["node"] = meta_of(node).layer, node.name
             env[node] = _emit(g, node, strategy[node], low, env, reshard, mesh_shape, group_names)
             set_meta(env[node], source=node.name, layer=current["layer"])
-            current["layer"] = None
+            current["layer"] = current["node"] = None
         elif node.op == "output":
             leaves, spec = pytree.tree_flatten(node.args[0])
             outs, k = [], 0
@@ -154,7 +162,10 @@ def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str]
                     outs.append(env[a] if isinstance(a, fx.Node) else a)
             g.output(pytree.tree_unflatten(outs, spec))
     local = fx.GraphModule(gm, g, class_name="LocalProgram")
-    set_program_meta(local, placeholders=tuple(placeholders), output_layouts=tuple(output_layouts))
+    zero = tuple((fqn, z["stage"], group_names[plan.axis_names.index(z["axis"])], z["dim"])
+                 for fqn, z in plan.zero.items())
+    set_program_meta(local, placeholders=tuple(placeholders), output_layouts=tuple(output_layouts),
+                     sharded_states=zero)
     return local
 
 

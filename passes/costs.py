@@ -152,6 +152,14 @@ class CostModel:
         rule = rule_for(node)
         return rule.workspace(context_for(node), s.inputs, self.mesh_shape) if rule.workspace else 0.0
 
+    def backward_workspace_bytes(self, node: fx.Node, s: Strategy) -> float | None:
+        """Bytes ``node``'s own sharded backward holds beyond the gradients it returns (the rule's
+        ``backward_workspace``), or None where the ATen op's measured figure holds."""
+        if node.op != "call_function":
+            return None
+        rule = rule_for(node)
+        return rule.backward_workspace(context_for(node), s.inputs, self.mesh_shape) if rule.backward_workspace else None
+
     def op_comm_seconds(self, node: fx.Node, s: Strategy) -> float:
         return sum(self.op_collective_seconds(oc) for oc in self.op_collectives(node, s))
 
@@ -187,17 +195,58 @@ class CostModel:
         return self.steps_seconds(steps, info.dtype.itemsize, requires_grad(value.node))
 
     # --- parameters and memory -----------------------------------------------------------------
-    def param_bytes(self, node: fx.Node, layout) -> tuple[float, float, float]:
-        """(parameter, gradient, optimizer state) bytes per device for a parameter under ``layout``."""
+    def param_bytes(self, node: fx.Node, layout, zero=None) -> tuple[float, float, float]:
+        """(parameter, gradient, optimizer state) bytes per device that a parameter under ``layout``
+        keeps through the step. ``zero`` (a ZeroState) shards the optimizer state along its axis
+        (ZeRO-1), and the gradient kept for the optimizer too (ZeRO-2); ZeRO's formulas
+        (REFERENCES.md) follow: ``p + g + o/N`` and ``p + (g + o)/N``."""
         val = node.meta["val"]
         numel = val.numel() * local_fraction(layout, self.mesh_shape)
         p = numel * val.dtype.itemsize
-        return p, p, numel * self.optimizer.bytes_per_param
+        g, o = p, numel * self.optimizer.bytes_per_param
+        if zero is not None:
+            n = self.mesh_shape[zero.axis]
+            o /= n
+            if zero.stage >= 2:
+                g /= n
+        return p, g, o
 
-    def optimizer_seconds(self, node: fx.Node, layout) -> float:
-        p, g, o = self.param_bytes(node, layout)
+    def optimizer_seconds(self, node: fx.Node, layout, zero=None) -> float:
+        """Seconds of the optimizer step on what this device steps (its shard under ZeRO-1/2)."""
+        p, g, o = self.param_bytes(node, layout, zero)
+        if zero is not None:
+            p, g = p / self.mesh_shape[zero.axis], g if zero.stage >= 2 else g / self.mesh_shape[zero.axis]
         # Adam reads the parameter, gradient and states and writes the parameter and states.
         return (2 * p + g + 2 * o) / self.cluster.device.memory_bandwidth
+
+    def zero_collectives(self, node: fx.Node, layout, zero) -> list[Collective]:
+        """What a ZeRO-1/2 parameter's state costs in communication beyond plain data parallelism's:
+        ZeRO-2 reduce-scatters the gradient (in place of the all-reduce along its axis, which its
+        readers then leave out) and both all-gather the updated shards after the optimizer step."""
+        if zero is None:
+            return []
+        p = self.param_bytes(node, layout)[0]
+        out = []
+        if zero.stage >= 2:
+            out.append(Collective("reduce_scatter", zero.axis, "backward", p,
+                                  self.collective_seconds("reduce_scatter", p, zero.axis)))
+        out.append(Collective("all_gather", zero.axis, "optimizer", p,
+                              self.collective_seconds("all_gather", p, zero.axis)))
+        return out
+
+    def zero_seconds(self, node: fx.Node, layout, zero) -> float:
+        return sum(c.seconds for c in self.zero_collectives(node, layout, zero))
+
+    def param_transition_seconds(self, value: Value, src: Strategy, dst_layout, partial_axes: frozenset) -> float:
+        """``transition_seconds`` from a parameter's strategy: a ZeRO-2 parameter's gradient is reduced
+        along its axis by its own reduce-scatter, so a reader must leave it partial there (a reader
+        that does not split its work along that axis cannot read it)."""
+        z = src.zero
+        if z is not None and z.stage >= 2:
+            if not (dst_layout[z.axis].is_replicate and z.axis in partial_axes):
+                return INFEASIBLE
+            partial_axes = partial_axes - {z.axis}
+        return self.transition_seconds(value, src.outputs[value.index], dst_layout, partial_axes)
 
     def activation_bytes(self, node: fx.Node, s: Strategy) -> float:
         """Bytes ``node`` keeps for backward under ``s``, per device.

@@ -97,3 +97,57 @@ def layer_counts(gm: fx.GraphModule) -> dict[str, int]:
         if tag is not None:
             seen[tag.cls].add(tag.layer)
     return {cls: len(v) for cls, v in seen.items()}
+
+
+_aten = torch.ops.aten
+# Attention in one op: its core is the op.
+_FUSED_ATTENTION = {_aten.scaled_dot_product_attention.default,
+                    _aten._scaled_dot_product_flash_attention.default,
+                    _aten._scaled_dot_product_efficient_attention.default,
+                    _aten._scaled_dot_product_flash_attention_for_cpu.default}
+_MATMULS = {_aten.matmul.default, _aten.bmm.default, _aten.mm.default, _aten.baddbmm.default}
+
+
+def _from_param(node: fx.Node) -> bool:
+    """Whether ``node`` is a parameter, or a chain of one-input ops on one (a transposed weight)."""
+    for _ in range(64):
+        if node.op == "placeholder":
+            role = meta_of(node).role
+            return role is not None and role.kind == "param"
+        ins = node.all_input_nodes
+        if node.op != "call_function" or len(ins) != 1:
+            return False
+        node = ins[0]
+    return False
+
+
+def attention_cores(nodes: list[fx.Node]) -> list[list[fx.Node]]:
+    """The attention cores of one layer instance's op nodes (execution order), what Korthikanti et
+    al.'s selective recompute runs again: a fused attention op; or, for attention written out, the
+    nodes on every path from the scores matmul (q x k, two activations) to the matmul of the
+    probabilities with v, the mask, softmax and dropout between them included. Each core is convex (no
+    path leaves it and comes back), so one checkpoint can run it."""
+    fused = [[n] for n in nodes if n.target in _FUSED_ATTENTION]
+    if fused:
+        return fused
+    mm = [n for n in nodes if n.op == "call_function" and n.target in _MATMULS
+          and not any(_from_param(a) for a in n.all_input_nodes)]
+    inside = set(nodes)
+    cores = []
+    for first, last in zip(mm[0::2], mm[1::2]):
+        after, stack = {first}, [first]
+        while stack:
+            for u in stack.pop().users:
+                if u in inside and u not in after:
+                    after.add(u)
+                    stack.append(u)
+        before, stack = {last}, [last]
+        while stack:
+            for a in stack.pop().all_input_nodes:
+                if a in inside and a not in before:
+                    before.add(a)
+                    stack.append(a)
+        core = [n for n in nodes if n in after and n in before]
+        if core:
+            cores.append(core)
+    return cores

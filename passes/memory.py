@@ -318,7 +318,7 @@ class StepMemory:
     """
 
     def __init__(self, gm, cm, idx, num_options: Sequence[int], *, sharded_outputs: bool = False):
-        from autopar.passes.layers import layer_instances
+        from autopar.passes.layers import attention_cores, layer_instances
 
         self.cm, self.idx, self.num_options = cm, idx, tuple(num_options)
         self.sharded_outputs = sharded_outputs
@@ -326,14 +326,19 @@ class StepMemory:
         self.points: list[tuple[int, str, str]] = []       # (number of events before it, phase, name)
         self._values: dict = {}
         self._copies: dict = {}
-        instances = {}
+        instances = {}        # a recomputed region (a layer instance, or its attention core) -> (decision,
+        #                       1 or 0 per option of it: whether the region recomputes, its nodes)
         for cls, insts in layer_instances(gm).items():
             if cls in idx.recompute:
-                ri, counts = idx.recompute[cls]
+                ri, counts, selective = idx.recompute[cls]
                 for j, (inst, nodes) in enumerate(insts.items()):
                     ind = tuple(1.0 if r > j else 0.0 for r in counts)
                     if any(ind):
                         instances[inst] = (ri, ind, nodes)
+                    ind = tuple(1.0 if r <= j < r + k else 0.0 for r, k in zip(counts, selective))
+                    if any(ind):
+                        for c, core in enumerate(attention_cores(nodes)):
+                            instances[core_region(inst, c)] = (ri, ind, core)
         self._build(gm, instances)
 
     # --- bytes of values under the decisions -------------------------------------------------------
@@ -411,12 +416,16 @@ class StepMemory:
             fwd, bwd = [], []
             for i in self._options(ca):
                 src = self._strategy(v.node, i)
+                z = None if src is None else src.zero
+                zero_axis = z.axis if z is not None and z.stage >= 2 else None
                 src = None if src is None else tuple(src.outputs[v.index])
                 frow, brow = [], []
                 for dst, partial, s in reads:
-                    pair = (src or dst, dst, partial)
+                    pair = (src or dst, dst, partial, zero_axis)
                     if pair not in found:
                         steps = self.cm.resharding(v, pair[0], node, s, k) or []
+                        if zero_axis is not None:       # its own reduce-scatter reduces it instead
+                            steps = [st for st in steps if not (st.op == "grad_all_reduce" and st.axis == zero_axis)]
                         found[pair] = (size[dst] if any(st.op in _ALLOCATING_STEPS for st in steps) else 0.0,
                                        size[dst] if steps else 0.0)
                     f, b = found[pair]
@@ -445,11 +454,33 @@ class StepMemory:
         q = _one(c, table)
         return None if q.zero() else q
 
+    def _contiguous_shard(self, node, s) -> bool:
+        """Whether a ZeRO shard is a contiguous block of the parameter's local tensor: no dim before
+        its own is larger than one."""
+        from autopar.layout import local_shape
+
+        shape = local_shape(tuple(node.meta["val"].shape), s.outputs[0], self.cm.mesh_shape)
+        return all(k == 1 for k in shape[:s.zero.dim])
+
     def _per_work(self, node, nbytes: float) -> Bytes:
         """Bytes private to an op (norm statistics, a log-softmax): they scale with its share of the
         work, not with its output (a loss over sharded tokens has a Partial scalar output)."""
         c = self._choice(node)
         return _one(c, [nbytes / self.cm.work_split(self._strategy(node, o)) for o in self._options(c)])
+
+    def _backward_work(self, node, saved) -> Bytes:
+        """Bytes an op's backward holds beyond the gradients it returns: its sharded form's own figure
+        where the rule gives one (the vocab-parallel loss), else the ATen op's measured one."""
+        measured = saved.backward if saved is not None else 0
+        if rule_for(node).backward_workspace is None:
+            return self._per_work(node, measured) if measured else Bytes(None, None, 0.0)
+        c = self._choice(node)
+        table = []
+        for o in self._options(c):
+            s = self._strategy(node, o)
+            own = self.cm.backward_workspace_bytes(node, s)
+            table.append(own if own is not None else measured / self.cm.work_split(s))
+        return _one(c, table)
 
     # --- the events ---------------------------------------------------------------------------------
     def _build(self, gm, instances):
@@ -475,20 +506,38 @@ class StepMemory:
             role = meta_of(n).role
             return n.op == "placeholder" and role is not None and role.kind == "param"
 
-        inst_of = {n: inst for inst, (_, _, nodes) in instances.items() for n in nodes}
+        inst_of = {}          # node -> the recomputed regions it is in (a layer and its attention core)
+        for inst, (_, _, nodes) in instances.items():
+            for n in nodes:
+                inst_of.setdefault(n, []).append(inst)
 
         # Static for the whole step: parameters, optimizer states, inputs, buffers.
-        grads_of = {}
+        grads_of, step_of, scatter, gathers = {}, {}, {}, {}
         for n in gm.graph.nodes:
             val = n.meta.get("val")
             if n.op != "placeholder" or not isinstance(val, torch.Tensor):
                 continue
             if is_param(n):
                 c = self._choice(n)
-                p, g, o = zip(*(self.cm.param_bytes(n, self._strategy(n, i).outputs[0]) for i in self._options(c)))
-                add((_P, 1, _one(c, p)))
-                add((_O, 1, _one(c, o)))
-                grads_of[n] = _one(c, g)
+                opts = [self._strategy(n, i) for i in self._options(c)]
+                full = [self.cm.param_bytes(n, s.outputs[0]) for s in opts]
+                kept = [self.cm.param_bytes(n, s.outputs[0], s.zero) for s in opts]
+                add((_P, 1, _one(c, [k[0] for k in kept])))
+                add((_O, 1, _one(c, [k[2] for k in kept])))
+                grads_of[n] = _one(c, [f[1] for f in full])      # the gradient backward accumulates
+                shards = [1 if s.zero is None else self.cm.mesh_shape[s.zero.axis] for s in opts]
+                step_of[n] = _one(c, [f[1] / k for f, k in zip(full, shards)])
+                if any(s.zero is not None and s.zero.stage >= 2 for s in opts):
+                    # ZeRO-2: once accumulated, the gradient is reduce-scattered into its shard.
+                    z2 = [s.zero is not None and s.zero.stage >= 2 for s in opts]
+                    scatter[n] = (_one(c, [k[1] if z else 0.0 for k, z in zip(kept, z2)]),
+                                  _one(c, [f[1] if z else 0.0 for f, z in zip(full, z2)]))
+                if any(s.zero is not None for s in opts):
+                    # After the step the updated shards are all-gathered into a new tensor, then copied
+                    # into the parameter; a shard that is not a contiguous block is copied first.
+                    gathers[n] = _one(c, [0.0 if s.zero is None else
+                                          f[0] * (1 + (0 if self._contiguous_shard(n, s) else 1 / k))
+                                          for s, f, k in zip(opts, full, shards)])
             else:
                 add((_T, 1, Bytes(None, None, float(val.numel() * val.element_size()))))
 
@@ -568,11 +617,11 @@ class StepMemory:
             if any(c is None for c in conds):
                 held.add(s)
                 frees.setdefault(("B", pos[h0]), []).append((_A, -1, vb))
-                inst = inst_of.get(s.node)
-                if inst is not None and all(inst_of.get(h) == inst for h, _ in hs):
-                    ri, ind, _ = instances[inst]
-                    frees.setdefault(("F", t), []).append((_A, -1, _times(vb, ri, ind)))
-                    remat.setdefault(inst, []).append(_times(vb, ri, ind))
+                for inst in inst_of.get(s.node, ()):
+                    if all(inst in inst_of.get(h, ()) for h, _ in hs):
+                        ri, ind, _ = instances[inst]
+                        frees.setdefault(("F", t), []).append((_A, -1, _times(vb, ri, ind)))
+                        remat.setdefault(inst, []).append(_times(vb, ri, ind))
             else:
                 cond = next(c for h, c in hs if h is h0)
                 frees.setdefault(("F", t), []).extend([(_T, -1, vb), (_A, 1, cond)])
@@ -582,17 +631,21 @@ class StepMemory:
                 frees.setdefault(("F", t), []).append((_T, -1, self.value(s)))
 
         # A recomputed instance keeps the inputs it reads from outside until its backward ends. A storage
-        # that several instances of a class read (an attention mask every layer reads) is one tensor:
-        # kept while the first of them in execution order is recomputed (counts recompute the first
-        # instances), until that instance's backward, the last of theirs.
+        # that several regions of a class read (an attention mask every layer reads) is one tensor:
+        # kept while any of them is recomputed, until the backward of the first of them in execution
+        # order, the last of theirs (exact when whole layers alone recompute: counts recompute the
+        # first instances; with attention cores too, on the safe side).
         external = {}         # (storage, recompute decision) -> (indicator, position of its instance)
         for inst, (ri, ind, nodes) in instances.items():
             for n in nodes:
                 for v in input_values(n):
                     s = base(v)
-                    if s.node.op != "call_function" or inst_of.get(s.node) == inst or s in to_end or s in holders:
+                    if s.node.op != "call_function" or inst in inst_of.get(s.node, ()) or s in to_end \
+                            or s in holders:
                         continue
-                    external.setdefault((s, ri), (ind, pos[nodes[0]]))
+                    e = external.get((s, ri))
+                    external[(s, ri)] = (ind, pos[nodes[0]]) if e is None else \
+                        (tuple(max(x, y) for x, y in zip(e[0], ind)), min(e[1], pos[nodes[0]]))
         for (s, ri), (ind, first) in external.items():
             q = _times(self.value(s), ri, ind)
             frees.setdefault(("F", last_use[s]), []).append((_A, 1, q))
@@ -621,8 +674,7 @@ class StepMemory:
                 add((_T, -1, q))
             for cat, sign, q in frees.get(("F", t), ()):
                 add((cat, sign, q))
-            inst = inst_of.get(n)
-            if inst is not None:
+            for inst in inst_of.get(n, ()):
                 # A recomputed op drops what it keeps until its instance's backward starts. A kept
                 # resharded copy depends on two layouts already: it stays (the safe side), as the
                 # product with the recompute count would depend on three decisions.
@@ -640,15 +692,22 @@ class StepMemory:
         # Backward, seeded by the gradient of the scalar outputs (the loss).
         grads = {_canonical(Value(a)): self.value(Value(a)) for a in outputs
                  if requires_grad(a) and a.meta["val"].dim() == 0}
+        # A parameter's gradient is complete (and a ZeRO-2 one reduce-scattered) after the backward of
+        # its first reader.
+        ready = {}
+        for p in scatter:
+            first = min((m for m in p.users if m in pos), key=pos.__getitem__, default=None)
+            if first is not None:
+                ready.setdefault(first, []).append(p)
         started = set()
         for t in range(len(calls) - 1, -1, -1):
             n = calls[t]
-            inst = inst_of.get(n)
-            if inst is not None and inst not in started:
-                started.add(inst)
-                for q in remat.get(inst, ()):
-                    add((_A, 1, q))
-                self.points.append((len(self.events), "recompute", inst))
+            for inst in inst_of.get(n, ()):
+                if inst not in started:
+                    started.add(inst)
+                    for q in remat.get(inst, ()):
+                        add((_A, 1, q))
+                    self.points.append((len(self.events), "recompute", inst))
             outs = output_values(n)
             if n.target is not operator.getitem and requires_grad(n) and any(o in grads for o in outs):
                 view = n.target in VIEW_OPS
@@ -672,9 +731,8 @@ class StepMemory:
                         after.append((cat, q))       # accumulated into the gradient already there
                     else:
                         grads[key] = q
-                saved = meta_of(n).saved
-                if saved is not None and saved.backward:
-                    q = self._per_work(n, saved.backward)
+                q = self._backward_work(n, meta_of(n).saved)
+                if not q.zero():
                     add((_T, 1, q))
                     after.append((_T, q))
                 self.points.append((len(self.events), "backward", n.name))
@@ -687,18 +745,23 @@ class StepMemory:
                 add((_A, -1, q))
             for cat, sign, q in frees.get(("B", t), ()):
                 add((cat, sign, q))
+            for p in ready.get(n, ()):
+                shard, whole = scatter[p]
+                add((_G, 1, shard))
+                self.points.append((len(self.events), "backward", f"reduce_scatter {meta_of(p).role.target}"))
+                add((_G, -1, whole))
 
         # The optimizer step and its transient buffers, as torch's Adam makes them by default (states
         # in the parameter's dtype). The foreach path on CUDA makes one buffer as large as all the
         # states (the square roots of the second moments). The per-parameter loop on CPU makes two per parameter (the square root and
         # its quotient, the denominator) and keeps the denominator until the next one replaces it.
         if self.cm.cluster.device_type == "cuda":
-            for g in grads_of.values():
+            for g in step_of.values():
                 add((_T, 1, g))
             self.points.append((len(self.events), "optimizer", "step"))
         else:
             previous = None
-            for n, g in grads_of.items():
+            for n, g in step_of.items():
                 add((_T, 1, g))
                 add((_T, 1, g))
                 self.points.append((len(self.events), "optimizer", meta_of(n).role.target))
@@ -708,6 +771,10 @@ class StepMemory:
                 previous = g
             if previous is not None:
                 add((_T, -1, previous))
+        for n, q in gathers.items():
+            add((_T, 1, q))
+            self.points.append((len(self.events), "optimizer", f"all_gather {meta_of(n).role.target}"))
+            add((_T, -1, q))
 
     # --- evaluation ---------------------------------------------------------------------------------
     def walk(self, assignment: Sequence[int]) -> list[StepPoint]:
@@ -788,6 +855,11 @@ def _input_values(n) -> list:
 
 def _output_values(n) -> list:
     return output_values(n)
+
+
+def core_region(inst: str, k: int) -> str:
+    """The name of layer instance ``inst``'s ``k``-th attention core as a recomputed region."""
+    return f"{inst}:attention" + (str(k) if k else "")
 
 
 def output_values(n) -> list:

@@ -64,6 +64,7 @@ class AutoparMeta:
     # In a rank's local program (codegen):
     source: str | None = None             # the planned node this node computes
     step: Any = None                      # the resharding step (passes.resharding.Step) it runs
+    reader: str | None = None             # a resharding step's: the planned node it was emitted for
     fused: tuple[str, ...] = ()           # the local nodes a generated kernel replaced
 
 
@@ -77,6 +78,8 @@ class ProgramMeta:
     grad_reductions: tuple = ()           # (parameter, group name, uses) whose gradient the runtime
                                           # reduces in buckets (codegen/grad_buckets.py), in backward
                                           # order, in place of one reduction per use
+    sharded_states: tuple = ()            # (parameter, ZeRO stage, group name, dim) of every parameter
+                                          # whose optimizer state the runtime shards (runtime/zero.py)
 
 
 _EMPTY = AutoparMeta()

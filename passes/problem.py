@@ -39,13 +39,19 @@ class ProblemIndex:
 
     choice_of_key: dict = field(default_factory=dict)
     keys: list = field(default_factory=list)
-    # layer class -> (choice index, the recompute counts its options stand for)
+    # layer class -> (choice index, per option: how many instances recompute whole, how many of the
+    # next ones recompute their attention cores only)
     recompute: dict = field(default_factory=dict)
     roots_of_key: dict = field(default_factory=lambda: defaultdict(list))
 
     def recompute_counts(self, assignment) -> dict:
         """Layer class -> how many of its instances recompute their activations in backward."""
-        return {cls: counts[assignment[ci]] for cls, (ci, counts) in self.recompute.items()}
+        return {cls: counts[assignment[ci]] for cls, (ci, counts, _) in self.recompute.items()}
+
+    def selective_counts(self, assignment) -> dict:
+        """Layer class -> how many of its instances, after the wholly recomputed ones, recompute only
+        their attention cores (passes.layers.attention_cores)."""
+        return {cls: sel[assignment[ci]] for cls, (ci, _, sel) in self.recompute.items()}
 
     def option_of(self, node: fx.Node, assignment) -> int:
         """The strategy index ``node`` takes under an assignment of the problem's choices."""
@@ -68,7 +74,9 @@ def _pinned_options(rep: fx.Node, pins: dict, mesh_axes: int):
     """Options of ``rep`` allowed by the first matching pin, or None when no pin names it.
 
     A pin is the output layout (``["R", "S(1)"]``), or ``{"output": layout, "inputs": [layout per
-    tensor input]}`` with either key, for ops whose strategies differ only in how they read."""
+    tensor input]}`` with either key, for ops whose strategies differ only in how they read. A
+    parameter's pin may add ``"zero": 0, 1 or 2``: its optimizer state replicated (0), or sharded along
+    an axis it is replicated on (ZeRO-1), with its gradient (ZeRO-2)."""
     import fnmatch
 
     from autopar.errors import ShardingError
@@ -79,10 +87,14 @@ def _pinned_options(rep: fx.Node, pins: dict, mesh_axes: int):
         if not fnmatch.fnmatchcase(name, pattern):
             continue
         want = pin if isinstance(pin, dict) else {"output": pin}
-        unknown = set(want) - {"output", "inputs"}
+        unknown = set(want) - {"output", "inputs", "zero"}
         if unknown:
             raise ShardingError(f"pin {pattern!r}: unknown keys {sorted(unknown)}; a pin gives 'output' and/or "
-                                f"'inputs'")
+                                f"'inputs', and 'zero' for a parameter")
+        zero = want.get("zero")
+        if zero not in (None, 0, 1, 2):
+            raise ShardingError(f"pin {pattern!r}: zero must be 0 (state replicated), 1 (ZeRO-1) or 2 (ZeRO-2), got "
+                                f"{zero!r}; ZeRO-3 is a sharded parameter layout (['S(0)'])")
         out = [str(p) for p in want["output"]] if "output" in want else None
         ins = [[str(p) for p in lay] for lay in want["inputs"]] if "inputs" in want else None
         for lay in ([out] if out is not None else []) + (ins or []):
@@ -92,7 +104,13 @@ def _pinned_options(rep: fx.Node, pins: dict, mesh_axes: int):
         opts = meta_of(rep).strategies.strategies
         allowed = {o for o, s in enumerate(opts)
                    if (out is None or (s.outputs and format_layout(s.outputs[0]) == out))
-                   and (ins is None or [format_layout(l) for l in s.inputs] == ins)}
+                   and (ins is None or [format_layout(l) for l in s.inputs] == ins)
+                   and (zero is None or (s.zero.stage if s.zero is not None else 0) == zero)}
+        if not allowed and zero:
+            raise ShardingError(f"pin {pattern!r} asks {name} for ZeRO-{zero}{f' with layout {out}' if out else ''}, "
+                                f"which it cannot take here: a ZeRO-1/2 state is sharded along a mesh axis the "
+                                f"parameter is replicated on, along a dim no other axis shards and that divides "
+                                f"by that axis's size")
         refused = "".join(f"; refused: {r}" for r in meta_of(rep).refused[:8])
         if not allowed and ins is None:
             offered = sorted({str(format_layout(s.outputs[0])) for s in opts if s.outputs})
@@ -152,21 +170,26 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
 
     prob = Problem(memory_limit=memory_limit)
     forward = {}         # choice -> forward seconds of one copy, per option (what recomputing costs)
+    core_forward = {}    # choice -> the part of it in the layer's attention cores
+    in_core = _attention_core_nodes(gm)
     decided_names = set()
     for key, roots in idx.roots_of_key.items():
         rep = roots[0]
         opts = meta_of(rep).strategies.strategies
-        costs, fwd = [], []
+        costs, fwd, core = [], [], []
         for o in range(len(opts)):
-            c, f = 0.0, 0.0
+            c, f, fc = 0.0, 0.0, 0.0
             for m in members[rep]:
                 s = strategy_of(m, o)
                 c += cm.compute_seconds(m, s) + cm.op_comm_seconds(m, s)
                 f += cm.forward_seconds(m, s)
+                if m in in_core:
+                    fc += cm.forward_seconds(m, s)
                 if m.op == "placeholder" and meta_of(m).role.kind == "param":
-                    c += cm.optimizer_seconds(m, s.outputs[0])
+                    c += cm.optimizer_seconds(m, s.outputs[0], s.zero) + cm.zero_seconds(m, s.outputs[0], s.zero)
             costs.append(c)
             fwd.append(f)
+            core.append(fc)
         allowed = None
         decided_names.update(decision_name(r) for r in roots)
         for r in roots:
@@ -180,11 +203,12 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
         idx.choice_of_key[key] = ci
         idx.keys.append(key)
         forward[ci] = tuple(fwd)
+        core_forward[ci] = tuple(core)
     for pattern in pins or {}:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in decided_names):
             raise _unmatched(pattern, decided_names, nodes)
     if recompute:
-        _recompute_choices(gm, prob, idx, forward, recompute)
+        _recompute_choices(gm, prob, idx, forward, core_forward, recompute)
 
     # A value read outside its own decision by one reader is a plain edge (a tight formulation); a value
     # read by several is a shared edge, where each distinct way its readers ask for it (target layout,
@@ -228,10 +252,10 @@ def recompute_counts_for(n: int) -> tuple[int, ...]:
     return tuple(sorted({0, n, *(round(n * k / 8) for k in range(1, 8))}))
 
 
-def forced_recompute(cls: str, n: int, recompute) -> int | None:
+def forced_recompute(cls: str, n: int, recompute) -> int | str | None:
     """The count ``recompute`` fixes for layer class ``cls`` of ``n`` instances: a dict maps a glob over
     class names (``model.layers.*``; the ``#k`` suffix that tells apart classes of one pattern is
-    optional) to a count or "all"."""
+    optional) to a count, "all", or "attention" (every instance recomputes its attention cores only)."""
     import fnmatch
 
     from autopar.errors import AutoparError
@@ -241,20 +265,32 @@ def forced_recompute(cls: str, n: int, recompute) -> int | None:
     for pattern, count in recompute.items():
         if fnmatch.fnmatchcase(cls, pattern) or fnmatch.fnmatchcase(cls.split("#")[0], pattern):
             count = n if count == "all" else count
-            if not isinstance(count, int) or not 0 <= count <= n:
+            if count == "attention":
+                return count
+            if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= n:
                 raise AutoparError(f"recompute {pattern!r} -> {count!r}: give a count from 0 to {n} (the "
-                                   f"instances of {cls}) or 'all'")
+                                   f"instances of {cls}), 'all' or 'attention'")
             return count
     return None
 
 
-def _recompute_choices(gm, prob: Problem, idx: ProblemIndex, forward: dict, recompute) -> None:
+def _attention_core_nodes(gm) -> set:
+    from autopar.passes.layers import attention_cores, layer_instances
+
+    return {n for insts in layer_instances(gm).values() for nodes in insts.values()
+            for core in attention_cores(nodes) for n in core}
+
+
+def _recompute_choices(gm, prob: Problem, idx: ProblemIndex, forward: dict, core_forward: dict, recompute) -> None:
     """One decision per layer class: how many instances (the first ones) run under activation
-    checkpointing. Recomputing ``r`` instances costs ``r`` times the layer's forward seconds (an edge to
+    checkpointing, and whether the others recompute their attention cores only (Korthikanti et al.'s
+    selective recompute; ``passes.layers.attention_cores``). Recomputing ``r`` instances whole and
+    ``s`` cores costs ``r`` times the layer's forward seconds and ``s`` times its cores' (an edge to
     each of the layer's layout decisions); what it saves in memory is in the step's memory model
-    (passes.memory.StepMemory). Reshardings inside the layer run again too; the ILP leaves them out, and
-    the plan's step time counts them."""
-    from autopar.passes.layers import layer_instances
+    (passes.memory.StepMemory). Reshardings inside the recomputed regions run again too; the ILP leaves
+    them out, and the plan's step time counts them."""
+    from autopar.errors import AutoparError
+    from autopar.passes.layers import attention_cores, layer_instances
 
     by_class = defaultdict(list)
     for key, ci in idx.choice_of_key.items():
@@ -263,16 +299,29 @@ def _recompute_choices(gm, prob: Problem, idx: ProblemIndex, forward: dict, reco
     for cls, instances in layer_instances(gm).items():
         n = len(instances)
         forced = forced_recompute(cls, n, recompute)
-        counts = recompute_counts_for(n) if forced is None else (forced,)
-        if cls not in by_class or counts == (0,):
+        cores = attention_cores(next(iter(instances.values())))
+        if forced == "attention":
+            if not cores:
+                raise AutoparError(f"recompute asks {cls} to recompute its attention only, but its layers have "
+                                   f"no attention core (a fused attention op, or two activation matmuls with the "
+                                   f"softmax between them); recompute whole layers ('all' or a count) instead")
+            options = [(0, n)]
+        elif forced is not None:
+            options = [(forced, 0)]
+        else:
+            counts = recompute_counts_for(n)
+            options = [(r, 0) for r in counts] + ([(r, n - r) for r in counts if r < n] if cores else [])
+        if cls not in by_class or options == [(0, 0)]:
             continue
-        ri = prob.add_choice(Choice(f"recompute {cls}", (0.0,) * len(counts),
-                                    labels=tuple(f"recompute {r} of {n}" for r in counts)))
-        idx.recompute[cls] = (ri, counts)
+        full, sel = tuple(r for r, _ in options), tuple(k for _, k in options)
+        labels = tuple(f"recompute {r} of {n}" + (f", attention of {k}" if k else "") for r, k in options)
+        ri = prob.add_choice(Choice(f"recompute {cls}", (0.0,) * len(options), labels=labels))
+        idx.recompute[cls] = (ri, full, sel)
         for ci in by_class[cls]:
-            fwd = forward[ci]
+            fwd, fc = forward[ci], core_forward[ci]
             if any(fwd):
-                prob.edges.append(Edge(ci, ri, tuple(tuple(r * f for r in counts) for f in fwd)))
+                prob.edges.append(Edge(ci, ri, tuple(tuple(r * f + k * c for r, k in options)
+                                                     for f, c in zip(fwd, fc))))
 
 
 def _shared_edge(v: Value, rs, count: int, idx: ProblemIndex, cm: CostModel) -> SharedEdge:
@@ -298,7 +347,7 @@ def _shared_edge(v: Value, rs, count: int, idx: ProblemIndex, cm: CostModel) -> 
             partial = grad_partial_axes(dst, st.splits_work, grad)
             row.append(request(dst, partial))
         reader_rows.append((idx.choice_of_key[key_of(rc)], tuple(row)))
-    cost = tuple(tuple(cm.transition_seconds(v, output_layout(v, i), dst, partial) for i in range(n_src))
+    cost = tuple(tuple(cm.param_transition_seconds(v, strategy_of(v.node, i), dst, partial) for i in range(n_src))
                  for (dst, partial) in requests)
     return SharedEdge(idx.choice_of_key[key_of(rp)], tuple(reader_rows), cost, tuple(sorted(always)), count)
 

@@ -67,6 +67,9 @@ def plan_reshards(gm: fx.GraphModule, strategy: dict, mesh_shape, sharded_output
 def _reshard(low: ReshardPlan, mesh_shape, v: Value, dst, s: Strategy | None, consumer: fx.Node):
     src = low.strategy[v.node].outputs[v.index]
     partial = frozenset() if s is None else grad_partial_axes(dst, s.splits_work, requires_grad(v.node))
+    z = low.strategy[v.node].zero
+    if z is not None and z.stage >= 2:      # reduce-scattered once by the runtime, not by each reader
+        partial = partial - {z.axis}
     key = ReshardKey(v, tuple(dst), partial)
     if key not in low.reshards:
         steps = global_transition(tuple(src), tuple(dst), value_info(v).shape, mesh_shape, grad_partial=partial)
@@ -88,4 +91,7 @@ def collectives(low: ReshardPlan, cm, axis_names) -> list[dict]:
     for node, s in low.strategy.items():
         out += [c.record(axis_names, node=node.name, value=node.name, step=op_name(node))
                 for c in cm.priced_op_collectives(node, s)]
+        if s.zero is not None:
+            out += [c.record(axis_names, node=node.name, value=node.name, step=f"zero{s.zero.stage}")
+                    for c in cm.zero_collectives(node, s.outputs[0], s.zero)]
     return out

@@ -26,13 +26,30 @@ Layout = tuple  # tuple[Placement, ...]
 
 
 @dataclass(frozen=True)
+class ZeroState:
+    """How a parameter replicated along mesh axis ``axis`` keeps its optimizer state there: sharded
+    along its dim ``dim`` (ZeRO-1), with its gradient reduce-scattered into that shard too (ZeRO-2)."""
+
+    stage: int
+    axis: int
+    dim: int
+
+    def state_layout(self, layout: Layout) -> Layout:
+        """The layout of the optimizer state (and of a ZeRO-2 gradient) for a parameter in ``layout``."""
+        return tuple(S(self.dim) if a == self.axis else p for a, p in enumerate(layout))
+
+
+@dataclass(frozen=True)
 class Strategy:
     inputs: tuple[Layout, ...]       # one layout per tensor input
     outputs: tuple[Layout, ...]      # one layout per output tensor
     splits_work: tuple[bool, ...]    # per mesh axis: the op's work is divided along it
+    zero: ZeroState | None = None    # a parameter's state sharded where the parameter is replicated
 
     def label(self) -> str:
         outs = ",".join("[" + ",".join(map(str, lay)) + "]" for lay in self.outputs)
+        if self.zero is not None:
+            outs += f" ZeRO-{self.zero.stage}@{self.zero.axis}"
         return outs or "-"
 
 
@@ -84,7 +101,31 @@ def mark_requires_grad_pass(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _placeholder_strategies(node: fx.Node, mesh_shape) -> list[Strategy]:
+def zero_dim(shape, layout, mesh_shape, axis: int) -> int | None:
+    """The dim along which a parameter in ``layout``, replicated along ``axis``, shards its state over
+    that axis: the first dim no other axis shards whose local size divides by the axis's size (the
+    first one keeps the shard a contiguous block of the local tensor where it can). None if none does."""
+    n = mesh_shape[axis]
+    if n < 2 or not layout[axis].is_replicate:
+        return None
+    local = local_shape(shape, layout, mesh_shape)
+    for d, size in enumerate(local):
+        if size >= n and size % n == 0 and not any(p.is_shard and p.dim == d for p in layout):
+            return d
+    return None
+
+
+def zero_variants(shape, layout, mesh_shape) -> list[ZeroState]:
+    """ZeRO-1 and ZeRO-2 along every axis a parameter in ``layout`` is replicated on."""
+    out = []
+    for a in range(len(mesh_shape)):
+        d = zero_dim(shape, layout, mesh_shape, a)
+        if d is not None:
+            out += [ZeroState(1, a, d), ZeroState(2, a, d)]
+    return out
+
+
+def _placeholder_strategies(node: fx.Node, mesh_shape, zero: bool = False) -> list[Strategy]:
     role = meta_of(node).role
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
@@ -98,6 +139,9 @@ def _placeholder_strategies(node: fx.Node, mesh_shape) -> list[Strategy]:
     for combo in itertools.product(*[per_axis[0] if n > 1 else [R] for n in mesh_shape]):
         if _distinct_dims(combo) and divides(shape, combo, mesh_shape):
             out.append(Strategy((), (tuple(combo),), (False,) * len(mesh_shape)))
+            if zero and role is not None and role.kind == "param" and requires_grad(node):
+                out += [Strategy((), (tuple(combo),), (False,) * len(mesh_shape), z)
+                        for z in zero_variants(shape, combo, mesh_shape)]
     return out
 
 
@@ -161,20 +205,21 @@ def _val_sig(v):
     return None
 
 
-def node_strategies(node: fx.Node, mesh_shape, cache: dict | None = None) -> list[Strategy]:
+def node_strategies(node: fx.Node, mesh_shape, cache: dict | None = None, zero: bool = False) -> list[Strategy]:
+    """``zero``: parameters also offer their ZeRO-1 and ZeRO-2 variants (``ZeroState``)."""
     if cache is not None:
-        key = signature(node)
+        key = (signature(node), zero)
         if key not in cache:
-            cache[key] = _node_strategies(node, mesh_shape), meta_of(node).refused
+            cache[key] = _node_strategies(node, mesh_shape, zero), meta_of(node).refused
         strategies, refused = cache[key]
         set_meta(node, refused=refused)
         return strategies
-    return _node_strategies(node, mesh_shape)
+    return _node_strategies(node, mesh_shape, zero)
 
 
-def _node_strategies(node: fx.Node, mesh_shape) -> list[Strategy]:
+def _node_strategies(node: fx.Node, mesh_shape, zero: bool = False) -> list[Strategy]:
     if node.op == "placeholder":
-        return _placeholder_strategies(node, mesh_shape)
+        return _placeholder_strategies(node, mesh_shape, zero)
     ctx = context_for(node)
     opts = axis_options(ctx)
     rep_only = [opts[0]]
@@ -212,8 +257,10 @@ def _try_follow(node: fx.Node, own: list[Strategy], producer_set: StrategySet, v
 
 
 @requires("mark_requires_grad_pass")
-def strategies_pass(gm: fx.GraphModule, mesh_shape) -> fx.GraphModule:
-    """Write a ``StrategySet`` on every placeholder and call_function node.
+def strategies_pass(gm: fx.GraphModule, mesh_shape, zero: bool = True) -> fx.GraphModule:
+    """Write a ``StrategySet`` on every placeholder and call_function node. With ``zero``, a parameter
+    replicated along an axis may also shard its optimizer state there (ZeRO-1) and its gradient
+    (ZeRO-2): one more option per stage and axis (``ZeroState``).
 
     The copies of a repeated layer share one decision per position, so they must offer the same
     strategies. They can differ where a strategy is reachable from one copy's outside input and not
@@ -222,7 +269,7 @@ def strategies_pass(gm: fx.GraphModule, mesh_shape) -> fx.GraphModule:
     mesh_shape = tuple(mesh_shape)
     drop: dict = {}
     while True:
-        _assign_strategies(gm, mesh_shape, drop)
+        _assign_strategies(gm, mesh_shape, drop, zero)
         extra = _disagreeing_copies(gm)
         if not extra:
             return gm
@@ -230,7 +277,7 @@ def strategies_pass(gm: fx.GraphModule, mesh_shape) -> fx.GraphModule:
             drop.setdefault(key, set()).update(bad)
 
 
-def _assign_strategies(gm, mesh_shape, drop: dict) -> None:
+def _assign_strategies(gm, mesh_shape, drop: dict, zero: bool) -> None:
     cache: dict = {}
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", "call_function"):
@@ -239,7 +286,7 @@ def _assign_strategies(gm, mesh_shape, drop: dict) -> None:
             set_meta(node, strategies=_getitem_strategies(node, meta_of(node.args[0]).strategies))
             continue
         ins = input_values(node) if node.op == "call_function" else []
-        own = _reachable(node_strategies(node, mesh_shape, cache), ins)
+        own = _reachable(node_strategies(node, mesh_shape, cache, zero), ins)
         tag = meta_of(node).layer
         bad = drop.get((tag.cls, tag.index)) if tag is not None else None
         if bad:

@@ -45,10 +45,13 @@ class ParallelModule(nn.Module):
         self._layouts = {fqn: parse_layout(lay) for fqn, lay in plan.params.items()}
         self._fqn_to_key = {fqn: fqn.replace(".", "__") for fqn in plan.params}
         self.shards = nn.ParameterDict()
+        # ZeRO-1/2 parameters: the program reads the whole local tensor, the optimizer steps this rank's
+        # block of it (runtime/zero.py).
+        self._zero_of = {fqn: (stage, group, dim) for fqn, stage, group, dim in program.sharded_states}
+        self._whole: dict = {}
         for fqn, full in full_params.items():
             local = shard_of(full, self._layouts[fqn], plan.mesh_shape, self._coords)
-            self.shards[self._fqn_to_key[fqn]] = nn.Parameter(local.detach().clone(),
-                                                              requires_grad=full.requires_grad)
+            self._set_local(fqn, local, full.requires_grad)
         self._buffers_by_name = buffers
         # The model's state-dict keys beyond the plan's parameters: tied names -> the one they share,
         # and the buffers a state dict holds (torch leaves out non-persistent ones).
@@ -61,8 +64,28 @@ class ParallelModule(nn.Module):
         if program.grad_reductions:
             from autopar.runtime.grad_buckets import GradBuckets
 
-            self._grad_buckets = GradBuckets([(self.local_parameter(t), g) for t, g, _ in program.grad_reductions],
+            self._grad_buckets = GradBuckets([(self.local_tensor(t), g) for t, g, _ in program.grad_reductions],
                                              program.bucket_bytes)
+        self._sharded_states = None
+        if self._zero_of:
+            self._make_sharded_states()
+
+    def _set_local(self, fqn: str, local: torch.Tensor, requires_grad: bool) -> None:
+        key = self._fqn_to_key[fqn]
+        if fqn in self._zero_of:
+            from autopar.runtime.zero import split
+
+            _stage, group, dim = self._zero_of[fqn]
+            self._whole[fqn], self.shards[key] = split(local, group, dim, requires_grad)
+        else:
+            self.shards[key] = nn.Parameter(local.detach().clone(), requires_grad=requires_grad)
+
+    def _make_sharded_states(self) -> None:
+        from autopar.runtime.zero import ShardedState, ShardedStates
+
+        self._sharded_states = ShardedStates([ShardedState(fqn, self._whole[fqn], self.local_parameter(fqn), stage,
+                                                           group, dim)
+                                              for fqn, (stage, group, dim) in self._zero_of.items()])
 
     # --- the user's view ---------------------------------------------------------------------
     @property
@@ -80,12 +103,33 @@ class ParallelModule(nn.Module):
         return dict(self._program.kernels)
 
     def local_parameter(self, fqn: str) -> nn.Parameter:
+        """The parameter the optimizer steps: the local shard under the plan's layout, or under a
+        ZeRO-1/2 parameter's state layout (``state_layout``)."""
         return self.shards[self._fqn_to_key[fqn]]
+
+    def local_tensor(self, fqn: str) -> torch.Tensor:
+        """The local shard under the plan's layout: what the program reads."""
+        whole = self._whole.get(fqn)
+        return whole if whole is not None else self.local_parameter(fqn)
+
+    def state_layout(self, fqn: str) -> tuple:
+        """The layout of ``local_parameter(fqn)`` and its optimizer state: the plan's layout, with the
+        ZeRO axis sharded along the state's dim for a ZeRO-1/2 parameter."""
+        from autopar.layout import S
+
+        lay = self._layouts[fqn]
+        z = self.plan.zero.get(fqn)
+        if z is None:
+            return lay
+        axis = self.plan.axis_names.index(z["axis"])
+        return tuple(S(z["dim"]) if a == axis else p for a, p in enumerate(lay))
 
     def forward(self, *args, **kwargs):
         flat, spec = pytree.tree_flatten((args, kwargs))
         self._check_inputs(flat, spec)
         self._check_materialized()
+        if self._sharded_states is not None:
+            self._sharded_states.before_forward()
         if self._grad_buckets is not None and torch.is_grad_enabled():
             self._grad_buckets.set_aside()
         outs = pytree.tree_leaves(self.local_program(*self._local_args(flat)))
@@ -99,7 +143,7 @@ class ParallelModule(nn.Module):
         call = []
         for kind, target in self._program.placeholders:
             if kind == "param":
-                call.append(self.local_parameter(target))
+                call.append(self.local_tensor(target))
             elif kind == "buffer":
                 call.append(self._buffers_by_name[target])
             elif kind == "constant":
@@ -160,9 +204,11 @@ class ParallelModule(nn.Module):
         replicated DTensor: what torch.distributed.checkpoint saves and loads under any plan."""
         from torch.distributed.tensor import DTensor, Replicate
 
+        if self._sharded_states is not None:
+            self._sharded_states.sync()
         out = {}
         for fqn, lay in self._layouts.items():
-            local = self.local_parameter(fqn)
+            local = self.local_tensor(fqn)
             out[fqn] = DTensor.from_local(local.detach(), self.mesh, [p.to_dtensor() for p in lay],
                                           run_check=False, shape=self._full_shape(fqn),
                                           stride=_contiguous_stride(self._full_shape(fqn)))
@@ -172,7 +218,7 @@ class ParallelModule(nn.Module):
         return out
 
     def _full_shape(self, fqn):
-        return torch.Size(global_shape(self.local_parameter(fqn).shape, self._layouts[fqn], self.plan.mesh_shape))
+        return torch.Size(global_shape(self.local_tensor(fqn).shape, self._layouts[fqn], self.plan.mesh_shape))
 
     @property
     def aliases(self) -> dict:
@@ -218,10 +264,13 @@ class ParallelModule(nn.Module):
                 local = shard_of(value, self._layouts[fqn], self.plan.mesh_shape, self._coords)
                 param = self.local_parameter(fqn)
                 if param.is_meta:
-                    new = nn.Parameter(local.detach().clone(), requires_grad=param.requires_grad)
-                    self.shards[self._fqn_to_key[fqn]] = new
+                    self._set_local(fqn, local.to(self.local_tensor(fqn).dtype), param.requires_grad)
                 else:
-                    param.copy_(local)
+                    self.local_tensor(fqn).detach().copy_(local)
+        if self._sharded_states is not None:
+            if any(self.local_parameter(st.fqn) is not st.shard for st in self._sharded_states.states):
+                self._make_sharded_states()        # parameters made on loading a meta model's weights
+            self._sharded_states.mark_gathered()
         self._materialized = False
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 

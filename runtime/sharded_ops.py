@@ -32,18 +32,39 @@ def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, padding_id
     return out * here.unsqueeze(-1).to(out.dtype)
 
 
+# The loss works on its [rows, vocabulary] logits a block of rows at a time, so that its temporaries
+# are a block's, not the whole logits' (at 128k tokens and a 152k vocabulary, 10 GB per fp32 copy).
+CHUNK_BYTES = 64 * 2**20
+
+
+def row_chunks(n: int, v: int) -> list[tuple[int, int]]:
+    """Row ranges of at most ``CHUNK_BYTES`` of fp32 ``[rows, v]`` each."""
+    step = max(1, CHUNK_BYTES // (4 * max(v, 1)))
+    return [(i, min(n, i + step)) for i in range(0, n, step)]
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Keeps the logits and per-row statistics for backward. The forward works one block of rows at a
+    time in one fp32 buffer; the backward makes the softmax in the one buffer it returns (in place, as
+    Megatron's does), so it holds no [rows, vocabulary] temporary beyond its result (and, for
+    low-precision logits, the fp32 result before its cast)."""
+
     @staticmethod
     def forward(ctx, logits, target, ignore_index, reduction, group):
         rank, _ = C._group(group)
         n, v = logits.shape
-        x = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        top = C._all_reduce(x.amax(dim=1), group, op="max")
-        sumexp = torch.exp(x - top.unsqueeze(1)).sum(dim=1)
+        wide = torch.promote_types(logits.dtype, torch.float32)
+        chunks = row_chunks(n, v)
+        top = C._all_reduce(logits.amax(dim=1).to(wide), group, op="max")
+        sumexp = torch.empty(n, dtype=wide, device=logits.device)
+        block = torch.empty((chunks[0][1] - chunks[0][0], v), dtype=wide, device=logits.device) if n else None
+        for a, b in chunks:
+            work = torch.sub(logits[a:b], top[a:b].unsqueeze(1), out=block[:b - a])
+            sumexp[a:b] = work.exp_().sum(dim=1)
         local = target - rank * v
         here = (target != ignore_index) & (local >= 0) & (local < v)
         local = torch.where(here, local, 0)
-        picked = torch.where(here, x.gather(1, local.unsqueeze(1)).squeeze(1), 0.0)
+        picked = torch.where(here, logits.gather(1, local.unsqueeze(1)).squeeze(1).to(wide), 0.0)
         sums = C._all_reduce(torch.stack([sumexp, picked]), group)
         lse = top + torch.log(sums[0])
         valid = target != ignore_index
@@ -64,9 +85,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if ctx.reduction == _MEAN:
             g = g / valid.sum()
         g = torch.where(valid, g.expand(valid.shape), 0.0)
-        d = torch.exp(logits.to(lse.dtype) - lse.unsqueeze(1))
+        d = torch.empty(logits.shape, dtype=lse.dtype, device=logits.device)
+        for a, b in row_chunks(*logits.shape):
+            torch.sub(logits[a:b], lse[a:b].unsqueeze(1), out=d[a:b]).exp_()
         d.scatter_add_(1, local.unsqueeze(1), -here.to(d.dtype).unsqueeze(1))
-        return (d * g.unsqueeze(1)).to(logits.dtype), None, None, None, None
+        d.mul_(g.unsqueeze(1))
+        return d.to(logits.dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: int,

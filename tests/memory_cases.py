@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-ARCHS = ("gpt2", "llama", "bert", "gpt", "gpt-probe")
-KINDS = ("auto", "dp", "megatron", "zero3", "vocab", "recompute", "sharded-outputs", "2d")
+ARCHS = ("gpt2", "llama", "bert", "gpt", "gpt-probe", "gpt-vocab")
+KINDS = ("auto", "dp", "megatron", "zero3", "vocab", "vocab-sharded-outputs", "recompute", "sharded-outputs", "2d")
 
 
 def build(arch: str, seq: int, batch: int, device):
@@ -30,6 +30,11 @@ def build(arch: str, seq: int, batch: int, device):
         from autopar.models import GPT, GPTConfig
 
         model = GPT(GPTConfig(vocab_size=vocab, n_layer=2, n_head=4, d_model=128, d_ff=256, max_seq=seq))
+    elif arch == "gpt-vocab":      # a large vocabulary on a small model: the loss's buffers dominate
+        from autopar.models import GPT, GPTConfig
+
+        vocab = 32768
+        model = GPT(GPTConfig(vocab_size=vocab, n_layer=1, n_head=2, d_model=32, d_ff=64, max_seq=seq))
     elif arch == "gpt-probe":      # bench/train_cpu.py's family at a size two CPU cores train quickly
         from autopar.models import GPT, GPTConfig
 
@@ -38,7 +43,7 @@ def build(arch: str, seq: int, batch: int, device):
     else:
         raise SystemExit(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
-    if arch in ("gpt", "gpt-probe"):
+    if arch in ("gpt", "gpt-probe", "gpt-vocab"):
         return model, (ids, ids.clone()), {}
     return model, (ids,), {"labels": ids.clone()}
 
@@ -47,7 +52,7 @@ def options(arch: str, kind: str, ranks: int, model) -> dict | None:
     """plan() options that force ``kind``, or None where it does not apply."""
     from tests.hf_models import MEGATRON, VOCAB_PARALLEL, VOCAB_PARALLEL_NODES
 
-    key = "gpt" if arch == "gpt-probe" else arch
+    key = "gpt" if arch.startswith("gpt-") else arch
     params_r = {name: ["R"] for name, _ in model.named_parameters()}
     if kind == "auto":
         return {}
@@ -58,11 +63,12 @@ def options(arch: str, kind: str, ranks: int, model) -> dict | None:
     if kind == "zero3":
         pins = {name: ["S(0)"] if p.shape[0] % ranks == 0 else ["R"] for name, p in model.named_parameters()}
         return {"mesh_shape": (ranks,), "pins": pins, "recompute": False}
-    if kind == "vocab":
+    if kind in ("vocab", "vocab-sharded-outputs"):
         if key == "bert":
             return None
         pins = {**{k: [v] for k, v in VOCAB_PARALLEL[key].items()}, **VOCAB_PARALLEL_NODES}
-        return {"mesh_shape": (ranks,), "pins": pins, "recompute": False}
+        return {"mesh_shape": (ranks,), "pins": pins, "recompute": False,
+                **({"sharded_outputs": True} if kind == "vocab-sharded-outputs" else {})}
     if kind == "recompute":
         return {"mesh_shape": (ranks,), "pins": params_r, "recompute": {"*": "all"}}
     if kind == "sharded-outputs":

@@ -34,6 +34,9 @@ def _count_executed(pm, ids, labels):
         loss = pm(ids, labels=labels).loss
         phase["now"] = "backward"
         loss.backward()
+        # ZeRO-1/2 parameters gather their updated shards after the optimizer's step.
+        phase["now"] = "optimizer"
+        torch.optim.SGD(pm.parameters(), lr=0.0).step()
     finally:
         for name, fn in originals.items():
             setattr(C, name, fn)
@@ -88,6 +91,27 @@ def _collectives_match(rank, world, model_name, mesh, pins, options):
     ids, labels = batch()
     pm = autopar.compile(model, autopar.ClusterSpec.local_cpu(world), (ids,), {"labels": labels},
                          mesh_shape=mesh, pins=pins, **options)
+    check_collectives(pm, ids, labels)
+    hidden = _issue_before_wait(pm)
+    if pins.get("*.weight") == ["S(0)"]:
+        # ZeRO-3: each parameter's all-gather is issued while the compute before its first use runs.
+        assert hidden > 0, pm.code
+        plain = autopar.compile(model, autopar.ClusterSpec.local_cpu(world), (ids,), {"labels": labels},
+                                plan=pm.plan, overlap=False, **options)
+        assert "_start(" not in plain.code and "_wait(" not in plain.code
+        # The same numbers with overlap off, bitwise: loss and every local gradient.
+        for m in (plain, pm):
+            m.zero_grad()
+            m.loss = m(ids, labels=labels).loss
+            m.loss.backward()
+        assert torch.equal(plain.loss, pm.loss)
+        for (name, a), (_, b) in zip(plain.named_parameters(), pm.named_parameters()):
+            assert torch.equal(a.grad, b.grad), name
+
+
+def check_collectives(pm, ids, labels):
+    """The collectives the program runs in forward, backward and after the optimizer's step are the
+    plan's, by kind, axis and phase (gradient buckets counted as the runtime launches them)."""
     planned = collections.Counter(pm.plan.collective_counts())
     assert planned, "the plan has no collectives to check"
     # Data-parallel gradients reduced in buckets (codegen/grad_buckets.py): one all-reduce per bucket
@@ -101,23 +125,9 @@ def _collectives_match(rank, world, model_name, mesh, pins, options):
     forward_planned = collections.Counter({k: v for k, v in planned.items() if k[2] == "forward"})
     assert _graph_forward_counts(pm) == forward_planned
     assert _count_executed(pm, ids, labels) == planned
+    pm.zero_grad()
     code = pm.code
     assert "def forward" in code and "all_reduce" in code or "all_gather" in code
-    hidden = _issue_before_wait(pm)
-    if pins.get("*.weight") == ["S(0)"]:
-        # ZeRO-3: each parameter's all-gather is issued while the compute before its first use runs.
-        assert hidden > 0, code
-        plain = autopar.compile(model, autopar.ClusterSpec.local_cpu(world), (ids,), {"labels": labels},
-                                plan=pm.plan, overlap=False, **options)
-        assert "_start(" not in plain.code and "_wait(" not in plain.code
-        # The same numbers with overlap off, bitwise: loss and every local gradient.
-        for m in (plain, pm):
-            m.zero_grad()
-            m.loss = m(ids, labels=labels).loss
-            m.loss.backward()
-        assert torch.equal(plain.loss, pm.loss)
-        for (name, a), (_, b) in zip(plain.named_parameters(), pm.named_parameters()):
-            assert torch.equal(a.grad, b.grad), name
 
 
 @pytest.mark.parametrize("model_name, world, mesh, kind", [
@@ -246,7 +256,8 @@ def _bucketed_gradients(rank, world):
     # Links fast enough that splitting the batch pays: replicated weights, data-parallel gradients.
     cluster = dataclasses.replace(autopar.ClusterSpec.local_cpu(world), intra_node_bandwidth=1e13,
                                   intra_node_latency=1e-9)
-    pins = {"*.weight": ["R"], "*.bias": ["R"], "input_ids": ["S(0)"], "labels": ["S(0)"]}
+    plain_dp = {"output": ["R"], "zero": 0}
+    pins = {"*.weight": plain_dp, "*.bias": plain_dp, "input_ids": ["S(0)"], "labels": ["S(0)"]}
     one = autopar.compile(model, cluster, (ids,), {"labels": labels}, pins=pins)              # 25 MiB buckets
     each = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=one.plan, bucket_mb=0)
     plain = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=one.plan, overlap=False)

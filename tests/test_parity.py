@@ -105,7 +105,7 @@ def _compare_grads(pm, ref_params, where):
     scale = max(p.grad.abs().max().item() for p in ref_params.values())
     for fqn, p in ref_params.items():
         local = pm.local_parameter(fqn)
-        grad = DTensor.from_local(local.grad, pm.mesh, [x.to_dtensor() for x in pm._layouts[fqn]],
+        grad = DTensor.from_local(local.grad, pm.mesh, [x.to_dtensor() for x in pm.state_layout(fqn)],
                                   run_check=False).full_tensor()
         err = (grad - p.grad).abs().max().item()
         assert err <= 1e-5 * scale, f"{where}: gradient of {fqn} off by {err} (largest entry in the model {scale})"

@@ -159,7 +159,6 @@ def test_gpt_plans_offline_with_one_tied_weight():
 
 
 def _gpt_parity(rank, world):
-    from autopar.layout import parse_layout
     from autopar.runtime.module import shard_of
 
     torch.manual_seed(0)
@@ -180,8 +179,8 @@ def _gpt_parity(rank, world):
             # The absolute tolerance scales with the largest gradient: k.bias's true gradient is
             # exactly 0 (softmax ignores a shift shared by all keys), so its values are rounding noise.
             scale = max(p.grad.abs().max().item() for p in ref_params.values())
-            for fqn, lay in pm.plan.params.items():
-                expected = shard_of(ref_params[fqn].grad, parse_layout(lay), pm.plan.mesh_shape, coords)
+            for fqn in pm.plan.params:
+                expected = shard_of(ref_params[fqn].grad, pm.state_layout(fqn), pm.plan.mesh_shape, coords)
                 torch.testing.assert_close(pm.local_parameter(fqn).grad, expected, rtol=1e-5, atol=1e-5 * scale,
                                            msg=fqn)
         opt.step()

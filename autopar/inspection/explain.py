@@ -148,6 +148,14 @@ def _param_lines(ix: PlanIndex, fqn: str) -> list[str]:
     rep = ix.rep_param(fqn)
     mesh = " x ".join(f"{a}={s}" for a, s in zip(plan.axis_names, plan.mesh_shape))
     lines = [f"parameter {fqn}: chosen {layout_text(plan.params[fqn])} on mesh {mesh}"]
+    stage = plan.zero_stages().get(fqn)
+    if stage is None:
+        lines.append("  optimizer state and gradient: replicated with the parameter (no ZeRO sharding)")
+    else:
+        what = {1: "optimizer state sharded, gradient and parameter replicated",
+                2: "optimizer state and gradient sharded, parameter replicated",
+                3: "parameter, gradient and optimizer state sharded, the parameter gathered for its readers"}
+        lines.append(f"  ZeRO-{stage[0]} along {stage[1]}: {what[stage[0]]}")
     held = plan.memory.get("by_param", {}).get(fqn)
     if held is not None:
         lines.append(f"  per device: {_b(held)} of parameter, gradient and optimizer state")
@@ -156,7 +164,7 @@ def _param_lines(ix: PlanIndex, fqn: str) -> list[str]:
     placeholder = placeholder_name(rep)
     # The plan records no graph edges; a parameter's consumers are the nodes its collectives (chosen or
     # alternative) are exchanged with.
-    consumers = {c["node"] for c in plan.collectives if c["value"] == placeholder}
+    consumers = {c["node"] for c in plan.collectives if c["value"] == placeholder and c["node"] in ix.nodes}
     consumers |= {c["neighbor"] for e in plan.alternatives.get(rep, []) for c in e["collectives"]
                   if c["value"] == placeholder and c["neighbor"] in ix.nodes}
     lines += _decision_lines(ix, rep)

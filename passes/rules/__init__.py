@@ -119,6 +119,10 @@ class OpRule:
     # Bytes per device that function holds while it runs, beyond its inputs and output (ring
     # attention's blocks in flight and accumulators), (ctx, input layouts, mesh shape) -> bytes.
     workspace: Callable | None = None
+    # Bytes per device that function's backward holds at its peak beyond the input gradients it
+    # returns, (ctx, input layouts, mesh shape) -> bytes, or None where the ATen op's measured figure
+    # (SavedForBackward.backward) holds.
+    backward_workspace: Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -142,10 +146,10 @@ _warned: set = set()
 
 
 def register_rule(*targets, flops=None, local_args=None, saved_on_gpu=None, collectives=None, local_call=None,
-                  saved_sharded=None, workspace=None):
+                  saved_sharded=None, workspace=None, backward_workspace=None):
     def deco(fn):
         rule = OpRule(fn, flops, local_args, saved_on_gpu, collectives=collectives, local_call=local_call,
-                      saved_sharded=saved_sharded, workspace=workspace)
+                      saved_sharded=saved_sharded, workspace=workspace, backward_workspace=backward_workspace)
         for t in targets:
             _RULES[t] = rule
         return fn

@@ -220,9 +220,38 @@ def _cross_entropy_local_call(ctx, in_layouts, args, kwargs, group_names):
         args[0], args[1], ctx.arg(4, "ignore_index", -100), ctx.arg(3, "reduction", 1), group_names[axis]), {}
 
 
+# The vocab-parallel loss works a block of rows at a time (runtime.sharded_ops.CHUNK_BYTES).
+LOSS_CHUNK_BYTES = 64 * 2**20
+
+
+def _vocab_parallel_rows(ctx, in_layouts, mesh_shape):
+    """(local rows, local vocabulary, rows per block) of the vocab-parallel loss, or None."""
+    if _sharding_axis(in_layouts[0], 1) is None:
+        return None
+    n, v = local_shape(ctx.ins[0].shape, in_layouts[0], mesh_shape)
+    return n, v, min(n, max(1, LOSS_CHUNK_BYTES // (4 * v)))
+
+
+def _cross_entropy_workspace(ctx, in_layouts, mesh_shape):
+    """Vocab-parallel forward: one fp32 block of rows, where each block's exponentials are made."""
+    rows = _vocab_parallel_rows(ctx, in_layouts, mesh_shape)
+    return 0.0 if rows is None else 4.0 * rows[2] * rows[1]
+
+
+def _cross_entropy_backward_workspace(ctx, in_layouts, mesh_shape):
+    """Vocab-parallel backward: it makes the softmax in place in the gradient it returns, so it holds
+    nothing more for fp32 logits; for low-precision ones, the fp32 result before its cast."""
+    rows = _vocab_parallel_rows(ctx, in_layouts, mesh_shape)
+    if rows is None:
+        return None
+    n, v, _ = rows
+    return 0.0 if ctx.ins[0].dtype.itemsize >= 4 else 4.0 * n * v
+
+
 @register_rule(aten.cross_entropy_loss.default, aten.nll_loss.default,
                flops=lambda ctx: 5.0 * ctx.ins[0].numel,
-               collectives=_cross_entropy_collectives, local_call=_cross_entropy_local_call)
+               collectives=_cross_entropy_collectives, local_call=_cross_entropy_local_call,
+               workspace=_cross_entropy_workspace, backward_workspace=_cross_entropy_backward_workspace)
 def cross_entropy_rule(ctx):
     logits, target = ctx.ins[:2]
     reduction = ctx.arg(3, "reduction", 1)

@@ -1,0 +1,120 @@
+"""Optimizer states sharded where a parameter is replicated: ZeRO-1 and ZeRO-2 under the user's own
+optimizer.
+
+A parameter the plan keeps replicated along a mesh axis while sharding its state there
+(``plan.zero``) lives twice over one storage: the program reads the whole local tensor, and the
+module exposes, as the ``nn.Parameter`` the optimizer sees, a view of this rank's block of it along
+the state's dim. Any torch optimizer then keeps its states (Adam's moments) at the block's size and
+updates the block in place, inside the whole tensor.
+
+- ZeRO-1: the gradient is reduced as in plain data parallelism (all-reduced, in the program's
+  buckets); the parameter's ``.grad`` is the view of its block of the reduced gradient.
+- ZeRO-2: the gradient is reduce-scattered along the axis once backward has accumulated it, straight
+  into the parameter's ``.grad``, and the whole gradient is freed.
+
+After the optimizer steps (a global optimizer step hook, and before any forward whose parameters
+changed since the last gather), every rank's updated blocks are all-gathered into the whole tensor.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from autopar.runtime import collectives as C
+
+
+@dataclass
+class ShardedState:
+    fqn: str
+    full: torch.Tensor          # the local tensor under the parameter's layout, as the program reads it
+    shard: nn.Parameter         # this rank's block of it, what the optimizer steps
+    stage: int
+    group: str
+    dim: int
+
+
+def split(full: torch.Tensor, group: str, dim: int, requires_grad: bool) -> tuple[torch.Tensor, nn.Parameter]:
+    """(the whole local tensor as an autograd leaf, the parameter that is this rank's block of it)."""
+    pg = _resolve_process_group(group)
+    n, r = dist.get_world_size(pg), dist.get_rank(pg)
+    whole = full.detach().clone().requires_grad_(requires_grad)
+    k = whole.shape[dim] // n
+    return whole, nn.Parameter(whole.detach().narrow(dim, r * k, k), requires_grad=requires_grad)
+
+
+class ShardedStates:
+    def __init__(self, states: list[ShardedState]):
+        self.states = states
+        self._ids = {id(s.shard) for s in states}
+        self._seen: dict = {}
+        for s in states:
+            if s.full.requires_grad:
+                s.full.register_post_accumulate_grad_hook(self._ready_hook(s))
+        self.mark_gathered()
+        me = weakref.ref(self)
+
+        def after_step(optimizer, _args, _kwargs):
+            states = me()
+            if states is not None and any(id(p) in states._ids for g in optimizer.param_groups for p in g["params"]):
+                states.gather()
+
+        handle = register_optimizer_step_post_hook(after_step)
+        weakref.finalize(self, handle.remove)
+
+    def _ready_hook(self, s: ShardedState):
+        def ready(full):
+            if full.grad is None:
+                return
+            if s.stage == 1:
+                # The gradient is reduced in place (the program's buckets) before the optimizer runs:
+                # the parameter's gradient is a view of its block.
+                if s.shard.grad is None:
+                    k = s.shard.shape[s.dim]
+                    s.shard.grad = full.grad.narrow(s.dim, self._block(s) * k, k)
+                return
+            n = dist.get_world_size(_resolve_process_group(s.group))
+            part = C._reduce_scatter(full.grad, s.dim, n, s.group)
+            full.grad = None
+            if s.shard.grad is None:
+                s.shard.grad = part
+            else:
+                s.shard.grad.add_(part)
+        return ready
+
+    @staticmethod
+    def _block(s: ShardedState) -> int:
+        return dist.get_rank(_resolve_process_group(s.group))
+
+    def before_forward(self) -> None:
+        """Free a ZeRO-1 gradient the optimizer has let go of (``zero_grad``), and gather parameters
+        changed since the last gather (an optimizer that ran without step hooks, a manual edit)."""
+        for s in self.states:
+            if s.stage == 1 and s.shard.grad is None:
+                s.full.grad = None
+        self.sync()
+
+    def gather(self) -> None:
+        """All-gather every rank's updated block into the whole local tensors."""
+        with torch.no_grad():
+            for s in self.states:
+                n = dist.get_world_size(_resolve_process_group(s.group))
+                block = s.shard.detach()
+                got = torch.ops._c10d_functional.wait_tensor(C._start_gather(block, n, s.group))
+                whole = s.full.detach()
+                whole.unflatten(s.dim, (n, -1)).movedim(s.dim, 0).copy_(got.view(n, *block.shape))
+        self.mark_gathered()
+
+    def sync(self) -> None:
+        """Gather if any block changed since the last gather (before the whole tensors are read)."""
+        if any(s.shard._version != self._seen[id(s.shard)] for s in self.states):
+            self.gather()
+
+    def mark_gathered(self) -> None:
+        """Every rank holds the same whole tensors (gathered, or loaded whole)."""
+        self._seen = {id(s.shard): s.shard._version for s in self.states}
