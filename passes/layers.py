@@ -135,19 +135,20 @@ def attention_cores(nodes: list[fx.Node]) -> list[list[fx.Node]]:
     inside = set(nodes)
     cores = []
     for first, last in zip(mm[0::2], mm[1::2]):
-        after, stack = {first}, [first]
-        while stack:
-            for u in stack.pop().users:
-                if u in inside and u not in after:
-                    after.add(u)
-                    stack.append(u)
-        before, stack = {last}, [last]
-        while stack:
-            for a in stack.pop().all_input_nodes:
-                if a in inside and a not in before:
-                    before.add(a)
-                    stack.append(a)
+        after = _reachable(first, lambda n: n.users, inside)
+        before = _reachable(last, lambda n: n.all_input_nodes, inside)
         core = [n for n in nodes if n in after and n in before]
         if core:
             cores.append(core)
     return cores
+
+
+def _reachable(start, neighbours, inside) -> set:
+    """The nodes of ``inside`` reachable from ``start`` (itself included) along ``neighbours``."""
+    seen, stack = {start}, [start]
+    while stack:
+        for m in neighbours(stack.pop()):
+            if m in inside and m not in seen:
+                seen.add(m)
+                stack.append(m)
+    return seen

@@ -64,3 +64,12 @@ def step_peak(module, optimizer, step, steps: int = 2, inputs=()) -> int:
         for _ in range(steps):
             step()
     return mode.peak
+
+
+def step_peak_over_ranks(module, optimizer, step, inputs=()) -> float:
+    """``step_peak`` on every rank of the default group: the highest of them."""
+    import torch.distributed as dist
+
+    peak = torch.tensor([float(step_peak(module, optimizer, step, inputs=inputs))])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return peak.item()
