@@ -12,6 +12,9 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
+import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -91,6 +94,33 @@ def highs_available() -> bool:
     return True
 
 
+_banner_lock = threading.Lock()
+_banner_printed = False
+
+
+def _quiet_highs():
+    """A new ``highspy.Highs``. highspy >= 1.16 prints its banner to the process's stdout (C level, before
+    any option can be set) when the first instance is made; that first construction runs with file
+    descriptor 1 pointed at /dev/null, so a user's stdout (``autopar plan`` output piped on) stays clean."""
+    global _banner_printed
+    import highspy
+
+    with _banner_lock:
+        if _banner_printed:
+            return highspy.Highs()
+        sys.stdout.flush()
+        saved = os.dup(1)
+        try:
+            with open(os.devnull, "wb") as devnull:
+                os.dup2(devnull.fileno(), 1)
+                h = highspy.Highs()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+            _banner_printed = True
+        return h
+
+
 def run_highs(model: Model, *, time_limit: float, gap: float, start=None, cutoff: float | None = None,
               threads: int = 1) -> Result:
     """Solve with HiGHS. ``cutoff``: only solutions of objective below it are wanted; when none exists
@@ -98,7 +128,7 @@ def run_highs(model: Model, *, time_limit: float, gap: float, start=None, cutoff
     import highspy
     import numpy as np
 
-    h = highspy.Highs()
+    h = _quiet_highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit))
     h.setOptionValue("mip_rel_gap", float(gap))
