@@ -126,7 +126,11 @@ class LayerCosts:
     """Per-microbatch figures of the solved microbatch program, per layer instance and for the nodes
     before (``pre``) and after (``post``) the layers."""
 
-    def __init__(self, gm, sub_plan, boundary_bytes: dict):
+    def __init__(self, gm, sub_plan, boundary_bytes: dict, recompute_seconds: dict | None = None,
+                 forced: frozenset = frozenset(), recompute: bool = False):
+        """``recompute_seconds``: per layer instance, its forward again (compute and the collectives it
+        reads through), what recomputing it costs in backward; ``forced``: instances that recompute in
+        every plan; ``recompute``: whether the others may recompute where memory is short."""
         from autopar.passes.meta import meta_of
 
         self.layers: list[str] = []
@@ -174,6 +178,9 @@ class LayerCosts:
                 self.param_bytes[r] = self.param_bytes.get(r, 0.0) + by_param.get(role.target, 0.0)
         total = sum(by_param.values()) or 1.0
         self.optimizer_per_byte = sub_plan.breakdown["optimizer"] / total
+        self.recompute_seconds = dict(recompute_seconds or {})
+        self.forced = frozenset(forced)
+        self.may_recompute = bool(recompute)
 
     def seconds(self, key: str) -> float:
         return self.compute.get(key, 0.0) + sum(self.comm.get(key, {}).values())
@@ -218,10 +225,12 @@ def schedule_plan(costs: LayerCosts, schedule: str, p: int, m: int, budget: floa
     ranks = []
     for r in range(p):
         mine = [st for st in stages if st["pp_rank"] == r]
-        per_mb = sum(st["seconds"] for st in mine)
-        act = sum(st["activations"] for st in mine)
         k = in_flight(schedule, p, m, r)
         static = sum(st["param_bytes"] for st in mine)
+        act = _recompute_to_fit(costs, mine, static, k, budget)
+        if act is None:
+            return None
+        per_mb = sum(st["seconds"] for st in mine)
         comm: dict = {}
         sync: dict = {}
         for st in mine:
@@ -232,7 +241,8 @@ def schedule_plan(costs: LayerCosts, schedule: str, p: int, m: int, budget: floa
                       "compute_seconds": sum(st["compute_seconds"] for st in mine), "comm_seconds": comm,
                       "grad_sync_seconds": sync,
                       "p2p_seconds": sum(st["p2p_seconds"] for st in mine),
-                      "activation_bytes": act * k, "static_bytes": static, "peak": static + act * k,
+                      "recompute_seconds": sum(st["recompute_seconds"] for st in mine),
+                      "activation_bytes": act, "static_bytes": static, "peak": static + act,
                       "optimizer_seconds": sum(st["optimizer_seconds"] for st in mine)})
     slowest_rank = max(ranks, key=lambda r: r["seconds_per_microbatch"])
     slowest = slowest_rank["seconds_per_microbatch"]
@@ -253,7 +263,48 @@ def schedule_plan(costs: LayerCosts, schedule: str, p: int, m: int, budget: floa
             "bubble_fraction": bubble_fraction(schedule, p, m, v), "optimizer_seconds": optim, "peak": peak}
 
 
-def check_layers(gm, p: int) -> None:
+def _recompute_to_fit(costs: LayerCosts, mine: list[dict], static: float, k: float, budget: float) -> float | None:
+    """Choose which layers of one rank's stages recompute, and return the rank's activation bytes at its
+    peak (None when recomputing every layer it may still leaves it over ``budget``).
+
+    A recomputed layer keeps only what it reads from outside (its boundary bytes) for each of the ``k``
+    microbatches in flight, and holds its whole activations again for one microbatch while its backward
+    runs. Layers beyond the forced ones recompute in order of bytes freed per second of recompute, until
+    the rank fits: with the stages fixed, that is the least recompute time that fits (the layers of one
+    class cost and free the same)."""
+    chosen = {inst for st in mine for inst in st["layers"] if inst in costs.forced}
+
+    def activation_bytes():
+        kept = transient = 0.0
+        for st in mine:
+            kept += st["activations"]
+            for inst in st["layers"]:
+                if inst in chosen:
+                    full = costs.activations.get(inst, 0.0)
+                    kept -= full - min(costs.boundary.get(inst, 0.0), full)
+                    transient = max(transient, full)
+        return kept * k + transient
+
+    if costs.may_recompute:
+        saving = {inst: costs.activations.get(inst, 0.0) - costs.boundary.get(inst, 0.0)
+                  for st in mine for inst in st["layers"] if inst not in chosen}
+        order = sorted((i for i in saving if saving[i] > 0),
+                       key=lambda i: -saving[i] / max(costs.recompute_seconds.get(i, 0.0), 1e-12))
+        for inst in order:
+            if static + activation_bytes() <= budget:
+                break
+            chosen.add(inst)
+    for st in mine:
+        st["recompute"] = [inst for inst in st["layers"] if inst in chosen]
+        st["recompute_seconds"] = sum(costs.recompute_seconds.get(inst, 0.0) for inst in st["recompute"])
+        st["seconds"] += st["recompute_seconds"]
+    act = activation_bytes()
+    return act if static + act <= budget else None
+
+
+def check_layers(gm, p: int, schedule: str | None = None) -> None:
+    """A pipeline of ``p`` ranks (``schedule``'s virtual stages on each, when it is fixed) needs a layer
+    per stage."""
     from autopar.passes.layers import layer_counts
 
     counts = layer_counts(gm)
@@ -265,6 +316,11 @@ def check_layers(gm, p: int) -> None:
     if n < p:
         raise AutoparError(f"the pipeline axis 'pp' has {p} ranks but the model has only {n} layers to cut "
                            f"between; use a pipeline axis of at most {n}")
+    v = VIRTUAL[schedule] if schedule else 1
+    if n < p * v:
+        raise AutoparError(f"schedule {schedule} puts {v} stages on each of the {p} pipeline ranks, {p * v} in all, "
+                           f"but the model has only {n} layers to cut between; use a schedule of one stage per "
+                           f"rank (GPipe, 1F1B) or a pipeline axis of at most {n // v}")
 
 
 def no_fit(p, m, budget):

@@ -277,9 +277,6 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
     p = shape[axis]
     if axis != 0:
         raise AutoparError(f"the pipeline axis 'pp' must be the mesh's first (outermost) axis, got axes {names}")
-    if recompute not in (False, None) and recompute is not True:
-        raise AutoparError("pipeline plans do not recompute activations yet; plan with recompute=False or the "
-                           "default")
     if schedule is not None and schedule not in PL.SCHEDULES:
         raise AutoparError(f"unknown pipeline schedule {schedule!r}; choose one of {PL.SCHEDULES}")
     batch = PL.batch_size(example_inputs, example_kwargs)
@@ -315,7 +312,7 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
         timings["passes"] += front_passes
         timings["build"] += time.perf_counter() - t0 - prep.capture_seconds - front_passes
         t0 = time.perf_counter()
-        PL.check_layers(prep.gm, p)
+        PL.check_layers(prep.gm, p, schedule)
         loss_output(prep.gm)          # the last stage hands the loss to the schedule
         prep.runner.run(mesh_passes(sub_shape, zero=False), prep.gm, f"mesh {shape}")
         cm = cost_model(sub_cluster, sub_shape, optimizer, fused=fused)
@@ -331,6 +328,10 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
         timings["build"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         sol = solve_under_budget(prob, sm, budget, time_limit=time_limit)
+        if sol.status == "infeasible" and recompute is not False:
+            # Recomputing layers inside the stages (chosen per rank below) may fit what one microbatch's
+            # activations through every layer do not: the fastest layouts, with memory left to the stages.
+            sol = solve_under_budget(prob, sm, math.inf, time_limit=time_limit)
         timings["solve"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         entry = {"mesh": list(shape), "status": sol.status, "objective": sol.objective, "seconds": sol.seconds,
@@ -344,22 +345,54 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
         chosen = {n: meta_of(n).strategies.strategies[idx.option_of(n, sol.assignment)] for n in prep.gm.graph.nodes
                   if n.op in ("placeholder", "call_function") and meta_of(n).strategies is not None}
         instance_of = {n: meta_of(n).layer.layer for n in chosen if n.op == "call_function" and meta_of(n).layer}
-        costs = PL.LayerCosts(prep.gm, sub, _boundary_bytes(instance_of, chosen, cm))
+        costs = PL.LayerCosts(prep.gm, sub, _boundary_bytes(instance_of, chosen, cm),
+                              _recompute_seconds(instance_of, chosen, cm, sub.collectives),
+                              _forced_pipeline_recompute(prep.gm, recompute), recompute is not False)
         for sched in schedules:
             if sched != "GPipe" and sched != "1F1B" and m % p:
                 continue          # torch's interleaved schedules need whole rounds of p microbatches
             found = PL.schedule_plan(costs, sched, p, m, budget, link)
             entry["pipeline"]["schedules"][sched] = None if found is None else found["step_time"]
             if found is not None and (best is None or found["step_time"] < best[0]["step_time"]):
-                best = (found, sub, sol)
+                best = (found, sub, sol, {inst: cls for cls, insts in layer_instances(prep.gm).items()
+                                          for inst in insts})
         timings["evaluate"] += time.perf_counter() - t0
     if best is None:
         return None
-    found, sub, sol = best
-    return _pipeline_plan(sub, found, shape, names, axis, cluster, budget, sol)
+    found, sub, sol, class_of = best
+    return _pipeline_plan(sub, found, shape, names, axis, cluster, budget, sol, class_of)
 
 
-def _pipeline_plan(sub: Plan, found: dict, shape, names, axis, cluster, budget, sol) -> Plan:
+def _recompute_seconds(instance_of: dict, chosen: dict, cm: CostModel, collectives: list) -> dict:
+    """Per layer instance: the seconds of running its forward again in backward, its compute and the
+    forward collectives of its nodes."""
+    out: dict = {}
+    for n, inst in instance_of.items():
+        out[inst] = out.get(inst, 0.0) + cm.forward_compute_seconds(n, chosen[n])
+    inst_of_name = {n.name: inst for n, inst in instance_of.items()}
+    for c in collectives:
+        if c["phase"] == "forward" and c["node"] in inst_of_name:
+            inst = inst_of_name[c["node"]]
+            out[inst] += c["seconds"]
+    return out
+
+
+def _forced_pipeline_recompute(gm, recompute) -> frozenset:
+    """The layer instances a ``recompute`` dict makes every pipeline plan recompute (the first ``count``
+    of each class it names); a pipeline plan recomputes whole layers only."""
+    from autopar.passes.problem import forced_recompute
+
+    out = set()
+    for cls, insts in layer_instances(gm).items():
+        forced = forced_recompute(cls, len(insts), recompute)
+        if forced == "attention":
+            raise AutoparError(f"recompute asks {cls} to recompute its attention cores only; pipeline plans "
+                               f"recompute whole layers: give 'all' or a count")
+        out.update(list(insts)[:forced or 0])
+    return frozenset(out)
+
+
+def _pipeline_plan(sub: Plan, found: dict, shape, names, axis, cluster, budget, sol, class_of: dict) -> Plan:
     """The sub-mesh plan of one microbatch, widened to the whole mesh, with its pipeline."""
 
     def widen(lay):
@@ -386,7 +419,9 @@ def _pipeline_plan(sub: Plan, found: dict, shape, names, axis, cluster, budget, 
     # The slowest rank's microbatches, the pipeline's idle time, the slowest optimizer step: they add up
     # to step_time.
     sub.breakdown = {"compute": m * slow["compute_seconds"], "communication": comm,
-                     "optimizer": found["optimizer_seconds"], "recompute": 0.0, "bubble": found["bubble_seconds"]}
+                     "optimizer": found["optimizer_seconds"], "recompute": m * slow["recompute_seconds"],
+                     "bubble": found["bubble_seconds"]}
+    sub.recompute = _pipeline_recompute(found["stages"], class_of)
     sub.step_time = found["step_time"]
     sub.pipeline = {"axis": "pp", "schedule": found["schedule"], "microbatches": m,
                     "virtual_stages": found["virtual_stages"], "bubble_fraction": found["bubble_fraction"],
@@ -395,6 +430,18 @@ def _pipeline_plan(sub: Plan, found: dict, shape, names, axis, cluster, budget, 
     sub.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
                       constraints=sol.num_constraints, backend=sol.backend)
     return sub
+
+
+def _pipeline_recompute(stages: list[dict], class_of: dict) -> dict:
+    """The plan's ``recompute`` entry for the layers the pipeline's ranks recompute (any instances, not
+    only a class's first ones: each rank recomputes what its own memory needs)."""
+    classes: dict = {}
+    for inst in (inst for st in stages for inst in st.get("recompute", [])):
+        cls = class_of[inst]
+        entry = classes.setdefault(cls, {"count": 0, "of": sum(c == cls for c in class_of.values()), "layers": []})
+        entry["count"] += 1
+        entry["layers"].append(inst)
+    return {"classes": classes, "layers": [inst for c in classes.values() for inst in c["layers"]]}
 
 
 def _drop_first_axis(pins):

@@ -62,13 +62,16 @@ def _check(rank, world, cases):
 
     ids, labels = batch()
     cluster = autopar.ClusterSpec.local_cpu(world)
-    for name, mesh, axes, schedule, microbatches, pins in cases:
+    for name, mesh, axes, schedule, microbatches, pins, *options in cases:
+        options = options[0] if options else {}
         torch.manual_seed(0)
         model = _model(name)
         ref = copy.deepcopy(model)
         pm = autopar.compile(model, cluster, (ids,), {"labels": labels}, mesh_shape=mesh, axis_names=axes,
-                             schedule=schedule, microbatches=microbatches, pins=pins)
-        where = f"{name} / {schedule} x {microbatches} microbatches on mesh {dict(zip(axes, mesh))}"
+                             schedule=schedule, microbatches=microbatches, pins=pins, **options)
+        where = f"{name} / {schedule} x {microbatches} microbatches on mesh {dict(zip(axes, mesh))} {options}"
+        if "recompute" in options:
+            _check_recompute(pm, where)
         pipe = pm.plan.pipeline
         assert pipe["schedule"] == schedule and pipe["microbatches"] == microbatches, where
         assert len(pipe["stages"]) == mesh[0] * (2 if "Interleaved" in schedule or "ZBV" in schedule else 1), where
@@ -82,6 +85,19 @@ def _check(rank, world, cases):
         with pytest.raises(autopar.AutoparError, match="train_step"):
             pm(ids, labels=labels)
         _train_and_compare(pm, ref, ids, labels, where)
+
+
+def _check_recompute(pm, where):
+    """Every layer the plan recomputes is one checkpointed call in its stage's program, and no other."""
+    from autopar.runtime.recompute import checkpointed
+
+    recomputed = set(pm.plan.recompute["layers"])
+    assert recomputed, f"{where}: the plan recomputes nothing"
+    for st in pm._stage_programs:
+        mine = {inst for inst in pm.plan.pipeline["stages"][st.index]["layers"] if inst in recomputed}
+        calls = [n for n in st.gm.graph.nodes if n.op == "call_function" and n.target is checkpointed]
+        assert len(calls) == len(mine), f"{where}: stage {st.index} checkpoints {len(calls)} regions for {mine}"
+    assert pm.plan.breakdown["recompute"] > 0, f"{where}: the plan does not price the recompute"
 
 
 def _tp_pins(name):
@@ -103,8 +119,12 @@ def test_pipeline_parity_two_ranks():
              ("llama", (2,), ("pp",), "1F1B", 4, None),
              ("bert", (2,), ("pp",), "GPipe", 4, None),
              ("gpt-4-layers", (2,), ("pp",), "Interleaved1F1B", 4, None),
-             ("gpt-4-layers", (2,), ("pp",), "ZBVZeroBubble", 2, None)]
-    run_distributed(_check, 2, cases, timeout=400)
+             ("gpt-4-layers", (2,), ("pp",), "ZBVZeroBubble", 2, None),
+             # Activation recompute inside stages: GPT-2's first layer only (one stage checkpoints, the
+             # other does not), every layer under the zero-bubble V schedule's split backward.
+             ("gpt2", (2,), ("pp",), "1F1B", 2, None, {"recompute": {"*": 1}}),
+             ("gpt-4-layers", (2,), ("pp",), "ZBVZeroBubble", 2, None, {"recompute": {"*": "all"}})]
+    run_distributed(_check, 2, cases, timeout=500)
 
 
 def test_pipeline_parity_four_ranks():

@@ -123,8 +123,11 @@ def test_a_budget_below_the_in_flight_activations_rejects_gpipe():
     one_f = _stack_plan(schedule="1F1B", microbatches=8)
     budget = one_f.memory["peak"] * 1.01
     with pytest.raises(autopar.InfeasiblePlanError, match="pipeline stages"):
-        _stack_plan(schedule="GPipe", microbatches=8, memory_budget=budget)
-    assert _stack_plan(microbatches=8, memory_budget=budget).memory["peak"] <= budget
+        _stack_plan(schedule="GPipe", microbatches=8, memory_budget=budget, recompute=False)
+    # GPipe fits only by recomputing; 1F1B fits without, and is chosen.
+    assert _stack_plan(schedule="GPipe", microbatches=8, memory_budget=budget).recompute["layers"]
+    free = _stack_plan(microbatches=8, memory_budget=budget)
+    assert free.memory["peak"] <= budget and not free.recompute["layers"]
 
 
 def test_batch_that_does_not_split_into_the_microbatches_is_refused():
@@ -144,6 +147,37 @@ def test_model_without_repeated_layers_is_refused():
     with pytest.raises(autopar.AutoparError, match="has none"):
         autopar.plan(Flat(), autopar.ClusterSpec.local_cpu(2), (torch.randn(4, 64),), mesh_shape=(2,),
                      axis_names=("pp",), progress=False)
+
+
+def test_schedule_with_more_stages_than_layers_is_refused():
+    with torch.device("meta"):
+        model = Stack(64, 4, 128, 2)
+    with pytest.raises(autopar.AutoparError, match="only 2 layers to cut between; use a schedule of one stage"):
+        autopar.plan(model, autopar.ClusterSpec.local_cpu(2), (torch.randn(4, 8, 64, device="meta"),),
+                     mesh_shape=(2,), axis_names=("pp",), schedule="Interleaved1F1B", progress=False)
+
+
+def test_a_budget_only_recompute_meets_recomputes_inside_the_stages():
+    """Under a budget below every schedule's in-flight activations, each rank recomputes the fewest layers
+    that fit; the plan lists them, prices their forward again and stays under the budget."""
+    with torch.device("meta"):
+        model = Stack(256, 4, 1024, 8)
+    x = torch.randn(16, 256, 256, device="meta")
+    cluster = autopar.ClusterSpec.local_cpu(2)
+    free = autopar.plan(model, cluster, (x,), mesh_shape=(2,), axis_names=("pp",), schedule="1F1B",
+                        microbatches=4, progress=False)
+    assert not free.recompute["layers"] and free.breakdown["recompute"] == 0
+    static = max(r["static_bytes"] for r in free.pipeline["ranks"])
+    budget = static + 0.5 * (free.memory["peak"] - static)
+    tight = autopar.plan(model, cluster, (x,), mesh_shape=(2,), axis_names=("pp",), schedule="1F1B",
+                         microbatches=4, memory_budget=budget, progress=False)
+    assert tight.recompute["layers"] and tight.memory["peak"] <= budget
+    assert tight.breakdown["recompute"] > 0 and tight.step_time > free.step_time
+    for st in tight.pipeline["stages"]:
+        assert set(st["recompute"]) <= set(st["layers"])
+    with pytest.raises(autopar.InfeasiblePlanError):
+        autopar.plan(model, cluster, (x,), mesh_shape=(2,), axis_names=("pp",), schedule="1F1B",
+                     microbatches=4, memory_budget=budget, recompute=False, progress=False)
 
 
 def test_pipeline_axis_must_be_outermost():
