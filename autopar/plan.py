@@ -52,6 +52,9 @@ class Plan:
     # parameters whose optimizer state (ZeRO-1), and gradient too (ZeRO-2), are sharded along an axis
     # the parameter is replicated on: FQN -> {"stage": 1 or 2, "axis": axis name, "dim": dim}
     zero: dict = field(default_factory=dict)
+    # parameters whose optimizer state, the gradient it reads and the copy of the parameter it steps
+    # live in host memory, stepped there: FQN -> {"host_bytes", "device_bytes_freed"} per device
+    offload: dict = field(default_factory=dict)
     version: int = PLAN_VERSION
     extra: dict = field(default_factory=dict)
 
@@ -317,7 +320,7 @@ def _schema(axes) -> dict:
         "nodes": _list_of(_node(axes)),
         "collectives": _list_of(collective),
         "memory": _object({k: _number for k in MEMORY_KEYS},
-                          {"budget": _number, "by_param": _dict_of(_number), "timeline": _list_of(timeline),
+                          {"budget": _number, "host": _number, "by_param": _dict_of(_number), "timeline": _list_of(timeline),
                            "peak_point": _integer(0), "peak_at": peak_at}),
         "step_time": _number,
         "breakdown": _object({"compute": _number, "communication": _dict_of(_number), "optimizer": _number},
@@ -344,6 +347,7 @@ def _schema(axes) -> dict:
         "pipeline": _optional(_pipeline(axes)),
         "zero": _dict_of(_object({"stage": _zero_stage, "axis": _one_of(axes), "dim": _integer(0)},
                                  open_ended=False)),
+        "offload": _dict_of(_object({"host_bytes": _number, "device_bytes_freed": _number}, open_ended=False)),
     }
 
 
@@ -370,7 +374,7 @@ def _validate(d: Any) -> None:
         raise PlanFormatError(f"plan format version {version!r} is not supported (this autopar reads "
                               f"version {PLAN_VERSION}); plan the model again with this version")
     optional = ("version", "extra", "alternatives", "sharded_outputs", "recompute", "pipeline", "precision",
-                "zero")
+                "zero", "offload")
     missing = [k for k in Plan.__dataclass_fields__ if k not in optional and k not in d]
     if missing:
         raise PlanFormatError(f"plan is missing fields {missing}")
@@ -409,6 +413,13 @@ def _validate(d: Any) -> None:
             _fail(f"zero.{fqn}", f"shards dim {z['dim']}, which the parameter's layout {lay} shards already")
         if d.get("pipeline") is not None:
             _fail(f"zero.{fqn}", "pipeline plans do not shard optimizer states of replicated parameters")
+    for fqn in d.get("offload") or {}:
+        if fqn not in d["params"]:
+            _fail(f"offload.{fqn}", "names no parameter of the plan")
+        if fqn in (d.get("zero") or {}):
+            _fail(f"offload.{fqn}", "an offloaded optimizer state is not also sharded by ZeRO-1/2")
+        if d.get("pipeline") is not None:
+            _fail(f"offload.{fqn}", "pipeline plans do not offload optimizer states")
 
 
 def _validate_pipeline(pipe: Any, mesh: dict) -> None:

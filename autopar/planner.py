@@ -117,6 +117,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     if kernels not in ("auto", "triton", "aten"):
         raise ValueError(f"kernels must be 'auto', 'triton' or 'aten', got {kernels!r}")
     fused = kernels == "triton" or (kernels == "auto" and cluster.device_type == "cuda")
+    offload = offload_offered(cluster, pins)
     if cluster.mesh_shape is None:
         candidates = [(shape, default_axis_names(shape)) for shape in cluster.mesh_candidates()]
         if pipeline or (pipeline is None and cluster.num_nodes > 1):
@@ -148,7 +149,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
                     best = p
                 continue
             report(f"mesh {shape}: strategies")
-            prep.runner.run(mesh_passes(shape), prep.gm, f"mesh {shape}")
+            prep.runner.run(mesh_passes(shape, offload=offload), prep.gm, f"mesh {shape}")
             cm = cost_model(cluster, shape, optimizer, fused=fused)
             report(f"mesh {shape}: costs")
             prob, idx = build_problem(prep.gm, cm, budget, pins, sharded_outputs, recompute)
@@ -168,7 +169,8 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
 
             raise no_fit(tried[-1]["mesh"][0], tried[-1]["pipeline"]["microbatches"], budget)
         if best is None:
-            _raise_infeasible(prep, infeasible, cluster, budget)
+            _raise_infeasible(prep, infeasible, cluster, budget, offload)
+        _check_host_memory(best, cluster)
         best.precision = prec.name
         best.extra["warnings"] = idle_axis_warnings(prep.gm, best) if prep is not None else []
         for w in best.extra["warnings"]:
@@ -185,6 +187,29 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
                                  for r in (prep.runner.records if prep is not None else [])]
         report("done")
     return best
+
+
+def _check_host_memory(plan: Plan, cluster: ClusterSpec) -> None:
+    """The offloaded states of a node's devices must fit its host memory (checked on the plan; the
+    ILP does not bound host memory)."""
+    if not plan.offload or cluster.host_is_device:
+        return
+    need = plan.memory["host"] * cluster.devices_per_node
+    if need > cluster.host_memory:
+        raise InfeasiblePlanError(
+            f"the plan offloads {len(plan.offload)} parameters' optimizer states, {need / 1e9:.1f} GB per node of "
+            f"host memory, more than the node's {cluster.host_memory / 1e9:.1f} GB (host_memory); raise the device "
+            f"budget, add devices, or give the host's real memory", budget=plan.memory.get("budget"))
+
+
+def offload_offered(cluster: ClusterSpec, pins) -> bool:
+    """Whether parameters may keep their optimizer state in host memory: on a cluster whose host is
+    not its devices' memory and whose host figures are known, or where a pin asks for it (which then
+    needs the host figures; on CPU processes, to run the offloaded program where it frees nothing)."""
+    if any(isinstance(p, dict) and p.get("offload") for p in (pins or {}).values()):
+        cluster.require_host_figures("a pin that offloads an optimizer state")
+        return True
+    return cluster.has_host_figures and not cluster.host_is_device
 
 
 def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
@@ -211,11 +236,11 @@ def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
             return sum(self.steps_seconds([st], info.dtype.itemsize, grad)
                        / (self.microbatches if st.op == "grad_all_reduce" else 1) for st in steps)
 
-        def param_bytes(self, node, layout, zero=None):
-            return tuple(x / self.stages for x in super().param_bytes(node, layout, zero))
+        def param_bytes(self, node, layout, zero=None, offload=False):
+            return tuple(x / self.stages for x in super().param_bytes(node, layout, zero, offload))
 
-        def optimizer_seconds(self, node, layout, zero=None):      # of the whole parameter, once per step
-            return super().optimizer_seconds(node, layout, zero) * self.stages / self.microbatches
+        def optimizer_seconds(self, node, layout, zero=None, offload=False):   # of the whole parameter, once per step
+            return super().optimizer_seconds(node, layout, zero, offload) * self.stages / self.microbatches
 
     return PerMicrobatch
 
@@ -581,8 +606,8 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
     for c in colls:
         comm_by_node[c["node"]] = comm_by_node.get(c["node"], 0.0) + c["seconds"]
 
-    params, inputs, nodes, param_bytes, zero = {}, {}, [], {}, {}
-    mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    params, inputs, nodes, param_bytes, zero, offload = {}, {}, [], {}, {}, {}
+    mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "host": 0.0}
     compute = optim = 0.0
     for n, s in chosen.items():
         role = meta_of(n).role
@@ -592,12 +617,17 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
                 params[role.target] = format_layout(lay)
                 if s.zero is not None:
                     zero[role.target] = {"stage": s.zero.stage, "axis": axis_names[s.zero.axis], "dim": s.zero.dim}
-                p, g, o = cm.param_bytes(n, lay, s.zero)
+                if s.offload:
+                    host = cm.host_bytes(n, lay)
+                    freed = sum(cm.param_bytes(n, lay)) - sum(cm.param_bytes(n, lay, None, True))
+                    offload[role.target] = {"host_bytes": host, "device_bytes_freed": max(freed, 0.0)}
+                    mem["host"] += host
+                p, g, o = cm.param_bytes(n, lay, s.zero, s.offload)
                 mem["params"] += p
                 mem["grads"] += g
                 mem["optimizer"] += o
                 param_bytes[role.target] = p + g + o
-                optim += cm.optimizer_seconds(n, lay, s.zero)
+                optim += cm.optimizer_seconds(n, lay, s.zero, s.offload)
             elif role and role.kind == "input" and s.outputs:
                 inputs[role.target] = format_layout(s.outputs[0])
             continue
@@ -635,7 +665,7 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
         params=params, inputs=inputs, nodes=nodes, collectives=colls, memory=mem, step_time=step,
         breakdown={"compute": compute, "communication": comm_axis, "optimizer": optim,
                    "recompute": recompute_compute},
-        solver={}, sharded_outputs=sharded_outputs, recompute=recompute, zero=zero,
+        solver={}, sharded_outputs=sharded_outputs, recompute=recompute, zero=zero, offload=offload,
     )
 
 
@@ -714,7 +744,7 @@ def _timeline(walk) -> tuple[dict, object]:
     return {"points": points, "peak_index": k, "end_of_forward": (fwd[-1] if fwd else walk[0]).bytes}, walk[k]
 
 
-def _raise_infeasible(prep, infeasible, cluster, budget):
+def _raise_infeasible(prep, infeasible, cluster, budget, offload=False):
     best = None
     for shape, names, prob, idx, cm, sm in infeasible:
         found = _smallest_valid_budget(prob, sm)
@@ -724,7 +754,7 @@ def _raise_infeasible(prep, infeasible, cluster, budget):
         raise InfeasiblePlanError(f"no valid plan exists on {cluster.name or cluster.num_devices} devices at any "
                                   f"budget: the pinned layouts cannot be reached; relax the pins", budget=budget)
     need, assignment, shape, names, idx, cm, sm = best
-    prep.runner.run(mesh_passes(shape), prep.gm, f"mesh {shape}")   # the graph holds the last mesh's
+    prep.runner.run(mesh_passes(shape, offload=offload), prep.gm, f"mesh {shape}")   # the graph holds the last mesh's
     p = evaluate(prep, idx, assignment, cm, shape, names, cluster, budget, sm)
     consumers = [(f"param {k} (+grad, optimizer)", v) for k, v in p.memory["by_param"].items()]
     consumers += [(f"activations of {n['name']}", n["activation_bytes"]) for n in p.nodes]

@@ -34,6 +34,24 @@ def pipeline_summary(plan) -> list[str]:
     return lines
 
 
+def offload_lines(plan) -> list[str]:
+    """What the plan keeps in host memory, and what that frees on each device."""
+    off = plan.offload
+    if not off:
+        return []
+    host = sum(v["host_bytes"] for v in off.values())
+    freed = sum(v["device_bytes_freed"] for v in off.values())
+    same = plan.cluster.get("device_type") == "cpu"
+    lines = [f"optimizer states offloaded to host memory (stepped there): {len(off)} of {len(plan.params)} "
+             f"parameters, {_b(host)} per device in host memory, {_b(freed)} freed per device"
+             + (" (host and device are one memory here: nothing is freed)" if same else "")]
+    for k, v in list(off.items())[:8]:
+        lines.append(f"  {k:<60} {_b(v['host_bytes'])} on host")
+    if len(off) > 8:
+        lines.append(f"  ... {len(off) - 8} more")
+    return lines
+
+
 def summary(plan) -> str:
     mesh = " x ".join(f"{a}={n}" for a, n in zip(plan.mesh["axes"], plan.mesh["shape"]))
     lines = [f"autopar plan: {plan.model['class']} ({plan.model['num_params']:,} parameters) on "
@@ -81,6 +99,7 @@ def summary(plan) -> str:
         lines.append(f"  {k:<60} {v}{z}")
     if len(sharded) > 12:
         lines.append(f"  ... {len(sharded) - 12} more")
+    lines += offload_lines(plan)
     m = plan.memory
     lines.append(f"\nmemory per device: peak {_b(m['peak'])} of budget {_b(m.get('budget', 0))} "
                  f"(params {_b(m['params'])}, grads {_b(m['grads'])}, optimizer {_b(m['optimizer'])}, "

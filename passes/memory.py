@@ -521,15 +521,19 @@ class StepMemory:
                 c = self._choice(n)
                 opts = [self._strategy(n, i) for i in self._options(c)]
                 full = [self.cm.param_bytes(n, s.outputs[0]) for s in opts]
-                kept = [self.cm.param_bytes(n, s.outputs[0], s.zero) for s in opts]
+                kept = [self.cm.param_bytes(n, s.outputs[0], s.zero, s.offload) for s in opts]
                 add((_P, 1, _one(c, [k[0] for k in kept])))
                 add((_O, 1, _one(c, [k[2] for k in kept])))
                 grads_of[n] = _one(c, [f[1] for f in full])      # the gradient backward accumulates
                 shards = [1 if s.zero is None else self.cm.mesh_shape[s.zero.axis] for s in opts]
-                step_of[n] = _one(c, [f[1] / k for f, k in zip(full, shards)])
-                if any(s.zero is not None and s.zero.stage >= 2 for s in opts):
-                    # ZeRO-2: once accumulated, the gradient is reduce-scattered into its shard.
-                    z2 = [s.zero is not None and s.zero.stage >= 2 for s in opts]
+                # An offloaded parameter's optimizer step runs in host memory: its buffers count on the
+                # device only where host and device are one memory.
+                on_device = [0.0 if s.offload and not self.cm.cluster.host_is_device else 1.0 for s in opts]
+                step_of[n] = _one(c, [f[1] / k * d for f, k, d in zip(full, shards, on_device)])
+                if any((s.zero is not None and s.zero.stage >= 2) or s.offload for s in opts):
+                    # ZeRO-2: once accumulated, the gradient is reduce-scattered into its shard; offload:
+                    # it is copied to host memory (nothing on the device unless host and device are one).
+                    z2 = [(s.zero is not None and s.zero.stage >= 2) or s.offload for s in opts]
                     scatter[n] = (_one(c, [k[1] if z else 0.0 for k, z in zip(kept, z2)]),
                                   _one(c, [f[1] if z else 0.0 for f, z in zip(full, z2)]))
                 if any(s.zero is not None for s in opts):

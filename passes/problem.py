@@ -76,7 +76,8 @@ def _pinned_options(rep: fx.Node, pins: dict, mesh_axes: int):
     A pin is the output layout (``["R", "S(1)"]``), or ``{"output": layout, "inputs": [layout per
     tensor input]}`` with either key, for ops whose strategies differ only in how they read. A
     parameter's pin may add ``"zero": 0, 1 or 2``: its optimizer state replicated (0), or sharded along
-    an axis it is replicated on (ZeRO-1), with its gradient (ZeRO-2)."""
+    an axis it is replicated on (ZeRO-1), with its gradient (ZeRO-2); and ``"offload": True or False``:
+    its optimizer state kept and stepped in host memory, or on the device."""
     import fnmatch
 
     from autopar.errors import ShardingError
@@ -87,10 +88,14 @@ def _pinned_options(rep: fx.Node, pins: dict, mesh_axes: int):
         if not fnmatch.fnmatchcase(name, pattern):
             continue
         want = pin if isinstance(pin, dict) else {"output": pin}
-        unknown = set(want) - {"output", "inputs", "zero"}
+        unknown = set(want) - {"output", "inputs", "zero", "offload"}
         if unknown:
             raise ShardingError(f"pin {pattern!r}: unknown keys {sorted(unknown)}; a pin gives 'output' and/or "
-                                f"'inputs', and 'zero' for a parameter")
+                                f"'inputs', and 'zero' or 'offload' for a parameter")
+        offload = want.get("offload")
+        if offload not in (None, True, False):
+            raise ShardingError(f"pin {pattern!r}: offload must be True (optimizer state in host memory) or False, "
+                                f"got {offload!r}")
         zero = want.get("zero")
         if zero not in (None, 0, 1, 2):
             raise ShardingError(f"pin {pattern!r}: zero must be 0 (state replicated), 1 (ZeRO-1) or 2 (ZeRO-2), got "
@@ -105,7 +110,12 @@ def _pinned_options(rep: fx.Node, pins: dict, mesh_axes: int):
         allowed = {o for o, s in enumerate(opts)
                    if (out is None or (s.outputs and format_layout(s.outputs[0]) == out))
                    and (ins is None or [format_layout(l) for l in s.inputs] == ins)
-                   and (zero is None or (s.zero.stage if s.zero is not None else 0) == zero)}
+                   and (zero is None or (s.zero.stage if s.zero is not None else 0) == zero)
+                   and (offload is None or s.offload == offload)}
+        if not allowed and offload:
+            raise ShardingError(f"pin {pattern!r} asks {name} to offload its optimizer state"
+                                f"{f' with layout {out}' if out else ''}{f' and ZeRO-{zero}' if zero else ''}, which "
+                                f"it cannot take: only a trained parameter offloads, and not with ZeRO-1/2")
         if not allowed and zero:
             raise ShardingError(f"pin {pattern!r} asks {name} for ZeRO-{zero}{f' with layout {out}' if out else ''}, "
                                 f"which it cannot take here: a ZeRO-1/2 state is sharded along a mesh axis the "
@@ -186,7 +196,8 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
                 if m in in_core:
                     fc += cm.forward_seconds(m, s)
                 if m.op == "placeholder" and meta_of(m).role.kind == "param":
-                    c += cm.optimizer_seconds(m, s.outputs[0], s.zero) + cm.zero_seconds(m, s.outputs[0], s.zero)
+                    c += (cm.optimizer_seconds(m, s.outputs[0], s.zero, s.offload)
+                          + cm.zero_seconds(m, s.outputs[0], s.zero))
             costs.append(c)
             fwd.append(f)
             core.append(fc)
