@@ -438,21 +438,33 @@ class StepMemory:
         return self._copies[key]
 
     def _output_copy(self, node, gathered: bool):
-        """Bytes of the replicated copy a gathered user output is returned as, or None."""
+        """(bytes of the replicated copy a gathered user output is returned as, bytes of the contiguous
+        copy made of it at the end of forward), or (None, None).
+
+        The collective is issued as soon as the output is computed (codegen/overlap.py) and waited at
+        the end of forward, so its result is live from there. An all-gather along a dim with larger
+        dims before it receives the blocks stacked on a new leading dim: the result is made
+        contiguous in the output's own layout at the wait, a second full copy while the first is
+        freed."""
+        from math import prod
+
         from autopar.layout import R
         from autopar.passes.strategies import Value, value_info
 
         if not gathered:
-            return None
+            return None, None
         v, c = Value(node), self._choice(node)
         rep = tuple(R for _ in self.cm.mesh_shape)
-        table = []
+        table, again = [], []
         for o in self._options(c):
             s = self._strategy(node, o)
             steps = self.cm.resharding(v, s.outputs[0], None, None, 0, dst_layout=rep) if s else []
-            table.append(value_info(v).nbytes if steps else 0.0)
-        q = _one(c, table)
-        return None if q.zero() else q
+            nbytes = value_info(v).nbytes if steps else 0.0
+            table.append(nbytes)
+            again.append(nbytes if any(st.op == "all_gather" and st.dim and prod(st.in_shape[:st.dim]) > 1
+                                       for st in steps) else 0.0)
+        q, r = _one(c, table), _one(c, again)
+        return (None, None) if q.zero() else (q, None if r.zero() else r)
 
     def _contiguous_shard(self, node, s) -> bool:
         """Whether a ZeRO shard is a contiguous block of the parameter's local tensor: no dim before
@@ -560,9 +572,11 @@ class StepMemory:
         # The caller holds the outputs until the step ends: a gathered output's copy, else the value.
         to_end, output_copies = set(), []
         for a in outputs:
-            cp = self._output_copy(a, gathered_output(a, self.sharded_outputs))
+            cp, again = self._output_copy(a, gathered_output(a, self.sharded_outputs))
             if cp is not None:
-                output_copies.append(cp)
+                frees.setdefault(("F", pos.get(a, 0)), []).append((_T, 1, cp))
+            if again is not None:
+                output_copies.append(again)
             if cp is None or self._choice(base(Value(a)).node) != self._choice(a):
                 to_end.add(base(Value(a)))
             else:       # the value itself is held only where no copy is made
@@ -692,6 +706,8 @@ class StepMemory:
         for cp in output_copies:
             add((_T, 1, cp))
         self.points.append((len(self.events), "forward", "outputs"))
+        for cp in output_copies:        # the gathered blocks, once made contiguous
+            add((_T, -1, cp))
 
         # Backward, seeded by the gradient of the scalar outputs (the loss).
         grads = {_canonical(Value(a)): self.value(Value(a)) for a in outputs
