@@ -590,7 +590,8 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
             chosen[n] = meta_of(n).strategies.strategies[idx.option_of(n, assignment)]
     low = plan_reshards(gm, chosen, cm.mesh_shape, sharded_outputs)
     colls = collectives(low, cm, axis_names)
-    recompute = recomputed_layers(gm, idx.recompute_counts(assignment), idx.selective_counts(assignment))
+    recompute = recomputed_layers(gm, idx.recompute_counts(assignment), idx.selective_counts(assignment),
+                                  idx.offload_counts(assignment))
     cores = {name for names in recompute.get("attention", {}).get("regions", {}).values() for name in names}
     instance_of = {n: meta_of(n).layer.layer for n in chosen
                    if n.op == "call_function" and meta_of(n).layer and (meta_of(n).layer.layer in recompute["layers"]
@@ -602,6 +603,14 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
              if c["phase"] == "forward" and c["node"] in recomputed_nodes]
     recompute_compute = sum(cm.forward_compute_seconds(n, chosen[n]) for n in instance_of)
     colls += rerun
+    # Offloaded layers' saved activations go to host memory in forward and come back in backward.
+    off_layers = set(recompute.get("offload", {}).get("layers", ()))
+    offload_seconds = 0.0
+    if off_layers:
+        saved = sum(cm.activation_bytes(n, chosen[n]) for n in chosen
+                    if n.op == "call_function" and meta_of(n).layer and meta_of(n).layer.layer in off_layers)
+        recompute["offload"]["bytes"] = saved
+        offload_seconds = 2 * saved / cluster.host_link_bandwidth
     comm_by_node: dict = {}
     for c in colls:
         comm_by_node[c["node"]] = comm_by_node.get(c["node"], 0.0) + c["seconds"]
@@ -653,7 +662,7 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
                peak_point=timeline["peak_index"], peak_at={"phase": peak_point.phase, "node": peak_point.name,
                                                            **peak_point.bytes},
                budget=budget, timeline=timeline["points"], by_param=param_bytes)
-    step = compute + recompute_compute + sum(comm_axis.values()) + optim
+    step = compute + recompute_compute + sum(comm_axis.values()) + optim + offload_seconds
     return Plan(
         model={"class": cap.model_class, "fingerprint": prep.fingerprint,
                "num_params": sum(int(n.meta["val"].numel()) for n in gm.graph.nodes
@@ -664,7 +673,7 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
         mesh={"shape": list(mesh_shape), "axes": list(axis_names)},
         params=params, inputs=inputs, nodes=nodes, collectives=colls, memory=mem, step_time=step,
         breakdown={"compute": compute, "communication": comm_axis, "optimizer": optim,
-                   "recompute": recompute_compute},
+                   "recompute": recompute_compute, **({"offload": offload_seconds} if off_layers else {})},
         solver={}, sharded_outputs=sharded_outputs, recompute=recompute, zero=zero, offload=offload,
     )
 
@@ -688,7 +697,7 @@ def _smallest_valid_budget(prob, sm: StepMemory):
     return None
 
 
-def recomputed_layers(gm, counts: dict, selective: dict | None = None) -> dict:
+def recomputed_layers(gm, counts: dict, selective: dict | None = None, offloaded: dict | None = None) -> dict:
     """The plan's ``recompute`` entry: per layer class, how many of its instances recompute (the first
     ones, in execution order), and the instances by name; with ``selective`` (class -> how many of the
     next instances recompute their attention cores only), ``attention`` lists those too, with each
@@ -709,6 +718,14 @@ def recomputed_layers(gm, counts: dict, selective: dict | None = None) -> dict:
         out["attention"] = {"classes": {cls: {"count": len(insts), "of": len(order[cls]), "layers": insts}
                                         for cls, insts in picked.items()},
                             "layers": [inst for insts in picked.values() for inst in insts], "regions": regions}
+    # With ``offloaded`` (class -> how many of the instances after those keep their saved activations in
+    # host memory), ``offload`` lists them.
+    moved = {cls: list(order[cls])[counts.get(cls, 0) + (selective or {}).get(cls, 0):][:f]
+             for cls, f in (offloaded or {}).items() if f}
+    if moved:
+        out["offload"] = {"classes": {cls: {"count": len(insts), "of": len(order[cls]), "layers": insts}
+                                      for cls, insts in moved.items()},
+                          "layers": [inst for insts in moved.values() for inst in insts]}
     return out
 
 
