@@ -167,7 +167,7 @@ def _pins(model, mesh_axes, tp=None):
     return {**pins, "input_ids": data, "labels": data}
 
 
-def _check_offloaded(rank, world, mesh):
+def _check_offloaded(rank, world, mesh, checkpoint_dir=None):
     from tests.hf_models import MEGATRON, batch, build
     from tests.live_memory import step_peak_over_ranks
     from tests.test_zero import _train_and_compare
@@ -207,9 +207,26 @@ def _check_offloaded(rank, world, mesh):
     predicted = pm.plan.memory["peak"]
     assert abs(peak / predicted - 1) <= 0.10, f"{where}: measured {peak} vs predicted {predicted}"
 
+    # A checkpoint of the offloaded run (host copies and their optimizer states) resumes under a plan
+    # that offloads nothing, with the losses the offloaded run goes on with.
+    if checkpoint_dir is not None:
+        import autopar.checkpoint as ckpt
 
-def test_offloaded_plans_train_on_two_ranks():
-    run_distributed(_check_offloaded, 2, (2,), timeout=600)
+        plain = autopar.compile(model, cluster, (ids,), {"labels": labels}, mesh_shape=mesh, recompute=False,
+                                pins={"input_ids": ["S(0)"], "labels": ["S(0)"]})
+        assert not plain.plan.offload
+        plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+        ckpt.save(f"{checkpoint_dir}/offloaded", pm, opt)
+        ckpt.load(f"{checkpoint_dir}/offloaded", plain, plain_opt)
+        for _ in range(2):
+            a, b = pm.train_step(ids, labels=labels), plain.train_step(ids, labels=labels)
+            assert torch.allclose(a, b, rtol=1e-5, atol=0), (a.item(), b.item())
+            opt.step(), plain_opt.step()
+            opt.zero_grad(), plain_opt.zero_grad()
+
+
+def test_offloaded_plans_train_save_and_load_on_two_ranks(tmp_path):
+    run_distributed(_check_offloaded, 2, (2,), str(tmp_path), timeout=600)
 
 
 def test_offloaded_plans_train_on_four_ranks_with_tensor_parallel():
