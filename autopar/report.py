@@ -103,7 +103,9 @@ def summary(plan) -> str:
     m = plan.memory
     lines.append(f"\nmemory per device: peak {_b(m['peak'])} of budget {_b(m.get('budget', 0))} "
                  f"(params {_b(m['params'])}, grads {_b(m['grads'])}, optimizer {_b(m['optimizer'])}, "
-                 f"activations {_b(m['activations'])})")
+                 f"activations {_b(m['activations'])})"
+                 + ("; nothing offloaded: host and device are one memory on CPU processes"
+                    if plan.cluster.get("device_type") == "cpu" and not plan.offload else ""))
     comm = plan.breakdown["communication"]
     recompute = plan.breakdown.get("recompute", 0.0)
     lines.append(f"step time: {_s(plan.step_time)} predicted = compute {_s(plan.breakdown['compute'])} + "

@@ -96,7 +96,10 @@ def test_cpu_cluster_never_offloads_unless_pinned():
     model, args, kwargs = build("gpt2", 32, 4, "cpu")
     cluster = autopar.ClusterSpec.local_cpu(2)
     plain = autopar.plan(model, cluster, args, kwargs, mesh_shape=(2,), recompute=False, progress=False)
-    assert not plain.offload
+    assert not plain.offload and "nothing offloaded: host and device are one memory" in plain.summary()
+    tight = autopar.plan(model, cluster, args, kwargs, mesh_shape=(2,), recompute=False, progress=False,
+                         memory_budget=0.9 * plain.memory["peak"])
+    assert not tight.offload and tight.memory["peak"] <= 0.9 * plain.memory["peak"]
     pins = {name: {"output": ["R"], "offload": True} for name, _ in model.named_parameters()}
     forced = autopar.plan(model, cluster, args, kwargs, mesh_shape=(2,), recompute=False, progress=False, pins=pins)
     assert set(forced.offload) == set(forced.params)
