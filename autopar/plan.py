@@ -42,7 +42,8 @@ class Plan:
     sharded_outputs: bool = False    # non-scalar outputs are returned as computed, not gathered
     # layer instances whose activations are recomputed in backward: {"classes": {class: {"count",
     # "of", "layers"}}, "layers": [instance, ...]}, and where attention cores alone are (selective
-    # recompute), "attention": {"classes": ..., "layers": [...], "regions": {region: [node, ...]}}
+    # recompute), "attention": {"classes": ..., "layers": [...], "regions": {region: [node, ...]}}, and
+    # where saved activations go to host memory, "offload": {"classes": ..., "layers": [...], "bytes"}
     recompute: dict = field(default_factory=lambda: {"classes": {}, "layers": []})
     # pipeline plans: {"axis", "schedule", "microbatches", "virtual_stages", "bubble_fraction",
     # "bubble_seconds", "stages": [{"index", "pp_rank", "layers", "seconds", ...}], "ranks": [...]}
@@ -324,7 +325,7 @@ def _schema(axes) -> dict:
                            "peak_point": _integer(0), "peak_at": peak_at}),
         "step_time": _number,
         "breakdown": _object({"compute": _number, "communication": _dict_of(_number), "optimizer": _number},
-                             {"recompute": _number}),
+                             {"recompute": _number, "offload": _number}),
         "solver": _object({}, {"status": _string, "seconds": _number, "variables": _integer(0),
                                "constraints": _integer(0), "backend": _string, "planning_seconds": _number,
                                "candidates": _list_of(_object({"mesh": _list_of(_integer(1)), "status": _string},
@@ -341,7 +342,12 @@ def _schema(axes) -> dict:
                                                                                  "of": _integer(1),
                                                                                  "layers": _list_of(_string)})),
                                                     "layers": _list_of(_string),
-                                                    "regions": _dict_of(_list_of(_string))}, open_ended=False)},
+                                                    "regions": _dict_of(_list_of(_string))}, open_ended=False),
+                              "offload": _object({"classes": _dict_of(_object({"count": _integer(0),
+                                                                               "of": _integer(1),
+                                                                               "layers": _list_of(_string)})),
+                                                  "layers": _list_of(_string)}, {"bytes": _number},
+                                                 open_ended=False)},
                              open_ended=False),
         "extra": _object({}, {"warnings": _list_of(_string)}),
         "pipeline": _optional(_pipeline(axes)),

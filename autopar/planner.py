@@ -190,8 +190,8 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
 
 
 def _check_host_memory(plan: Plan, cluster: ClusterSpec) -> None:
-    """The offloaded states of a node's devices must fit its host memory (checked on the plan; the
-    ILP does not bound host memory)."""
+    """The offloaded states of a node's devices must fit its host memory: a constraint of the ILP
+    (``StepMemory.host_constraint``), checked again on the plan."""
     if not plan.offload or cluster.host_is_device:
         return
     need = plan.memory["host"] * cluster.devices_per_node
@@ -590,7 +590,8 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
             chosen[n] = meta_of(n).strategies.strategies[idx.option_of(n, assignment)]
     low = plan_reshards(gm, chosen, cm.mesh_shape, sharded_outputs)
     colls = collectives(low, cm, axis_names)
-    recompute = recomputed_layers(gm, idx.recompute_counts(assignment), idx.selective_counts(assignment))
+    recompute = recomputed_layers(gm, idx.recompute_counts(assignment), idx.selective_counts(assignment),
+                                  idx.offload_counts(assignment))
     cores = {name for names in recompute.get("attention", {}).get("regions", {}).values() for name in names}
     instance_of = {n: meta_of(n).layer.layer for n in chosen
                    if n.op == "call_function" and meta_of(n).layer and (meta_of(n).layer.layer in recompute["layers"]
@@ -602,6 +603,14 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
              if c["phase"] == "forward" and c["node"] in recomputed_nodes]
     recompute_compute = sum(cm.forward_compute_seconds(n, chosen[n]) for n in instance_of)
     colls += rerun
+    # Offloaded layers' saved activations go to host memory in forward and come back in backward.
+    off_layers = set(recompute.get("offload", {}).get("layers", ()))
+    offload_seconds = 0.0
+    if off_layers:
+        saved = sum(cm.activation_bytes(n, chosen[n]) for n in chosen
+                    if n.op == "call_function" and meta_of(n).layer and meta_of(n).layer.layer in off_layers)
+        recompute["offload"]["bytes"] = saved
+        offload_seconds = 2 * saved / cluster.host_link_bandwidth
     comm_by_node: dict = {}
     for c in colls:
         comm_by_node[c["node"]] = comm_by_node.get(c["node"], 0.0) + c["seconds"]
@@ -653,7 +662,7 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
                peak_point=timeline["peak_index"], peak_at={"phase": peak_point.phase, "node": peak_point.name,
                                                            **peak_point.bytes},
                budget=budget, timeline=timeline["points"], by_param=param_bytes)
-    step = compute + recompute_compute + sum(comm_axis.values()) + optim
+    step = compute + recompute_compute + sum(comm_axis.values()) + optim + offload_seconds
     return Plan(
         model={"class": cap.model_class, "fingerprint": prep.fingerprint,
                "num_params": sum(int(n.meta["val"].numel()) for n in gm.graph.nodes
@@ -664,7 +673,7 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
         mesh={"shape": list(mesh_shape), "axes": list(axis_names)},
         params=params, inputs=inputs, nodes=nodes, collectives=colls, memory=mem, step_time=step,
         breakdown={"compute": compute, "communication": comm_axis, "optimizer": optim,
-                   "recompute": recompute_compute},
+                   "recompute": recompute_compute, **({"offload": offload_seconds} if off_layers else {})},
         solver={}, sharded_outputs=sharded_outputs, recompute=recompute, zero=zero, offload=offload,
     )
 
@@ -688,7 +697,7 @@ def _smallest_valid_budget(prob, sm: StepMemory):
     return None
 
 
-def recomputed_layers(gm, counts: dict, selective: dict | None = None) -> dict:
+def recomputed_layers(gm, counts: dict, selective: dict | None = None, offloaded: dict | None = None) -> dict:
     """The plan's ``recompute`` entry: per layer class, how many of its instances recompute (the first
     ones, in execution order), and the instances by name; with ``selective`` (class -> how many of the
     next instances recompute their attention cores only), ``attention`` lists those too, with each
@@ -709,6 +718,14 @@ def recomputed_layers(gm, counts: dict, selective: dict | None = None) -> dict:
         out["attention"] = {"classes": {cls: {"count": len(insts), "of": len(order[cls]), "layers": insts}
                                         for cls, insts in picked.items()},
                             "layers": [inst for insts in picked.values() for inst in insts], "regions": regions}
+    # With ``offloaded`` (class -> how many of the instances after those keep their saved activations in
+    # host memory), ``offload`` lists them.
+    moved = {cls: list(order[cls])[counts.get(cls, 0) + (selective or {}).get(cls, 0):][:f]
+             for cls, f in (offloaded or {}).items() if f}
+    if moved:
+        out["offload"] = {"classes": {cls: {"count": len(insts), "of": len(order[cls]), "layers": insts}
+                                      for cls, insts in moved.items()},
+                          "layers": [inst for insts in moved.values() for inst in insts]}
     return out
 
 
@@ -760,9 +777,14 @@ def _raise_infeasible(prep, infeasible, cluster, budget, offload=False):
     consumers += [(f"activations of {n['name']}", n["activation_bytes"]) for n in p.nodes]
     consumers = sorted(consumers, key=lambda x: -x[1])[:5]
     top = ", ".join(f"{name} ({b / 2**20:.1f} MiB)" for name, b in consumers)
+    host = ""
+    if p.offload and not cluster.host_is_device and p.memory["host"] * cluster.devices_per_node > cluster.host_memory:
+        host = (f" That plan offloads optimizer states, {p.memory['host'] * cluster.devices_per_node / 1e9:.1f} GB per "
+                f"node of host memory, more than the node's {cluster.host_memory / 1e9:.1f} GB (host_memory): the "
+                f"smallest budget within the host's memory is higher.")
     raise InfeasiblePlanError(
         f"no plan fits {budget / 2**30:.3f} GiB per device on {cluster.name or cluster.num_devices} "
         f"(meshes tried: {[list(s) for s, *_ in infeasible]}). The smallest feasible budget is "
-        f"{need / 2**30:.3f} GiB ({need:.0f} bytes), on mesh {list(shape)}. Largest consumers there: {top}. "
+        f"{need / 2**30:.3f} GiB ({need:.0f} bytes), on mesh {list(shape)}. Largest consumers there: {top}.{host} "
         f"Raise memory_budget, use more devices, or reduce the batch or sequence length.",
         budget=budget, min_feasible_budget=need, largest_consumers=consumers)

@@ -326,13 +326,24 @@ class StepMemory:
         self.points: list[tuple[int, str, str]] = []       # (number of events before it, phase, name)
         self._values: dict = {}
         self._copies: dict = {}
+        self._moved: dict = {}   # an instance whose saved activations go to host -> (decision, indicator)
+        self._host: dict = {}    # a parameter's decision -> host bytes per option (offloaded optimizer states)
         instances = {}        # a recomputed region (a layer instance, or its attention core) -> (decision,
         #                       1 or 0 per option of it: whether the region recomputes, its nodes)
         for cls, insts in layer_instances(gm).items():
             if cls in idx.recompute:
-                ri, counts, selective = idx.recompute[cls]
+                ri, counts, selective, offloaded = idx.recompute[cls]
+                # An instance whose saved activations go to host memory keeps nothing on the device
+                # through forward and brings them back as its backward runs: at most what a recomputed
+                # one re-materializes when its backward starts. Where host and device are one memory
+                # (CPU processes) nothing leaves.
+                off = [0 if cm.cluster.host_is_device else f for f in offloaded]
                 for j, (inst, nodes) in enumerate(insts.items()):
-                    ind = tuple(1.0 if r > j else 0.0 for r in counts)
+                    ind = tuple(1.0 if r > j or r + k <= j < r + k + f else 0.0
+                                for r, k, f in zip(counts, selective, off))
+                    moved = tuple(1.0 if r + k <= j < r + k + f else 0.0 for r, k, f in zip(counts, selective, off))
+                    if any(moved):
+                        self._moved[inst] = (ri, moved)
                     if any(ind):
                         instances[inst] = (ri, ind, nodes)
                     ind = tuple(1.0 if r <= j < r + k else 0.0 for r, k in zip(counts, selective))
@@ -534,6 +545,10 @@ class StepMemory:
                 opts = [self._strategy(n, i) for i in self._options(c)]
                 full = [self.cm.param_bytes(n, s.outputs[0]) for s in opts]
                 kept = [self.cm.param_bytes(n, s.outputs[0], s.zero, s.offload) for s in opts]
+                if c is not None and any(s.offload for s in opts) and not self.cm.cluster.host_is_device:
+                    acc = self._host.setdefault(c, [0.0] * len(opts))
+                    for i, s in enumerate(opts):
+                        acc[i] += self.cm.host_bytes(n, s.outputs[0]) if s.offload else 0.0
                 add((_P, 1, _one(c, [k[0] for k in kept])))
                 add((_O, 1, _one(c, [k[2] for k in kept])))
                 grads_of[n] = _one(c, [f[1] for f in full])      # the gradient backward accumulates
@@ -640,6 +655,12 @@ class StepMemory:
                         ri, ind, _ = instances[inst]
                         frees.setdefault(("F", t), []).append((_A, -1, _times(vb, ri, ind)))
                         remat.setdefault(inst, []).append(_times(vb, ri, ind))
+                # A storage made before an instance and saved only inside it: where the instance's saved
+                # activations go to host memory, so does it (a recomputed instance keeps it instead).
+                for inst, (ri, moved) in self._moved.items():
+                    if inst not in inst_of.get(s.node, ()) and all(inst in inst_of.get(h, ()) for h, _ in hs):
+                        frees.setdefault(("F", t), []).append((_A, -1, _times(vb, ri, moved)))
+                        remat.setdefault(inst, []).append(_times(vb, ri, moved))
             else:
                 cond = next(c for h, c in hs if h is h0)
                 frees.setdefault(("F", t), []).extend([(_T, -1, vb), (_A, 1, cond)])
@@ -655,6 +676,10 @@ class StepMemory:
         # first instances; with attention cores too, on the safe side).
         external = {}         # (storage, recompute decision) -> (indicator, position of its instance)
         for inst, (ri, ind, nodes) in instances.items():
+            if inst in self._moved:   # an offloaded instance keeps no input it does not save
+                ind = tuple(x - y for x, y in zip(ind, self._moved[inst][1]))
+                if not any(ind):
+                    continue
             for n in nodes:
                 for v in input_values(n):
                     s = base(v)
@@ -819,6 +844,19 @@ class StepMemory:
         """Point ``k`` as a memory constraint of the solver: its live bytes as terms of the decisions."""
         return self.constraints([k])[0]
 
+    def host_constraint(self, budget: float):
+        """Offloaded optimizer states within a device's share of its node's host memory, as a memory
+        constraint of the solver: its bytes are scaled so that the share meets ``budget``, the limit
+        every memory constraint shares. None when nothing can be offloaded."""
+        from autopar.solver import MemoryConstraint
+
+        if not self._host:
+            return None
+        c = self.cm.cluster
+        scale = budget / (c.host_memory / c.devices_per_node)
+        return MemoryConstraint("host memory of offloaded optimizer states",
+                                tuple((ch, tuple(v * scale for v in table)) for ch, table in self._host.items()))
+
     def constraints(self, ks: Sequence[int]) -> list:
         """``constraint`` of every point in ``ks``, in one pass over the events."""
         from autopar.solver import MemoryConstraint
@@ -971,6 +1009,9 @@ def solve_under_budget(problem, sm: StepMemory, budget: float, *, time_limit: fl
     problem.memory_limit = budget
     have = set(_initial_points(sm, problem))
     problem.memory = sm.constraints(sorted(have))
+    host = sm.host_constraint(budget)
+    if host is not None:
+        problem.memory.append(host)
     for _ in range(_MAX_ROUNDS):
         sol = solve(problem, time_limit=time_limit, bound=bound)
         if sol.status in ("infeasible", "bounded"):

@@ -110,7 +110,9 @@ class ParallelModule(nn.Module):
         parts = [self.local_program.code]
         for name, mod in self.local_program.named_children():
             if isinstance(mod, torch.fx.GraphModule):
-                parts.append(f"\n# self.{name}, run under activation checkpointing:{mod.code}")
+                how = "its saved activations in host memory" if name.startswith("offload_") else \
+                    "activation checkpointing"
+                parts.append(f"\n# self.{name}, run under {how}:{mod.code}")
         return "".join(parts)
 
     @property

@@ -89,7 +89,7 @@ def _summary_html(plan) -> str:
 def _offload_html(plan) -> str:
     from autopar.report import offload_lines
 
-    lines = offload_lines(plan)
+    lines = offload_lines(plan) + [ln for ln in plan.summary().splitlines() if ln.startswith("activations offloaded")]
     if not lines:
         return ""
     return f'<h3 id="offload">Offloaded to host memory</h3><pre>{_e(chr(10).join(lines))}</pre>'
