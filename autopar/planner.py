@@ -287,8 +287,9 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
                    programs=None) -> Plan | None:
     """The fastest pipeline plan on mesh ``shape`` (axis ``pp`` among ``names``), or None when none fits.
     On a mesh the planner ``added`` itself, only the most microbatches that leave every data-parallel
-    rank a whole sample are tried (each count is one more capture and solve). ``timings`` (capture,
-    passes, build, solve, evaluate seconds) accumulates this mesh's."""
+    rank a whole sample are tried (each count is one more solve, and a capture unless derived from
+    ``programs``, see ``prepare``). ``timings`` (capture, passes, build, solve, evaluate seconds)
+    accumulates this mesh's."""
     import math
 
     from autopar import pipelining as PL
