@@ -41,16 +41,18 @@ def analysis_passes(device_type: str) -> tuple:
     return (partial(saved_activations_pass, target_device=device_type), count_saving_consumers_pass)
 
 
-def mesh_passes(mesh_shape, zero: bool = True) -> tuple:
-    return (partial(strategies_pass, mesh_shape=tuple(mesh_shape), zero=zero),)
+def mesh_passes(mesh_shape, zero: bool = True, offload: bool = False) -> tuple:
+    return (partial(strategies_pass, mesh_shape=tuple(mesh_shape), zero=zero, offload=offload),)
 
 
 def codegen_passes(plan: Plan, front: "FrontEnd", group_names, device, *, sharded_outputs: bool,
                    kernels: str, overlap: bool = True) -> tuple:
     recompute = plan.recompute["layers"]
     cores = tuple((name, tuple(nodes)) for name, nodes in plan.recompute.get("attention", {}).get("regions", {}).items())
+    offloaded = tuple(plan.recompute.get("offload", {}).get("layers", ()))
     return (partial(local_program_pass, plan=plan, group_names=group_names, sharded_outputs=sharded_outputs),
-            *((partial(recompute_pass, layers=tuple(recompute), cores=cores),) if recompute or cores else ()),
+            *((partial(recompute_pass, layers=tuple(recompute), cores=cores, offloaded=offloaded),)
+              if recompute or cores or offloaded else ()),
             partial(retarget_devices_pass, device=device),
             partial(fuse_pass, backend=kernels, device=device,
                     example_inputs=example_local_inputs(front.gm, plan) if kernels == "triton" else None),
@@ -107,7 +109,7 @@ def generate(front: FrontEnd, plan: Plan, group_names, device, *, sharded_output
     if plan.pipeline:
         if kernels == "triton":
             raise AutoparError("pipeline plans run ATen kernels for now; compile with kernels='aten'")
-        if plan.recompute["layers"] or plan.recompute.get("attention"):
+        if plan.recompute["layers"] or plan.recompute.get("attention") or plan.recompute.get("offload"):
             raise AutoparError("pipeline plans do not recompute activations yet; plan with recompute=False")
         passes = (partial(local_program_pass, plan=plan, group_names=group_names, sharded_outputs=sharded_outputs),
                   partial(retarget_devices_pass, device=device))

@@ -131,6 +131,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     if kernels not in ("auto", "triton", "aten"):
         raise ValueError(f"kernels must be 'auto', 'triton' or 'aten', got {kernels!r}")
     fused = kernels == "triton" or (kernels == "auto" and cluster.device_type == "cuda")
+    offload = offload_offered(cluster, pins)
     if cluster.mesh_shape is None:
         candidates = [(shape, default_axis_names(shape)) for shape in cluster.mesh_candidates()]
         if pipeline or (pipeline is None and cluster.num_nodes > 1):
@@ -168,7 +169,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
                     best = p
                 continue
             report(f"mesh {shape}: strategies")
-            prep.runner.run(mesh_passes(shape), prep.gm, f"mesh {shape}")
+            prep.runner.run(mesh_passes(shape, offload=offload), prep.gm, f"mesh {shape}")
             cm = cost_model(cluster, shape, optimizer, fused=fused)
             report(f"mesh {shape}: costs")
             prob, idx = build_problem(prep.gm, cm, budget, pins, sharded_outputs, recompute)
@@ -188,7 +189,8 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
 
             raise no_fit(tried[-1]["mesh"][0], tried[-1]["pipeline"]["microbatches"], budget)
         if best is None:
-            _raise_infeasible(prep, infeasible, cluster, budget)
+            _raise_infeasible(prep, infeasible, cluster, budget, offload)
+        _check_host_memory(best, cluster)
         best.precision = prec.name
         best.extra["warnings"] = idle_axis_warnings(prep.gm, best) if prep is not None else []
         for w in best.extra["warnings"]:
@@ -205,6 +207,29 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
                                  for r in (prep.runner.records if prep is not None else [])]
         report("done")
     return best
+
+
+def _check_host_memory(plan: Plan, cluster: ClusterSpec) -> None:
+    """The offloaded states of a node's devices must fit its host memory (checked on the plan; the
+    ILP does not bound host memory)."""
+    if not plan.offload or cluster.host_is_device:
+        return
+    need = plan.memory["host"] * cluster.devices_per_node
+    if need > cluster.host_memory:
+        raise InfeasiblePlanError(
+            f"the plan offloads {len(plan.offload)} parameters' optimizer states, {need / 1e9:.1f} GB per node of "
+            f"host memory, more than the node's {cluster.host_memory / 1e9:.1f} GB (host_memory); raise the device "
+            f"budget, add devices, or give the host's real memory", budget=plan.memory.get("budget"))
+
+
+def offload_offered(cluster: ClusterSpec, pins) -> bool:
+    """Whether parameters may keep their optimizer state in host memory: on a cluster whose host is
+    not its devices' memory and whose host figures are known, or where a pin asks for it (which then
+    needs the host figures; on CPU processes, to run the offloaded program where it frees nothing)."""
+    if any(isinstance(p, dict) and p.get("offload") for p in (pins or {}).values()):
+        cluster.require_host_figures("a pin that offloads an optimizer state")
+        return True
+    return cluster.has_host_figures and not cluster.host_is_device
 
 
 def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
@@ -231,11 +256,11 @@ def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
             return sum(self.steps_seconds([st], info.dtype.itemsize, grad)
                        / (self.microbatches if st.op == "grad_all_reduce" else 1) for st in steps)
 
-        def param_bytes(self, node, layout, zero=None):
-            return tuple(x / self.stages for x in super().param_bytes(node, layout, zero))
+        def param_bytes(self, node, layout, zero=None, offload=False):
+            return tuple(x / self.stages for x in super().param_bytes(node, layout, zero, offload))
 
-        def optimizer_seconds(self, node, layout, zero=None):      # of the whole parameter, once per step
-            return super().optimizer_seconds(node, layout, zero) * self.stages / self.microbatches
+        def optimizer_seconds(self, node, layout, zero=None, offload=False):   # of the whole parameter, once per step
+            return super().optimizer_seconds(node, layout, zero, offload) * self.stages / self.microbatches
 
     return PerMicrobatch
 
@@ -587,7 +612,8 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
             chosen[n] = meta_of(n).strategies.strategies[idx.option_of(n, assignment)]
     low = plan_reshards(gm, chosen, cm.mesh_shape, sharded_outputs)
     colls = collectives(low, cm, axis_names)
-    recompute = recomputed_layers(gm, idx.recompute_counts(assignment), idx.selective_counts(assignment))
+    recompute = recomputed_layers(gm, idx.recompute_counts(assignment), idx.selective_counts(assignment),
+                                  idx.offload_counts(assignment))
     cores = {name for names in recompute.get("attention", {}).get("regions", {}).values() for name in names}
     instance_of = {n: meta_of(n).layer.layer for n in chosen
                    if n.op == "call_function" and meta_of(n).layer and (meta_of(n).layer.layer in recompute["layers"]
@@ -599,12 +625,20 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
              if c["phase"] == "forward" and c["node"] in recomputed_nodes]
     recompute_compute = sum(cm.forward_compute_seconds(n, chosen[n]) for n in instance_of)
     colls += rerun
+    # Offloaded layers' saved activations go to host memory in forward and come back in backward.
+    off_layers = set(recompute.get("offload", {}).get("layers", ()))
+    offload_seconds = 0.0
+    if off_layers:
+        saved = sum(cm.activation_bytes(n, chosen[n]) for n in chosen
+                    if n.op == "call_function" and meta_of(n).layer and meta_of(n).layer.layer in off_layers)
+        recompute["offload"]["bytes"] = saved
+        offload_seconds = 2 * saved / cluster.host_link_bandwidth
     comm_by_node: dict = {}
     for c in colls:
         comm_by_node[c["node"]] = comm_by_node.get(c["node"], 0.0) + c["seconds"]
 
-    params, inputs, nodes, param_bytes, zero = {}, {}, [], {}, {}
-    mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    params, inputs, nodes, param_bytes, zero, offload = {}, {}, [], {}, {}, {}
+    mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "host": 0.0}
     compute = optim = 0.0
     for n, s in chosen.items():
         role = meta_of(n).role
@@ -614,12 +648,17 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
                 params[role.target] = format_layout(lay)
                 if s.zero is not None:
                     zero[role.target] = {"stage": s.zero.stage, "axis": axis_names[s.zero.axis], "dim": s.zero.dim}
-                p, g, o = cm.param_bytes(n, lay, s.zero)
+                if s.offload:
+                    host = cm.host_bytes(n, lay)
+                    freed = sum(cm.param_bytes(n, lay)) - sum(cm.param_bytes(n, lay, None, True))
+                    offload[role.target] = {"host_bytes": host, "device_bytes_freed": max(freed, 0.0)}
+                    mem["host"] += host
+                p, g, o = cm.param_bytes(n, lay, s.zero, s.offload)
                 mem["params"] += p
                 mem["grads"] += g
                 mem["optimizer"] += o
                 param_bytes[role.target] = p + g + o
-                optim += cm.optimizer_seconds(n, lay, s.zero)
+                optim += cm.optimizer_seconds(n, lay, s.zero, s.offload)
             elif role and role.kind == "input" and s.outputs:
                 inputs[role.target] = format_layout(s.outputs[0])
             continue
@@ -645,7 +684,7 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
                peak_point=timeline["peak_index"], peak_at={"phase": peak_point.phase, "node": peak_point.name,
                                                            **peak_point.bytes},
                budget=budget, timeline=timeline["points"], by_param=param_bytes)
-    step = compute + recompute_compute + sum(comm_axis.values()) + optim
+    step = compute + recompute_compute + sum(comm_axis.values()) + optim + offload_seconds
     return Plan(
         model={"class": cap.model_class, "fingerprint": prep.fingerprint,
                "num_params": sum(int(n.meta["val"].numel()) for n in gm.graph.nodes
@@ -656,8 +695,8 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
         mesh={"shape": list(mesh_shape), "axes": list(axis_names)},
         params=params, inputs=inputs, nodes=nodes, collectives=colls, memory=mem, step_time=step,
         breakdown={"compute": compute, "communication": comm_axis, "optimizer": optim,
-                   "recompute": recompute_compute},
-        solver={}, sharded_outputs=sharded_outputs, recompute=recompute, zero=zero,
+                   "recompute": recompute_compute, **({"offload": offload_seconds} if off_layers else {})},
+        solver={}, sharded_outputs=sharded_outputs, recompute=recompute, zero=zero, offload=offload,
     )
 
 
@@ -680,7 +719,7 @@ def _smallest_valid_budget(prob, sm: StepMemory):
     return None
 
 
-def recomputed_layers(gm, counts: dict, selective: dict | None = None) -> dict:
+def recomputed_layers(gm, counts: dict, selective: dict | None = None, offloaded: dict | None = None) -> dict:
     """The plan's ``recompute`` entry: per layer class, how many of its instances recompute (the first
     ones, in execution order), and the instances by name; with ``selective`` (class -> how many of the
     next instances recompute their attention cores only), ``attention`` lists those too, with each
@@ -701,6 +740,14 @@ def recomputed_layers(gm, counts: dict, selective: dict | None = None) -> dict:
         out["attention"] = {"classes": {cls: {"count": len(insts), "of": len(order[cls]), "layers": insts}
                                         for cls, insts in picked.items()},
                             "layers": [inst for insts in picked.values() for inst in insts], "regions": regions}
+    # With ``offloaded`` (class -> how many of the instances after those keep their saved activations in
+    # host memory), ``offload`` lists them.
+    moved = {cls: list(order[cls])[counts.get(cls, 0) + (selective or {}).get(cls, 0):][:f]
+             for cls, f in (offloaded or {}).items() if f}
+    if moved:
+        out["offload"] = {"classes": {cls: {"count": len(insts), "of": len(order[cls]), "layers": insts}
+                                      for cls, insts in moved.items()},
+                          "layers": [inst for insts in moved.values() for inst in insts]}
     return out
 
 
@@ -736,7 +783,7 @@ def _timeline(walk) -> tuple[dict, object]:
     return {"points": points, "peak_index": k, "end_of_forward": (fwd[-1] if fwd else walk[0]).bytes}, walk[k]
 
 
-def _raise_infeasible(prep, infeasible, cluster, budget):
+def _raise_infeasible(prep, infeasible, cluster, budget, offload=False):
     best = None
     for shape, names, prob, idx, cm, sm in infeasible:
         found = _smallest_valid_budget(prob, sm)
@@ -746,7 +793,7 @@ def _raise_infeasible(prep, infeasible, cluster, budget):
         raise InfeasiblePlanError(f"no valid plan exists on {cluster.name or cluster.num_devices} devices at any "
                                   f"budget: the pinned layouts cannot be reached; relax the pins", budget=budget)
     need, assignment, shape, names, idx, cm, sm = best
-    prep.runner.run(mesh_passes(shape), prep.gm, f"mesh {shape}")   # the graph holds the last mesh's
+    prep.runner.run(mesh_passes(shape, offload=offload), prep.gm, f"mesh {shape}")   # the graph holds the last mesh's
     p = evaluate(prep, idx, assignment, cm, shape, names, cluster, budget, sm)
     consumers = [(f"param {k} (+grad, optimizer)", v) for k, v in p.memory["by_param"].items()]
     consumers += [(f"activations of {n['name']}", n["activation_bytes"]) for n in p.nodes]

@@ -326,13 +326,23 @@ class StepMemory:
         self.points: list[tuple[int, str, str]] = []       # (number of events before it, phase, name)
         self._values: dict = {}
         self._copies: dict = {}
+        self._moved: dict = {}   # an instance whose saved activations go to host -> (decision, indicator)
         instances = {}        # a recomputed region (a layer instance, or its attention core) -> (decision,
         #                       1 or 0 per option of it: whether the region recomputes, its nodes)
         for cls, insts in layer_instances(gm).items():
             if cls in idx.recompute:
-                ri, counts, selective = idx.recompute[cls]
+                ri, counts, selective, offloaded = idx.recompute[cls]
+                # An instance whose saved activations go to host memory keeps nothing on the device
+                # through forward and brings them back as its backward runs: at most what a recomputed
+                # one re-materializes when its backward starts. Where host and device are one memory
+                # (CPU processes) nothing leaves.
+                off = [0 if cm.cluster.host_is_device else f for f in offloaded]
                 for j, (inst, nodes) in enumerate(insts.items()):
-                    ind = tuple(1.0 if r > j else 0.0 for r in counts)
+                    ind = tuple(1.0 if r > j or r + k <= j < r + k + f else 0.0
+                                for r, k, f in zip(counts, selective, off))
+                    moved = tuple(1.0 if r + k <= j < r + k + f else 0.0 for r, k, f in zip(counts, selective, off))
+                    if any(moved):
+                        self._moved[inst] = (ri, moved)
                     if any(ind):
                         instances[inst] = (ri, ind, nodes)
                     ind = tuple(1.0 if r <= j < r + k else 0.0 for r, k in zip(counts, selective))
@@ -521,15 +531,19 @@ class StepMemory:
                 c = self._choice(n)
                 opts = [self._strategy(n, i) for i in self._options(c)]
                 full = [self.cm.param_bytes(n, s.outputs[0]) for s in opts]
-                kept = [self.cm.param_bytes(n, s.outputs[0], s.zero) for s in opts]
+                kept = [self.cm.param_bytes(n, s.outputs[0], s.zero, s.offload) for s in opts]
                 add((_P, 1, _one(c, [k[0] for k in kept])))
                 add((_O, 1, _one(c, [k[2] for k in kept])))
                 grads_of[n] = _one(c, [f[1] for f in full])      # the gradient backward accumulates
                 shards = [1 if s.zero is None else self.cm.mesh_shape[s.zero.axis] for s in opts]
-                step_of[n] = _one(c, [f[1] / k for f, k in zip(full, shards)])
-                if any(s.zero is not None and s.zero.stage >= 2 for s in opts):
-                    # ZeRO-2: once accumulated, the gradient is reduce-scattered into its shard.
-                    z2 = [s.zero is not None and s.zero.stage >= 2 for s in opts]
+                # An offloaded parameter's optimizer step runs in host memory: its buffers count on the
+                # device only where host and device are one memory.
+                on_device = [0.0 if s.offload and not self.cm.cluster.host_is_device else 1.0 for s in opts]
+                step_of[n] = _one(c, [f[1] / k * d for f, k, d in zip(full, shards, on_device)])
+                if any((s.zero is not None and s.zero.stage >= 2) or s.offload for s in opts):
+                    # ZeRO-2: once accumulated, the gradient is reduce-scattered into its shard; offload:
+                    # it is copied to host memory (nothing on the device unless host and device are one).
+                    z2 = [(s.zero is not None and s.zero.stage >= 2) or s.offload for s in opts]
                     scatter[n] = (_one(c, [k[1] if z else 0.0 for k, z in zip(kept, z2)]),
                                   _one(c, [f[1] if z else 0.0 for f, z in zip(full, z2)]))
                 if any(s.zero is not None for s in opts):
@@ -622,6 +636,12 @@ class StepMemory:
                         ri, ind, _ = instances[inst]
                         frees.setdefault(("F", t), []).append((_A, -1, _times(vb, ri, ind)))
                         remat.setdefault(inst, []).append(_times(vb, ri, ind))
+                # A storage made before an instance and saved only inside it: where the instance's saved
+                # activations go to host memory, so does it (a recomputed instance keeps it instead).
+                for inst, (ri, moved) in self._moved.items():
+                    if inst not in inst_of.get(s.node, ()) and all(inst in inst_of.get(h, ()) for h, _ in hs):
+                        frees.setdefault(("F", t), []).append((_A, -1, _times(vb, ri, moved)))
+                        remat.setdefault(inst, []).append(_times(vb, ri, moved))
             else:
                 cond = next(c for h, c in hs if h is h0)
                 frees.setdefault(("F", t), []).extend([(_T, -1, vb), (_A, 1, cond)])
@@ -637,6 +657,10 @@ class StepMemory:
         # first instances; with attention cores too, on the safe side).
         external = {}         # (storage, recompute decision) -> (indicator, position of its instance)
         for inst, (ri, ind, nodes) in instances.items():
+            if inst in self._moved:   # an offloaded instance keeps no input it does not save
+                ind = tuple(x - y for x, y in zip(ind, self._moved[inst][1]))
+                if not any(ind):
+                    continue
             for n in nodes:
                 for v in input_values(n):
                     s = base(v)
