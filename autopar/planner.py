@@ -210,8 +210,8 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
 
 
 def _check_host_memory(plan: Plan, cluster: ClusterSpec) -> None:
-    """The offloaded states of a node's devices must fit its host memory (checked on the plan; the
-    ILP does not bound host memory)."""
+    """The offloaded states of a node's devices must fit its host memory: a constraint of the ILP
+    (``StepMemory.host_constraint``), checked again on the plan."""
     if not plan.offload or cluster.host_is_device:
         return
     need = plan.memory["host"] * cluster.devices_per_node
@@ -799,9 +799,14 @@ def _raise_infeasible(prep, infeasible, cluster, budget, offload=False):
     consumers += [(f"activations of {n['name']}", n["activation_bytes"]) for n in p.nodes]
     consumers = sorted(consumers, key=lambda x: -x[1])[:5]
     top = ", ".join(f"{name} ({b / 2**20:.1f} MiB)" for name, b in consumers)
+    host = ""
+    if p.offload and not cluster.host_is_device and p.memory["host"] * cluster.devices_per_node > cluster.host_memory:
+        host = (f" That plan offloads optimizer states, {p.memory['host'] * cluster.devices_per_node / 1e9:.1f} GB per "
+                f"node of host memory, more than the node's {cluster.host_memory / 1e9:.1f} GB (host_memory): the "
+                f"smallest budget within the host's memory is higher.")
     raise InfeasiblePlanError(
         f"no plan fits {budget / 2**30:.3f} GiB per device on {cluster.name or cluster.num_devices} "
         f"(meshes tried: {[list(s) for s, *_ in infeasible]}). The smallest feasible budget is "
-        f"{need / 2**30:.3f} GiB ({need:.0f} bytes), on mesh {list(shape)}. Largest consumers there: {top}. "
+        f"{need / 2**30:.3f} GiB ({need:.0f} bytes), on mesh {list(shape)}. Largest consumers there: {top}.{host} "
         f"Raise memory_budget, use more devices, or reduce the batch or sequence length.",
         budget=budget, min_feasible_budget=need, largest_consumers=consumers)

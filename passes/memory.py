@@ -327,6 +327,7 @@ class StepMemory:
         self._values: dict = {}
         self._copies: dict = {}
         self._moved: dict = {}   # an instance whose saved activations go to host -> (decision, indicator)
+        self._host: dict = {}    # a parameter's decision -> host bytes per option (offloaded optimizer states)
         instances = {}        # a recomputed region (a layer instance, or its attention core) -> (decision,
         #                       1 or 0 per option of it: whether the region recomputes, its nodes)
         for cls, insts in layer_instances(gm).items():
@@ -532,6 +533,10 @@ class StepMemory:
                 opts = [self._strategy(n, i) for i in self._options(c)]
                 full = [self.cm.param_bytes(n, s.outputs[0]) for s in opts]
                 kept = [self.cm.param_bytes(n, s.outputs[0], s.zero, s.offload) for s in opts]
+                if c is not None and any(s.offload for s in opts) and not self.cm.cluster.host_is_device:
+                    acc = self._host.setdefault(c, [0.0] * len(opts))
+                    for i, s in enumerate(opts):
+                        acc[i] += self.cm.host_bytes(n, s.outputs[0]) if s.offload else 0.0
                 add((_P, 1, _one(c, [k[0] for k in kept])))
                 add((_O, 1, _one(c, [k[2] for k in kept])))
                 grads_of[n] = _one(c, [f[1] for f in full])      # the gradient backward accumulates
@@ -823,6 +828,19 @@ class StepMemory:
         """Point ``k`` as a memory constraint of the solver: its live bytes as terms of the decisions."""
         return self.constraints([k])[0]
 
+    def host_constraint(self, budget: float):
+        """Offloaded optimizer states within a device's share of its node's host memory, as a memory
+        constraint of the solver: its bytes are scaled so that the share meets ``budget``, the limit
+        every memory constraint shares. None when nothing can be offloaded."""
+        from autopar.solver import MemoryConstraint
+
+        if not self._host:
+            return None
+        c = self.cm.cluster
+        scale = budget / (c.host_memory / c.devices_per_node)
+        return MemoryConstraint("host memory of offloaded optimizer states",
+                                tuple((ch, tuple(v * scale for v in table)) for ch, table in self._host.items()))
+
     def constraints(self, ks: Sequence[int]) -> list:
         """``constraint`` of every point in ``ks``, in one pass over the events."""
         from autopar.solver import MemoryConstraint
@@ -975,6 +993,9 @@ def solve_under_budget(problem, sm: StepMemory, budget: float, *, time_limit: fl
     problem.memory_limit = budget
     have = set(_initial_points(sm, problem))
     problem.memory = sm.constraints(sorted(have))
+    host = sm.host_constraint(budget)
+    if host is not None:
+        problem.memory.append(host)
     for _ in range(_MAX_ROUNDS):
         sol = solve(problem, time_limit=time_limit, bound=bound)
         if sol.status in ("infeasible", "bounded"):

@@ -79,6 +79,33 @@ def test_offload_request_without_host_figures_names_them():
     assert not _wide_plan(cluster, False).offload
 
 
+def test_host_memory_bounds_the_offloaded_states():
+    """fp32 layers of width 4096 on one H100 under 80% of their free peak: offloading optimizer states
+    is the cheapest saving, but with host memory for only 90% of those states the solver offloads
+    fewer and recomputes a layer instead; with far less, no plan fits and the error says the host's
+    memory is why."""
+    from autopar.models import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=1024, n_layer=4, n_head=32, d_model=4096, d_ff=16384, max_seq=1024))
+    ids = torch.zeros(4, 1024, dtype=torch.long, device="meta")
+    cluster = autopar.ClusterSpec.preset("1xH100")
+
+    def plan(cluster, budget=None):
+        return autopar.plan(model, cluster, (ids,), {"labels": ids.clone()}, progress=False, mesh_shape=(1,),
+                            memory_budget=budget)
+
+    budget = 0.8 * plan(cluster).memory["peak"]
+    roomy = plan(cluster, budget)
+    assert roomy.offload and not roomy.recompute["layers"]
+    small = dataclasses.replace(cluster, host_memory=0.9 * roomy.memory["host"])
+    tight = plan(small, budget)
+    assert tight.memory["host"] <= small.host_memory and len(tight.offload) < len(roomy.offload)
+    assert tight.recompute["layers"] and tight.memory["peak"] <= budget
+    with pytest.raises(autopar.InfeasiblePlanError, match="more than the node's .* GB \\(host_memory\\)"):
+        plan(dataclasses.replace(cluster, host_memory=0.3 * roomy.memory["host"]), budget)
+
+
 def test_cluster_host_figures_round_trip_and_old_specs_load():
     c = autopar.ClusterSpec.preset("8xH100")
     assert (c.host_memory, c.host_link_bandwidth, c.host_memory_bandwidth) == (2e12, 55e9, 614e9)
