@@ -62,12 +62,23 @@ def prepare(model, example_inputs, example_kwargs, cluster: ClusterSpec, *, skip
         captured = _derived(programs, example_inputs, example_kwargs)
         front = front_end(model, example_inputs, example_kwargs, new_runner(skip_passes, insert_passes),
                           precision=precision, device_type=cluster.device_type, captured=captured,
-                          keep_raw=programs is not None and captured is None)
+                          keep_raw=programs is not None and captured is None
+                          and _batch(example_inputs, example_kwargs) >= 2)
         if front.raw is not None and batch_of(front.raw) is not None:
             programs[batch_of(front.raw)] = front.raw
         capture_seconds = time.perf_counter() - t0 - sum(r.seconds for r in front.runner.records)
     gm = front.runner.run(analysis_passes(cluster.device_type), front.gm, "analysis")
     return Prepared(front.captured, gm, front.runner, model_fingerprint(model), capture_seconds, front.precision)
+
+
+def _batch(example_inputs, example_kwargs) -> int:
+    """Dim 0 of the first input, 0 without one: a capture at a batch under 2 derives nothing."""
+    from autopar.pipelining import batch_size
+
+    try:
+        return batch_size(example_inputs, example_kwargs)
+    except AutoparError:
+        return 0
 
 
 def _derived(programs: dict | None, example_inputs, example_kwargs):
