@@ -21,7 +21,7 @@ from autopar.codegen.overlap import overlap_pass
 from autopar.codegen.recompute import recompute_pass
 from autopar.codegen.stages import loss_output, split_stages
 from autopar.codegen.triton import fuse_pass
-from autopar.passes.capture import CapturedProgram, capture
+from autopar.passes.capture import CapturedProgram, capture, copy_program
 from autopar.passes.costs import count_saving_consumers_pass
 from autopar.passes.layers import layers_pass
 from autopar.passes.memory import saved_activations_pass
@@ -70,6 +70,7 @@ class FrontEnd:
     gm: fx.GraphModule            # the captured graph after the front-end passes
     runner: PassRunner
     precision: Precision
+    raw: CapturedProgram | None = None   # the capture before the passes, when asked for (``keep_raw``)
 
 
 def new_runner(skip_passes=(), insert_passes=(), debug_dir=None) -> PassRunner:
@@ -80,16 +81,20 @@ def new_runner(skip_passes=(), insert_passes=(), debug_dir=None) -> PassRunner:
 
 
 def front_end(model, example_inputs, example_kwargs, runner: PassRunner, *, precision: str | None = None,
-              device_type: str = "cpu") -> FrontEnd:
-    """Capture ``model`` and run the passes that depend only on the model and the training precision
-    (passes/precision.py: ``precision`` is a Lightning name, None for the model's own dtype, with
-    autocast's op lists of ``device_type``)."""
+              device_type: str = "cpu", captured: CapturedProgram | None = None, keep_raw: bool = False) -> FrontEnd:
+    """Capture ``model`` (or take ``captured``, a capture of it at these inputs) and run the passes that
+    depend only on the model and the training precision (passes/precision.py: ``precision`` is a
+    Lightning name, None for the model's own dtype, with autocast's op lists of ``device_type``).
+    ``keep_raw`` keeps a copy of the capture as it was before the passes (``FrontEnd.raw``), from which
+    the planner derives pipelines' microbatch programs (passes/capture.py ``rebatch``)."""
     prec = resolve_precision(precision, model)
-    captured = capture(model, example_inputs, example_kwargs)
+    if captured is None:
+        captured = capture(model, example_inputs, example_kwargs)
+    raw = copy_program(captured) if keep_raw else None
     runner.dump(captured.gm, "capture")
     gm = runner.run((partial(autocast_pass, precision=prec, device_type=device_type), *FRONT_END), captured.gm,
                     "front end")
-    return FrontEnd(captured, gm, runner, prec)
+    return FrontEnd(captured, gm, runner, prec, raw)
 
 
 def generate(front: FrontEnd, plan: Plan, group_names, device, *, sharded_outputs: bool,

@@ -17,7 +17,7 @@ import torch.fx as fx
 from autopar.cluster import ClusterSpec, default_axis_names
 from autopar.errors import AutoparError, AutoparWarning, InfeasiblePlanError
 from autopar.layout import format_layout
-from autopar.passes.capture import CapturedProgram
+from autopar.passes.capture import CapturedProgram, batch_of, rebatch
 from autopar.passes.costs import INFEASIBLE, CostModel, OptimizerSpec
 from autopar.passes.layers import layer_counts, layer_instances
 from autopar.passes.memory import StepMemory, minimum_budget, solve_under_budget
@@ -49,17 +49,42 @@ class Prepared:
 
 
 def prepare(model, example_inputs, example_kwargs, cluster: ClusterSpec, *, skip_passes=(), insert_passes=(),
-            front: FrontEnd | None = None, precision: str | None = None) -> Prepared:
+            front: FrontEnd | None = None, precision: str | None = None, programs: dict | None = None
+            ) -> Prepared:
     """Capture the model and run the passes that do not depend on the mesh; ``front`` is a front end
-    already run (``autopar.compile`` runs it once and plans from it)."""
+    already run (``autopar.compile`` runs it once and plans from it). ``programs`` (batch size -> a
+    capture before its passes) holds the captures made so far: with two of them at batches of 2 or
+    more, a third batch's program is derived from them rather than captured (passes/capture.py
+    ``rebatch``), and a new capture is added to it."""
     capture_seconds = 0.0
     if front is None:
         t0 = time.perf_counter()
+        captured = _derived(programs, example_inputs, example_kwargs)
         front = front_end(model, example_inputs, example_kwargs, new_runner(skip_passes, insert_passes),
-                          precision=precision, device_type=cluster.device_type)
+                          precision=precision, device_type=cluster.device_type, captured=captured,
+                          keep_raw=programs is not None and captured is None
+                          and _batch(example_inputs, example_kwargs) >= 2)
+        if front.raw is not None and batch_of(front.raw) is not None:
+            programs[batch_of(front.raw)] = front.raw
         capture_seconds = time.perf_counter() - t0 - sum(r.seconds for r in front.runner.records)
     gm = front.runner.run(analysis_passes(cluster.device_type), front.gm, "analysis")
     return Prepared(front.captured, gm, front.runner, model_fingerprint(model), capture_seconds, front.precision)
+
+
+def _batch(example_inputs, example_kwargs) -> int:
+    """Dim 0 of the first input, 0 without one: a capture at a batch under 2 derives nothing."""
+    from autopar.pipelining import batch_size
+
+    try:
+        return batch_size(example_inputs, example_kwargs)
+    except AutoparError:
+        return 0
+
+
+def _derived(programs: dict | None, example_inputs, example_kwargs):
+    """The capture at these inputs derived from two of ``programs`` at batches of 2 or more, or None."""
+    usable = [c for b, c in sorted((programs or {}).items(), reverse=True) if b >= 2]
+    return rebatch(usable[0], usable[1], example_inputs, example_kwargs) if len(usable) >= 2 else None
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -126,10 +151,15 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
         candidates = [(cluster.mesh_shape, tuple(cluster.axis_names or default_axis_names(cluster.mesh_shape)))]
     with _progress(progress, total=2 + 4 * len(candidates)) as report:
         prep = None
+        # Captures before their passes, by batch size: pipeline meshes derive their microbatch programs
+        # from two of them where they can rather than capture again.
+        programs = {} if any("pp" in names for _, names in candidates) else None
+        if front is not None and front.raw is not None and programs is not None and batch_of(front.raw):
+            programs[batch_of(front.raw)] = front.raw
         if any("pp" not in names for _, names in candidates):
             report("capturing")
             prep = prepare(model, example_inputs, example_kwargs, cluster, skip_passes=skip_passes,
-                           insert_passes=insert_passes, front=front, precision=prec.name)
+                           insert_passes=insert_passes, front=front, precision=prec.name, programs=programs)
         best, tried, meshes, t_build = None, [], [], time.perf_counter()
         pipe = {k: 0.0 for k in _PHASES}        # seconds of the pipeline meshes, by phase
         for shape, names in candidates:
@@ -138,7 +168,8 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
                     p = _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget,
                                        optimizer, fused, pins, sharded_outputs, recompute, time_limit, skip_passes,
                                        insert_passes, microbatches, schedule, tried, report, cost_model,
-                                       added=cluster.mesh_shape is None, timings=pipe, precision=prec.name)
+                                       added=cluster.mesh_shape is None, timings=pipe, precision=prec.name,
+                                       programs=programs)
                 except AutoparError as e:
                     if cluster.mesh_shape is not None:
                         raise
@@ -288,11 +319,13 @@ def idle_axis_warnings(gm, p: Plan) -> list[str]:
 
 def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget, optimizer, fused, pins,
                    sharded_outputs, recompute, time_limit, skip_passes, insert_passes, microbatches, schedule,
-                   tried, report, cost_model=CostModel, added=False, timings=None, precision=None) -> Plan | None:
+                   tried, report, cost_model=CostModel, added=False, timings=None, precision=None,
+                   programs=None) -> Plan | None:
     """The fastest pipeline plan on mesh ``shape`` (axis ``pp`` among ``names``), or None when none fits.
     On a mesh the planner ``added`` itself, only the most microbatches that leave every data-parallel
-    rank a whole sample are tried (each count is one more capture and solve). ``timings`` (capture,
-    passes, build, solve, evaluate seconds) accumulates this mesh's."""
+    rank a whole sample are tried (each count is one more solve, and a capture unless derived from
+    ``programs``, see ``prepare``). ``timings`` (capture, passes, build, solve, evaluate seconds)
+    accumulates this mesh's."""
     import math
 
     from autopar import pipelining as PL
@@ -334,7 +367,7 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
         report(f"mesh {shape}, {m} microbatches: capturing")
         t0 = time.perf_counter()
         prep = prepare(model, mb_args, mb_kwargs, sub_cluster, skip_passes=skip_passes, insert_passes=insert_passes,
-                       precision=precision)
+                       precision=precision, programs=programs)
         front_passes = sum(r.seconds for r in prep.runner.records)
         timings["capture"] += prep.capture_seconds
         timings["passes"] += front_passes
