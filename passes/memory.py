@@ -405,6 +405,8 @@ class StepMemory:
     def copy(self, v, node, k):
         """(bytes of the resharded copy that ``node`` reads input ``k`` through, bytes of that input's
         gradient at the layout read when a resharding's backward converts it); None where there is none."""
+        from math import prod
+
         from autopar.layout import local_fraction
         from autopar.passes.resharding import grad_partial_axes
         from autopar.passes.strategies import requires_grad, value_info
@@ -424,28 +426,34 @@ class StepMemory:
                 reads.append((dst, grad_partial_axes(dst, s.splits_work, grad), s))
             size = {dst: info.nbytes * local_fraction(dst, mesh) for dst, _, _ in reads}
             found = {}
-            fwd, bwd = [], []
+            fwd, bwd, blocks = [], [], []
             for i in self._options(ca):
                 src = self._strategy(v.node, i)
                 z = None if src is None else src.zero
                 zero_axis = z.axis if z is not None and z.stage >= 2 else None
                 src = None if src is None else tuple(src.outputs[v.index])
-                frow, brow = [], []
+                frow, brow, krow = [], [], []
                 for dst, partial, s in reads:
                     pair = (src or dst, dst, partial, zero_axis)
                     if pair not in found:
                         steps = self.cm.resharding(v, pair[0], node, s, k) or []
                         if zero_axis is not None:       # its own reduce-scatter reduces it instead
                             steps = [st for st in steps if not (st.op == "grad_all_reduce" and st.axis == zero_axis)]
+                        # A local chunk's backward all-gathers the gradient; along a dim with larger
+                        # dims before it, the gathered blocks stand beside their contiguous copy.
+                        gathered = max((info.dtype.itemsize * prod(st.in_shape) for st in steps if st.op == "local_chunk"
+                                        and st.dim and prod(st.in_shape[:st.dim]) > 1), default=0.0)
                         found[pair] = (size[dst] if any(st.op in _ALLOCATING_STEPS for st in steps) else 0.0,
-                                       size[dst] if steps else 0.0)
-                    f, b = found[pair]
+                                       size[dst] if steps else 0.0, float(gathered))
+                    f, b, g = found[pair]
                     frow.append(f)
                     brow.append(b)
+                    krow.append(g)
                 fwd.append(frow)
                 bwd.append(brow)
-            f, b = _pair(ca, cb, fwd), _pair(ca, cb, bwd)
-            self._copies[key] = (None if f.zero() else f, None if b.zero() else b)
+                blocks.append(krow)
+            f, b, g = _pair(ca, cb, fwd), _pair(ca, cb, bwd), _pair(ca, cb, blocks)
+            self._copies[key] = (None if f.zero() else f, None if b.zero() else b, None if g.zero() else g)
         return self._copies[key]
 
     def _output_copy(self, node, gathered: bool):
@@ -611,7 +619,7 @@ class StepMemory:
                 if not keep or k >= len(ins):
                     continue
                 v = ins[k]
-                cp, _ = self.copy(v, n, k)
+                cp, _, _ = self.copy(v, n, k)
                 if cp is not None:
                     kept.setdefault(n, []).append(cp)
                     held_copy.add((n, k))
@@ -698,7 +706,7 @@ class StepMemory:
         for t, n in enumerate(calls):
             transient = []
             for k, v in enumerate(input_values(n)):
-                cp, _ = self.copy(v, n, k)
+                cp, _, _ = self.copy(v, n, k)
                 if cp is not None and (n, k) not in held_copy:
                     add((_T, 1, cp))
                     transient.append(cp)
@@ -764,11 +772,13 @@ class StepMemory:
                 for k, v in enumerate(input_values(n)):
                     if not requires_grad(v.node):
                         continue
-                    if not view:
-                        _, gcp = self.copy(v, n, k)
-                        if gcp is not None:
-                            add((_T, 1, gcp))
-                            after.append((_T, gcp))
+                    # The gradient at the layout read (a view's too), converted by the resharding's
+                    # backward into the input's.
+                    _, gcp, blocks = self.copy(v, n, k)
+                    for q in (gcp, blocks):
+                        if q is not None:
+                            add((_T, 1, q))
+                            after.append((_T, q))
                     key = _canonical(v)
                     q, cat = (grads_of[v.node], _G) if is_param(v.node) else (self.value(key), _T)
                     add((cat, 1, q))
