@@ -22,6 +22,17 @@ Conventions:
   live tensors) on GPUs, or the interpreter and the OS on CPU. It defaults to 10% of capacity for
   CUDA (8 GB of an 80 GB H100) and 20% for CPU; ``usable_memory`` is what remains, and the budget
   the planner solves for when none is given (docs/cost-model.md, "Allocator headroom").
+- Host memory, for offload: ``host_memory`` is the host RAM of one node (bytes), ``host_link_bandwidth``
+  the device<->host link per device and direction (B/s), ``host_memory_bandwidth`` the host's memory
+  bandwidth per node (B/s), which the optimizer steps of the node's devices share. None (a spec built
+  by hand without them) means offload cannot be planned. The presets take them from the DGX
+  datasheets: DGX H100/H200 2 TB of DDR5 per node on two Xeon 8480C (2 x 8 channels of DDR5-4800,
+  614 GB/s), each GPU on PCIe Gen5 x16 (64 GB/s per direction nominal, about 55 GB/s measured by
+  host<->device copies of pinned memory); DGX A100 2 TB on two EPYC 7742 (2 x 8 channels of DDR4-3200,
+  410 GB/s), PCIe Gen4 x16 (32 GB/s nominal, about 25 GB/s measured). There is no GH200 preset (its
+  NVLink-C2C would give about 450 GB/s per direction). On a CPU cluster host and device are the same
+  memory (``host_is_device``): offload moves nothing off the device there, so planning never offers
+  it; a pin can still force it, to test the runtime.
 
 torch is imported only inside the functions that need it, so importing this module is cheap.
 """
@@ -123,6 +134,11 @@ _PRESETS: dict[str, tuple[DeviceSpec, float, float]] = {  # device, NVLink B/s, 
     "A100-40GB": (DeviceSpec("A100-40GB", _A100_FLOPS, 1.555e12, 40e9), 300e9, 25e9),
 }
 _PRESET_ALIASES = {"A100-80GB": "A100"}
+# Per preset: host memory per node (B), host link per device and direction (B/s), host memory
+# bandwidth per node (B/s); the module docstring gives the sources.
+_HOST = {"H100": (2e12, 55e9, 614e9), "H200": (2e12, 55e9, 614e9),
+         "A100": (2e12, 25e9, 410e9), "A100-40GB": (1e12, 25e9, 410e9)}
+_HOST_FIELDS = ("host_memory", "host_link_bandwidth", "host_memory_bandwidth")
 _GPU_INTRA_LATENCY, _GPU_INTER_LATENCY = 5e-6, 1e-5
 _PRESET_RE = re.compile(r"^\s*(\d+)\s*x\s*([A-Za-z0-9-]+)\s*$", re.IGNORECASE)
 _GPUS_PER_NODE = 8
@@ -166,6 +182,9 @@ class ClusterSpec:
     name: str = ""
     # None means the per-device-type default fraction of device.memory (see the module docstring).
     memory_reserve: float | None = None
+    host_memory: float | None = None            # host RAM per node, bytes
+    host_link_bandwidth: float | None = None    # device <-> host, per device and direction, B/s
+    host_memory_bandwidth: float | None = None  # host RAM bandwidth per node, B/s
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
@@ -191,6 +210,9 @@ class ClusterSpec:
             raise ValueError(f"memory_reserve {reserve:.3g} B leaves nothing of the device's "
                              f"{self.device.memory:.3g} B; lower it")
         set_("memory_reserve", reserve)
+        for what in _HOST_FIELDS:
+            if getattr(self, what) is not None:
+                set_(what, _positive(what, getattr(self, what)))
         self._validate_mesh()
 
     def _validate_mesh(self):
@@ -235,6 +257,25 @@ class ClusterSpec:
         return self.device.memory - self.memory_reserve
 
     default_axis_names = staticmethod(default_axis_names)
+
+    @property
+    def host_is_device(self) -> bool:
+        """Host and device are the same memory (CPU processes): offload frees nothing."""
+        return self.device_type == "cpu"
+
+    @property
+    def has_host_figures(self) -> bool:
+        return all(getattr(self, f) is not None for f in _HOST_FIELDS)
+
+    def require_host_figures(self, why: str) -> None:
+        """Raise ClusterMismatchError naming the host figures ``why`` needs and this spec lacks."""
+        missing = [f for f in _HOST_FIELDS if getattr(self, f) is None]
+        if missing:
+            raise ClusterMismatchError(
+                f"{why} needs the host's figures, and cluster {self.name or self.device.name!r} has no "
+                f"{', '.join(missing)}; give them to ClusterSpec (bytes per node, B/s per device and "
+                f"direction, B/s per node), e.g. dataclasses.replace(spec, host_memory=2e12, "
+                f"host_link_bandwidth=55e9, host_memory_bandwidth=614e9) for a DGX H100 node")
 
     def axis_link(self, mesh_shape, axis: int) -> tuple[float, float]:
         """(bandwidth B/s, latency s) of the links a collective over mesh axis ``axis`` uses.
@@ -285,7 +326,7 @@ class ClusterSpec:
         device, nvlink, network = _PRESETS[key]
         return cls(n, min(_GPUS_PER_NODE, n), device, nvlink, _GPU_INTRA_LATENCY, network,
                    _GPU_INTER_LATENCY, mesh_shape=mesh_shape, axis_names=axis_names,
-                   device_type="cuda", name=f"{n}x{key}")
+                   device_type="cuda", name=f"{n}x{key}", **dict(zip(_HOST_FIELDS, _HOST[key])))
 
     @classmethod
     def local_cpu(cls, world_size: int) -> "ClusterSpec":
@@ -299,8 +340,10 @@ class ClusterSpec:
     def _cpu(cls, world_size: int, local_world_size: int) -> "ClusterSpec":
         device = DeviceSpec("cpu", {"float32": _CPU_FLOPS}, _CPU_MEMORY_BANDWIDTH,
                             _total_ram() / local_world_size)
+        # Host and device are one memory: a forced offload is a copy at memory bandwidth.
         return cls(world_size, local_world_size, device, *_CPU_INTRA, *_CPU_INTER,
-                   device_type="cpu", name=f"{world_size}xcpu")
+                   device_type="cpu", name=f"{world_size}xcpu", host_memory=_total_ram(),
+                   host_link_bandwidth=_CPU_MEMORY_BANDWIDTH, host_memory_bandwidth=_CPU_MEMORY_BANDWIDTH)
 
     @classmethod
     def from_env(cls) -> "ClusterSpec":
@@ -334,15 +377,17 @@ class ClusterSpec:
         key = next((k for k in ("H200", "H100", "A100") if k in gpu.upper()), None)
         if key == "A100" and "40GB" in gpu.upper():
             key = "A100-40GB"
+        host = {}
         if key is not None:
             device, nvlink, network = _PRESETS[key]
             intra, inter = (nvlink, _GPU_INTRA_LATENCY), (network, _GPU_INTER_LATENCY)
+            host = dict(zip(_HOST_FIELDS, _HOST[key]), host_memory=_total_ram())
         else:
             g = _GENERIC_GPU
             device = DeviceSpec(gpu, g["flops"], g["memory_bandwidth"], memory)
             intra, inter = g["intra"], g["inter"]
         return cls(world, local, dataclasses.replace(device, memory=memory), *intra, *inter,
-                   device_type="cuda", name=f"{world}x{key or gpu}")
+                   device_type="cuda", name=f"{world}x{key or gpu}", **host)
 
     # ---- measurement -----------------------------------------------------------------------------
 
@@ -442,6 +487,8 @@ class ClusterSpec:
     @classmethod
     def from_dict(cls, d: Mapping) -> "ClusterSpec":
         """Inverse of ``to_dict``. Missing, unknown or ill-typed entries raise PlanFormatError."""
+        if isinstance(d, Mapping):                        # specs saved before host figures existed
+            d = {**{f: None for f in _HOST_FIELDS}, **d}
         _check_keys("cluster spec", d, {f.name for f in dataclasses.fields(cls)})
         _check_keys("cluster spec 'device'", d["device"],
                     {f.name for f in dataclasses.fields(DeviceSpec)})
@@ -463,7 +510,9 @@ class ClusterSpec:
                 f"({self.memory_reserve / 1e9:.3g} GB reserved); "
                 f"intra-node {self.intra_node_bandwidth / 1e9:.3g} GB/s {self.intra_node_latency * 1e6:.3g} us, "
                 f"inter-node {self.inter_node_bandwidth / 1e9:.3g} GB/s {self.inter_node_latency * 1e6:.3g} us"
-                f"{mesh}")
+                + (f"; host {self.host_memory / 1e9:.4g} GB per node, link {self.host_link_bandwidth / 1e9:.3g} GB/s"
+                   if self.has_host_figures else "; no host figures")
+                + mesh)
 
 
 def _node_aligned_shapes(n: int, per_node: int, max_axes: int) -> list[tuple[int, ...]]:

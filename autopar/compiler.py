@@ -63,7 +63,7 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
         plan_options.pop("precision", None)
         precision = plan.precision
     front = front_end(model, example_inputs, example_kwargs, runner, precision=precision,
-                      device_type=cluster.device_type)
+                      device_type=cluster.device_type, keep_raw=plan is None)
     if plan is None:
         plan = _plan_on_rank0(model, cluster, example_inputs, example_kwargs, memory_budget, front,
                               {**plan_options, "kernels": kernels, "sharded_outputs": bool(sharded_outputs)})

@@ -21,7 +21,7 @@ from autopar.codegen.overlap import overlap_pass
 from autopar.codegen.recompute import recompute_pass
 from autopar.codegen.stages import loss_output, split_stages
 from autopar.codegen.triton import fuse_pass
-from autopar.passes.capture import CapturedProgram, capture
+from autopar.passes.capture import CapturedProgram, capture, copy_program
 from autopar.passes.costs import count_saving_consumers_pass
 from autopar.passes.layers import layers_pass
 from autopar.passes.memory import saved_activations_pass
@@ -41,16 +41,18 @@ def analysis_passes(device_type: str) -> tuple:
     return (partial(saved_activations_pass, target_device=device_type), count_saving_consumers_pass)
 
 
-def mesh_passes(mesh_shape, zero: bool = True) -> tuple:
-    return (partial(strategies_pass, mesh_shape=tuple(mesh_shape), zero=zero),)
+def mesh_passes(mesh_shape, zero: bool = True, offload: bool = False) -> tuple:
+    return (partial(strategies_pass, mesh_shape=tuple(mesh_shape), zero=zero, offload=offload),)
 
 
 def codegen_passes(plan: Plan, front: "FrontEnd", group_names, device, *, sharded_outputs: bool,
                    kernels: str, overlap: bool = True) -> tuple:
     recompute = plan.recompute["layers"]
     cores = tuple((name, tuple(nodes)) for name, nodes in plan.recompute.get("attention", {}).get("regions", {}).items())
+    offloaded = tuple(plan.recompute.get("offload", {}).get("layers", ()))
     return (partial(local_program_pass, plan=plan, group_names=group_names, sharded_outputs=sharded_outputs),
-            *((partial(recompute_pass, layers=tuple(recompute), cores=cores),) if recompute or cores else ()),
+            *((partial(recompute_pass, layers=tuple(recompute), cores=cores, offloaded=offloaded),)
+              if recompute or cores or offloaded else ()),
             partial(retarget_devices_pass, device=device),
             partial(fuse_pass, backend=kernels, device=device,
                     example_inputs=example_local_inputs(front.gm, plan) if kernels == "triton" else None),
@@ -68,6 +70,7 @@ class FrontEnd:
     gm: fx.GraphModule            # the captured graph after the front-end passes
     runner: PassRunner
     precision: Precision
+    raw: CapturedProgram | None = None   # the capture before the passes, when asked for (``keep_raw``)
 
 
 def new_runner(skip_passes=(), insert_passes=(), debug_dir=None) -> PassRunner:
@@ -78,16 +81,20 @@ def new_runner(skip_passes=(), insert_passes=(), debug_dir=None) -> PassRunner:
 
 
 def front_end(model, example_inputs, example_kwargs, runner: PassRunner, *, precision: str | None = None,
-              device_type: str = "cpu") -> FrontEnd:
-    """Capture ``model`` and run the passes that depend only on the model and the training precision
-    (passes/precision.py: ``precision`` is a Lightning name, None for the model's own dtype, with
-    autocast's op lists of ``device_type``)."""
+              device_type: str = "cpu", captured: CapturedProgram | None = None, keep_raw: bool = False) -> FrontEnd:
+    """Capture ``model`` (or take ``captured``, a capture of it at these inputs) and run the passes that
+    depend only on the model and the training precision (passes/precision.py: ``precision`` is a
+    Lightning name, None for the model's own dtype, with autocast's op lists of ``device_type``).
+    ``keep_raw`` keeps a copy of the capture as it was before the passes (``FrontEnd.raw``), from which
+    the planner derives pipelines' microbatch programs (passes/capture.py ``rebatch``)."""
     prec = resolve_precision(precision, model)
-    captured = capture(model, example_inputs, example_kwargs)
+    if captured is None:
+        captured = capture(model, example_inputs, example_kwargs)
+    raw = copy_program(captured) if keep_raw else None
     runner.dump(captured.gm, "capture")
     gm = runner.run((partial(autocast_pass, precision=prec, device_type=device_type), *FRONT_END), captured.gm,
                     "front end")
-    return FrontEnd(captured, gm, runner, prec)
+    return FrontEnd(captured, gm, runner, prec, raw)
 
 
 def generate(front: FrontEnd, plan: Plan, group_names, device, *, sharded_outputs: bool,
@@ -102,9 +109,9 @@ def generate(front: FrontEnd, plan: Plan, group_names, device, *, sharded_output
     if plan.pipeline:
         if kernels == "triton":
             raise AutoparError("pipeline plans run ATen kernels for now; compile with kernels='aten'")
-        if plan.recompute.get("attention"):
+        if plan.recompute.get("attention") or plan.recompute.get("offload"):
             raise AutoparError("pipeline plans recompute whole layers, and this plan recomputes attention cores "
-                               "alone; plan it again")
+                               "alone or offloads activations; plan it again")
         passes = (partial(local_program_pass, plan=plan, group_names=group_names, sharded_outputs=sharded_outputs),
                   partial(retarget_devices_pass, device=device))
         gm = front.runner.run(passes, front.gm, "codegen")

@@ -42,7 +42,8 @@ class Plan:
     sharded_outputs: bool = False    # non-scalar outputs are returned as computed, not gathered
     # layer instances whose activations are recomputed in backward: {"classes": {class: {"count",
     # "of", "layers"}}, "layers": [instance, ...]}, and where attention cores alone are (selective
-    # recompute), "attention": {"classes": ..., "layers": [...], "regions": {region: [node, ...]}}
+    # recompute), "attention": {"classes": ..., "layers": [...], "regions": {region: [node, ...]}}, and
+    # where saved activations go to host memory, "offload": {"classes": ..., "layers": [...], "bytes"}
     recompute: dict = field(default_factory=lambda: {"classes": {}, "layers": []})
     # pipeline plans: {"axis", "schedule", "microbatches", "virtual_stages", "bubble_fraction",
     # "bubble_seconds", "stages": [{"index", "pp_rank", "layers", "seconds", ...}], "ranks": [...]}
@@ -52,6 +53,9 @@ class Plan:
     # parameters whose optimizer state (ZeRO-1), and gradient too (ZeRO-2), are sharded along an axis
     # the parameter is replicated on: FQN -> {"stage": 1 or 2, "axis": axis name, "dim": dim}
     zero: dict = field(default_factory=dict)
+    # parameters whose optimizer state, the gradient it reads and the copy of the parameter it steps
+    # live in host memory, stepped there: FQN -> {"host_bytes", "device_bytes_freed"} per device
+    offload: dict = field(default_factory=dict)
     version: int = PLAN_VERSION
     extra: dict = field(default_factory=dict)
 
@@ -317,11 +321,11 @@ def _schema(axes) -> dict:
         "nodes": _list_of(_node(axes)),
         "collectives": _list_of(collective),
         "memory": _object({k: _number for k in MEMORY_KEYS},
-                          {"budget": _number, "by_param": _dict_of(_number), "timeline": _list_of(timeline),
+                          {"budget": _number, "host": _number, "by_param": _dict_of(_number), "timeline": _list_of(timeline),
                            "peak_point": _integer(0), "peak_at": peak_at}),
         "step_time": _number,
         "breakdown": _object({"compute": _number, "communication": _dict_of(_number), "optimizer": _number},
-                             {"recompute": _number}),
+                             {"recompute": _number, "offload": _number}),
         "solver": _object({}, {"status": _string, "seconds": _number, "variables": _integer(0),
                                "constraints": _integer(0), "backend": _string, "planning_seconds": _number,
                                "candidates": _list_of(_object({"mesh": _list_of(_integer(1)), "status": _string},
@@ -338,12 +342,18 @@ def _schema(axes) -> dict:
                                                                                  "of": _integer(1),
                                                                                  "layers": _list_of(_string)})),
                                                     "layers": _list_of(_string),
-                                                    "regions": _dict_of(_list_of(_string))}, open_ended=False)},
+                                                    "regions": _dict_of(_list_of(_string))}, open_ended=False),
+                              "offload": _object({"classes": _dict_of(_object({"count": _integer(0),
+                                                                               "of": _integer(1),
+                                                                               "layers": _list_of(_string)})),
+                                                  "layers": _list_of(_string)}, {"bytes": _number},
+                                                 open_ended=False)},
                              open_ended=False),
         "extra": _object({}, {"warnings": _list_of(_string)}),
         "pipeline": _optional(_pipeline(axes)),
         "zero": _dict_of(_object({"stage": _zero_stage, "axis": _one_of(axes), "dim": _integer(0)},
                                  open_ended=False)),
+        "offload": _dict_of(_object({"host_bytes": _number, "device_bytes_freed": _number}, open_ended=False)),
     }
 
 
@@ -370,7 +380,7 @@ def _validate(d: Any) -> None:
         raise PlanFormatError(f"plan format version {version!r} is not supported (this autopar reads "
                               f"version {PLAN_VERSION}); plan the model again with this version")
     optional = ("version", "extra", "alternatives", "sharded_outputs", "recompute", "pipeline", "precision",
-                "zero")
+                "zero", "offload")
     missing = [k for k in Plan.__dataclass_fields__ if k not in optional and k not in d]
     if missing:
         raise PlanFormatError(f"plan is missing fields {missing}")
@@ -409,6 +419,13 @@ def _validate(d: Any) -> None:
             _fail(f"zero.{fqn}", f"shards dim {z['dim']}, which the parameter's layout {lay} shards already")
         if d.get("pipeline") is not None:
             _fail(f"zero.{fqn}", "pipeline plans do not shard optimizer states of replicated parameters")
+    for fqn in d.get("offload") or {}:
+        if fqn not in d["params"]:
+            _fail(f"offload.{fqn}", "names no parameter of the plan")
+        if fqn in (d.get("zero") or {}):
+            _fail(f"offload.{fqn}", "an offloaded optimizer state is not also sharded by ZeRO-1/2")
+        if d.get("pipeline") is not None:
+            _fail(f"offload.{fqn}", "pipeline plans do not offload optimizer states")
 
 
 def _validate_pipeline(pipe: Any, mesh: dict) -> None:

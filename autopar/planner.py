@@ -17,7 +17,7 @@ import torch.fx as fx
 from autopar.cluster import ClusterSpec, default_axis_names
 from autopar.errors import AutoparError, AutoparWarning, InfeasiblePlanError
 from autopar.layout import format_layout
-from autopar.passes.capture import CapturedProgram
+from autopar.passes.capture import CapturedProgram, batch_of, rebatch
 from autopar.passes.costs import INFEASIBLE, CostModel, OptimizerSpec
 from autopar.passes.layers import layer_counts, layer_instances
 from autopar.passes.memory import StepMemory, minimum_budget, solve_under_budget
@@ -49,17 +49,42 @@ class Prepared:
 
 
 def prepare(model, example_inputs, example_kwargs, cluster: ClusterSpec, *, skip_passes=(), insert_passes=(),
-            front: FrontEnd | None = None, precision: str | None = None) -> Prepared:
+            front: FrontEnd | None = None, precision: str | None = None, programs: dict | None = None
+            ) -> Prepared:
     """Capture the model and run the passes that do not depend on the mesh; ``front`` is a front end
-    already run (``autopar.compile`` runs it once and plans from it)."""
+    already run (``autopar.compile`` runs it once and plans from it). ``programs`` (batch size -> a
+    capture before its passes) holds the captures made so far: with two of them at batches of 2 or
+    more, a third batch's program is derived from them rather than captured (passes/capture.py
+    ``rebatch``), and a new capture is added to it."""
     capture_seconds = 0.0
     if front is None:
         t0 = time.perf_counter()
+        captured = _derived(programs, example_inputs, example_kwargs)
         front = front_end(model, example_inputs, example_kwargs, new_runner(skip_passes, insert_passes),
-                          precision=precision, device_type=cluster.device_type)
+                          precision=precision, device_type=cluster.device_type, captured=captured,
+                          keep_raw=programs is not None and captured is None
+                          and _batch(example_inputs, example_kwargs) >= 2)
+        if front.raw is not None and batch_of(front.raw) is not None:
+            programs[batch_of(front.raw)] = front.raw
         capture_seconds = time.perf_counter() - t0 - sum(r.seconds for r in front.runner.records)
     gm = front.runner.run(analysis_passes(cluster.device_type), front.gm, "analysis")
     return Prepared(front.captured, gm, front.runner, model_fingerprint(model), capture_seconds, front.precision)
+
+
+def _batch(example_inputs, example_kwargs) -> int:
+    """Dim 0 of the first input, 0 without one: a capture at a batch under 2 derives nothing."""
+    from autopar.pipelining import batch_size
+
+    try:
+        return batch_size(example_inputs, example_kwargs)
+    except AutoparError:
+        return 0
+
+
+def _derived(programs: dict | None, example_inputs, example_kwargs):
+    """The capture at these inputs derived from two of ``programs`` at batches of 2 or more, or None."""
+    usable = [c for b, c in sorted((programs or {}).items(), reverse=True) if b >= 2]
+    return rebatch(usable[0], usable[1], example_inputs, example_kwargs) if len(usable) >= 2 else None
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -117,6 +142,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     if kernels not in ("auto", "triton", "aten"):
         raise ValueError(f"kernels must be 'auto', 'triton' or 'aten', got {kernels!r}")
     fused = kernels == "triton" or (kernels == "auto" and cluster.device_type == "cuda")
+    offload = offload_offered(cluster, pins)
     if cluster.mesh_shape is None:
         candidates = [(shape, default_axis_names(shape)) for shape in cluster.mesh_candidates()]
         if pipeline or (pipeline is None and cluster.num_nodes > 1):
@@ -125,10 +151,15 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
         candidates = [(cluster.mesh_shape, tuple(cluster.axis_names or default_axis_names(cluster.mesh_shape)))]
     with _progress(progress, total=2 + 4 * len(candidates)) as report:
         prep = None
+        # Captures before their passes, by batch size: pipeline meshes derive their microbatch programs
+        # from two of them where they can rather than capture again.
+        programs = {} if any("pp" in names for _, names in candidates) else None
+        if front is not None and front.raw is not None and programs is not None and batch_of(front.raw):
+            programs[batch_of(front.raw)] = front.raw
         if any("pp" not in names for _, names in candidates):
             report("capturing")
             prep = prepare(model, example_inputs, example_kwargs, cluster, skip_passes=skip_passes,
-                           insert_passes=insert_passes, front=front, precision=prec.name)
+                           insert_passes=insert_passes, front=front, precision=prec.name, programs=programs)
         best, tried, meshes, t_build = None, [], [], time.perf_counter()
         pipe = {k: 0.0 for k in _PHASES}        # seconds of the pipeline meshes, by phase
         for shape, names in candidates:
@@ -137,7 +168,8 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
                     p = _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget,
                                        optimizer, fused, pins, sharded_outputs, recompute, time_limit, skip_passes,
                                        insert_passes, microbatches, schedule, tried, report, cost_model,
-                                       added=cluster.mesh_shape is None, timings=pipe, precision=prec.name)
+                                       added=cluster.mesh_shape is None, timings=pipe, precision=prec.name,
+                                       programs=programs)
                 except AutoparError as e:
                     if cluster.mesh_shape is not None:
                         raise
@@ -148,7 +180,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
                     best = p
                 continue
             report(f"mesh {shape}: strategies")
-            prep.runner.run(mesh_passes(shape), prep.gm, f"mesh {shape}")
+            prep.runner.run(mesh_passes(shape, offload=offload), prep.gm, f"mesh {shape}")
             cm = cost_model(cluster, shape, optimizer, fused=fused)
             report(f"mesh {shape}: costs")
             prob, idx = build_problem(prep.gm, cm, budget, pins, sharded_outputs, recompute)
@@ -168,7 +200,8 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
 
             raise no_fit(tried[-1]["mesh"][0], tried[-1]["pipeline"]["microbatches"], budget)
         if best is None:
-            _raise_infeasible(prep, infeasible, cluster, budget)
+            _raise_infeasible(prep, infeasible, cluster, budget, offload)
+        _check_host_memory(best, cluster)
         best.precision = prec.name
         best.extra["warnings"] = idle_axis_warnings(prep.gm, best) if prep is not None else []
         for w in best.extra["warnings"]:
@@ -185,6 +218,29 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
                                  for r in (prep.runner.records if prep is not None else [])]
         report("done")
     return best
+
+
+def _check_host_memory(plan: Plan, cluster: ClusterSpec) -> None:
+    """The offloaded states of a node's devices must fit its host memory: a constraint of the ILP
+    (``StepMemory.host_constraint``), checked again on the plan."""
+    if not plan.offload or cluster.host_is_device:
+        return
+    need = plan.memory["host"] * cluster.devices_per_node
+    if need > cluster.host_memory:
+        raise InfeasiblePlanError(
+            f"the plan offloads {len(plan.offload)} parameters' optimizer states, {need / 1e9:.1f} GB per node of "
+            f"host memory, more than the node's {cluster.host_memory / 1e9:.1f} GB (host_memory); raise the device "
+            f"budget, add devices, or give the host's real memory", budget=plan.memory.get("budget"))
+
+
+def offload_offered(cluster: ClusterSpec, pins) -> bool:
+    """Whether parameters may keep their optimizer state in host memory: on a cluster whose host is
+    not its devices' memory and whose host figures are known, or where a pin asks for it (which then
+    needs the host figures; on CPU processes, to run the offloaded program where it frees nothing)."""
+    if any(isinstance(p, dict) and p.get("offload") for p in (pins or {}).values()):
+        cluster.require_host_figures("a pin that offloads an optimizer state")
+        return True
+    return cluster.has_host_figures and not cluster.host_is_device
 
 
 def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
@@ -211,11 +267,11 @@ def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
             return sum(self.steps_seconds([st], info.dtype.itemsize, grad)
                        / (self.microbatches if st.op == "grad_all_reduce" else 1) for st in steps)
 
-        def param_bytes(self, node, layout, zero=None):
-            return tuple(x / self.stages for x in super().param_bytes(node, layout, zero))
+        def param_bytes(self, node, layout, zero=None, offload=False):
+            return tuple(x / self.stages for x in super().param_bytes(node, layout, zero, offload))
 
-        def optimizer_seconds(self, node, layout, zero=None):      # of the whole parameter, once per step
-            return super().optimizer_seconds(node, layout, zero) * self.stages / self.microbatches
+        def optimizer_seconds(self, node, layout, zero=None, offload=False):   # of the whole parameter, once per step
+            return super().optimizer_seconds(node, layout, zero, offload) * self.stages / self.microbatches
 
     return PerMicrobatch
 
@@ -263,11 +319,13 @@ def idle_axis_warnings(gm, p: Plan) -> list[str]:
 
 def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget, optimizer, fused, pins,
                    sharded_outputs, recompute, time_limit, skip_passes, insert_passes, microbatches, schedule,
-                   tried, report, cost_model=CostModel, added=False, timings=None, precision=None) -> Plan | None:
+                   tried, report, cost_model=CostModel, added=False, timings=None, precision=None,
+                   programs=None) -> Plan | None:
     """The fastest pipeline plan on mesh ``shape`` (axis ``pp`` among ``names``), or None when none fits.
     On a mesh the planner ``added`` itself, only the most microbatches that leave every data-parallel
-    rank a whole sample are tried (each count is one more capture and solve). ``timings`` (capture,
-    passes, build, solve, evaluate seconds) accumulates this mesh's."""
+    rank a whole sample are tried (each count is one more solve, and a capture unless derived from
+    ``programs``, see ``prepare``). ``timings`` (capture, passes, build, solve, evaluate seconds)
+    accumulates this mesh's."""
     import math
 
     from autopar import pipelining as PL
@@ -306,7 +364,7 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
         report(f"mesh {shape}, {m} microbatches: capturing")
         t0 = time.perf_counter()
         prep = prepare(model, mb_args, mb_kwargs, sub_cluster, skip_passes=skip_passes, insert_passes=insert_passes,
-                       precision=precision)
+                       precision=precision, programs=programs)
         front_passes = sum(r.seconds for r in prep.runner.records)
         timings["capture"] += prep.capture_seconds
         timings["passes"] += front_passes
@@ -612,7 +670,8 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
             chosen[n] = meta_of(n).strategies.strategies[idx.option_of(n, assignment)]
     low = plan_reshards(gm, chosen, cm.mesh_shape, sharded_outputs)
     colls = collectives(low, cm, axis_names)
-    recompute = recomputed_layers(gm, idx.recompute_counts(assignment), idx.selective_counts(assignment))
+    recompute = recomputed_layers(gm, idx.recompute_counts(assignment), idx.selective_counts(assignment),
+                                  idx.offload_counts(assignment))
     cores = {name for names in recompute.get("attention", {}).get("regions", {}).values() for name in names}
     instance_of = {n: meta_of(n).layer.layer for n in chosen
                    if n.op == "call_function" and meta_of(n).layer and (meta_of(n).layer.layer in recompute["layers"]
@@ -624,12 +683,20 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
              if c["phase"] == "forward" and c["node"] in recomputed_nodes]
     recompute_compute = sum(cm.forward_compute_seconds(n, chosen[n]) for n in instance_of)
     colls += rerun
+    # Offloaded layers' saved activations go to host memory in forward and come back in backward.
+    off_layers = set(recompute.get("offload", {}).get("layers", ()))
+    offload_seconds = 0.0
+    if off_layers:
+        saved = sum(cm.activation_bytes(n, chosen[n]) for n in chosen
+                    if n.op == "call_function" and meta_of(n).layer and meta_of(n).layer.layer in off_layers)
+        recompute["offload"]["bytes"] = saved
+        offload_seconds = 2 * saved / cluster.host_link_bandwidth
     comm_by_node: dict = {}
     for c in colls:
         comm_by_node[c["node"]] = comm_by_node.get(c["node"], 0.0) + c["seconds"]
 
-    params, inputs, nodes, param_bytes, zero = {}, {}, [], {}, {}
-    mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    params, inputs, nodes, param_bytes, zero, offload = {}, {}, [], {}, {}, {}
+    mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "host": 0.0}
     compute = optim = 0.0
     for n, s in chosen.items():
         role = meta_of(n).role
@@ -639,12 +706,17 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
                 params[role.target] = format_layout(lay)
                 if s.zero is not None:
                     zero[role.target] = {"stage": s.zero.stage, "axis": axis_names[s.zero.axis], "dim": s.zero.dim}
-                p, g, o = cm.param_bytes(n, lay, s.zero)
+                if s.offload:
+                    host = cm.host_bytes(n, lay)
+                    freed = sum(cm.param_bytes(n, lay)) - sum(cm.param_bytes(n, lay, None, True))
+                    offload[role.target] = {"host_bytes": host, "device_bytes_freed": max(freed, 0.0)}
+                    mem["host"] += host
+                p, g, o = cm.param_bytes(n, lay, s.zero, s.offload)
                 mem["params"] += p
                 mem["grads"] += g
                 mem["optimizer"] += o
                 param_bytes[role.target] = p + g + o
-                optim += cm.optimizer_seconds(n, lay, s.zero)
+                optim += cm.optimizer_seconds(n, lay, s.zero, s.offload)
             elif role and role.kind == "input" and s.outputs:
                 inputs[role.target] = format_layout(s.outputs[0])
             continue
@@ -670,7 +742,7 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
                peak_point=timeline["peak_index"], peak_at={"phase": peak_point.phase, "node": peak_point.name,
                                                            **peak_point.bytes},
                budget=budget, timeline=timeline["points"], by_param=param_bytes)
-    step = compute + recompute_compute + sum(comm_axis.values()) + optim
+    step = compute + recompute_compute + sum(comm_axis.values()) + optim + offload_seconds
     return Plan(
         model={"class": cap.model_class, "fingerprint": prep.fingerprint,
                "num_params": sum(int(n.meta["val"].numel()) for n in gm.graph.nodes
@@ -681,8 +753,8 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
         mesh={"shape": list(mesh_shape), "axes": list(axis_names)},
         params=params, inputs=inputs, nodes=nodes, collectives=colls, memory=mem, step_time=step,
         breakdown={"compute": compute, "communication": comm_axis, "optimizer": optim,
-                   "recompute": recompute_compute},
-        solver={}, sharded_outputs=sharded_outputs, recompute=recompute, zero=zero,
+                   "recompute": recompute_compute, **({"offload": offload_seconds} if off_layers else {})},
+        solver={}, sharded_outputs=sharded_outputs, recompute=recompute, zero=zero, offload=offload,
     )
 
 
@@ -705,7 +777,7 @@ def _smallest_valid_budget(prob, sm: StepMemory):
     return None
 
 
-def recomputed_layers(gm, counts: dict, selective: dict | None = None) -> dict:
+def recomputed_layers(gm, counts: dict, selective: dict | None = None, offloaded: dict | None = None) -> dict:
     """The plan's ``recompute`` entry: per layer class, how many of its instances recompute (the first
     ones, in execution order), and the instances by name; with ``selective`` (class -> how many of the
     next instances recompute their attention cores only), ``attention`` lists those too, with each
@@ -726,6 +798,14 @@ def recomputed_layers(gm, counts: dict, selective: dict | None = None) -> dict:
         out["attention"] = {"classes": {cls: {"count": len(insts), "of": len(order[cls]), "layers": insts}
                                         for cls, insts in picked.items()},
                             "layers": [inst for insts in picked.values() for inst in insts], "regions": regions}
+    # With ``offloaded`` (class -> how many of the instances after those keep their saved activations in
+    # host memory), ``offload`` lists them.
+    moved = {cls: list(order[cls])[counts.get(cls, 0) + (selective or {}).get(cls, 0):][:f]
+             for cls, f in (offloaded or {}).items() if f}
+    if moved:
+        out["offload"] = {"classes": {cls: {"count": len(insts), "of": len(order[cls]), "layers": insts}
+                                      for cls, insts in moved.items()},
+                          "layers": [inst for insts in moved.values() for inst in insts]}
     return out
 
 
@@ -761,7 +841,7 @@ def _timeline(walk) -> tuple[dict, object]:
     return {"points": points, "peak_index": k, "end_of_forward": (fwd[-1] if fwd else walk[0]).bytes}, walk[k]
 
 
-def _raise_infeasible(prep, infeasible, cluster, budget):
+def _raise_infeasible(prep, infeasible, cluster, budget, offload=False):
     best = None
     for shape, names, prob, idx, cm, sm in infeasible:
         found = _smallest_valid_budget(prob, sm)
@@ -771,15 +851,20 @@ def _raise_infeasible(prep, infeasible, cluster, budget):
         raise InfeasiblePlanError(f"no valid plan exists on {cluster.name or cluster.num_devices} devices at any "
                                   f"budget: the pinned layouts cannot be reached; relax the pins", budget=budget)
     need, assignment, shape, names, idx, cm, sm = best
-    prep.runner.run(mesh_passes(shape), prep.gm, f"mesh {shape}")   # the graph holds the last mesh's
+    prep.runner.run(mesh_passes(shape, offload=offload), prep.gm, f"mesh {shape}")   # the graph holds the last mesh's
     p = evaluate(prep, idx, assignment, cm, shape, names, cluster, budget, sm)
     consumers = [(f"param {k} (+grad, optimizer)", v) for k, v in p.memory["by_param"].items()]
     consumers += [(f"activations of {n['name']}", n["activation_bytes"]) for n in p.nodes]
     consumers = sorted(consumers, key=lambda x: -x[1])[:5]
     top = ", ".join(f"{name} ({b / 2**20:.1f} MiB)" for name, b in consumers)
+    host = ""
+    if p.offload and not cluster.host_is_device and p.memory["host"] * cluster.devices_per_node > cluster.host_memory:
+        host = (f" That plan offloads optimizer states, {p.memory['host'] * cluster.devices_per_node / 1e9:.1f} GB per "
+                f"node of host memory, more than the node's {cluster.host_memory / 1e9:.1f} GB (host_memory): the "
+                f"smallest budget within the host's memory is higher.")
     raise InfeasiblePlanError(
         f"no plan fits {budget / 2**30:.3f} GiB per device on {cluster.name or cluster.num_devices} "
         f"(meshes tried: {[list(s) for s, *_ in infeasible]}). The smallest feasible budget is "
-        f"{need / 2**30:.3f} GiB ({need:.0f} bytes), on mesh {list(shape)}. Largest consumers there: {top}. "
+        f"{need / 2**30:.3f} GiB ({need:.0f} bytes), on mesh {list(shape)}. Largest consumers there: {top}.{host} "
         f"Raise memory_budget, use more devices, or reduce the batch or sequence length.",
         budget=budget, min_feasible_budget=need, largest_consumers=consumers)

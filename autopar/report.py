@@ -34,6 +34,24 @@ def pipeline_summary(plan) -> list[str]:
     return lines
 
 
+def offload_lines(plan) -> list[str]:
+    """What the plan keeps in host memory, and what that frees on each device."""
+    off = plan.offload
+    if not off:
+        return []
+    host = sum(v["host_bytes"] for v in off.values())
+    freed = sum(v["device_bytes_freed"] for v in off.values())
+    same = plan.cluster.get("device_type") == "cpu"
+    lines = [f"optimizer states offloaded to host memory (stepped there): {len(off)} of {len(plan.params)} "
+             f"parameters, {_b(host)} per device in host memory, {_b(freed)} freed per device"
+             + (" (host and device are one memory here: nothing is freed)" if same else "")]
+    for k, v in list(off.items())[:8]:
+        lines.append(f"  {k:<60} {_b(v['host_bytes'])} on host")
+    if len(off) > 8:
+        lines.append(f"  ... {len(off) - 8} more")
+    return lines
+
+
 def summary(plan) -> str:
     mesh = " x ".join(f"{a}={n}" for a, n in zip(plan.mesh["axes"], plan.mesh["shape"]))
     lines = [f"autopar plan: {plan.model['class']} ({plan.model['num_params']:,} parameters) on "
@@ -81,14 +99,18 @@ def summary(plan) -> str:
         lines.append(f"  {k:<60} {v}{z}")
     if len(sharded) > 12:
         lines.append(f"  ... {len(sharded) - 12} more")
+    lines += offload_lines(plan)
     m = plan.memory
     lines.append(f"\nmemory per device: peak {_b(m['peak'])} of budget {_b(m.get('budget', 0))} "
                  f"(params {_b(m['params'])}, grads {_b(m['grads'])}, optimizer {_b(m['optimizer'])}, "
-                 f"activations {_b(m['activations'])})")
+                 f"activations {_b(m['activations'])})"
+                 + ("; nothing offloaded: host and device are one memory on CPU processes"
+                    if plan.cluster.get("device_type") == "cpu" and not plan.offload else ""))
     comm = plan.breakdown["communication"]
     recompute = plan.breakdown.get("recompute", 0.0)
     lines.append(f"step time: {_s(plan.step_time)} predicted = compute {_s(plan.breakdown['compute'])} + "
                  + (f"recompute {_s(recompute)} + " if recompute else "")
+                 + (f"activation offload {_s(plan.breakdown['offload'])} + " if plan.breakdown.get("offload") else "")
                  + " + ".join(f"comm[{a}] {_s(t)}" for a, t in comm.items())
                  + f" + optimizer {_s(plan.breakdown['optimizer'])}"
                  + (f" + pipeline bubble {_s(plan.breakdown['bubble'])}" if plan.breakdown.get("bubble") else ""))
@@ -100,6 +122,13 @@ def summary(plan) -> str:
     for cls, r in plan.recompute.get("attention", {}).get("classes", {}).items():
         lines.append(f"attention core recomputed in backward (selective): {r['count']} of {r['of']} {cls} "
                      f"({', '.join(r['layers'][:4])}{', ...' if r['count'] > 4 else ''})")
+    off = plan.recompute.get("offload")
+    for cls, r in (off or {}).get("classes", {}).items():
+        lines.append(f"activations offloaded to host memory between forward and backward: {r['count']} of {r['of']} "
+                     f"{cls} ({', '.join(r['layers'][:4])}{', ...' if r['count'] > 4 else ''}), "
+                     f"{_b(off.get('bytes', 0.0))} per device moved each way"
+                     + (" (host and device are one memory here: nothing is freed)"
+                        if plan.cluster.get("device_type") == "cpu" else ""))
     sv = plan.solver
     if sv:
         lines.append(f"solver: {sv.get('status')} in {sv.get('seconds', 0):.2f}s ({sv.get('backend')}, "

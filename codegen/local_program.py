@@ -77,7 +77,7 @@ def strategies_from_plan(gm: fx.GraphModule, plan: Plan) -> dict:
                     raise PlanFormatError(f"plan zero[{role.target!r}] = {z}: the parameter {format_layout(lay)} "
                                           f"of shape {list(val.shape)} cannot shard its state that way on mesh "
                                           f"{list(plan.mesh_shape)}; plan this model again")
-            out[node] = Strategy((), outs, (False,) * nax, zero)
+            out[node] = Strategy((), outs, (False,) * nax, zero, role.kind == "param" and role.target in plan.offload)
         elif node.op == "call_function":
             entry = by_name.get(node.name)
             val = node.meta.get("val")
@@ -165,7 +165,7 @@ def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str]
     zero = tuple((fqn, z["stage"], group_names[plan.axis_names.index(z["axis"])], z["dim"])
                  for fqn, z in plan.zero.items())
     set_program_meta(local, placeholders=tuple(placeholders), output_layouts=tuple(output_layouts),
-                     sharded_states=zero)
+                     sharded_states=zero, offloaded=tuple(sorted(plan.offload)))
     return local
 
 

@@ -6,6 +6,7 @@ use. The model may live on the meta device: export runs on fake tensors either w
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,3 +139,118 @@ def _distinct_inputs(args, kwargs):
         return x
 
     return torch.utils._pytree.tree_map(distinct, (tuple(args), kwargs))
+
+
+class _Differs(Exception):
+    """Two captures at different batch sizes are not the same program up to batch-sized integers."""
+
+
+def batch_of(cap: CapturedProgram) -> int | None:
+    """The batch size a program was captured at: dim 0 of its first input, None without one."""
+    shape = cap.input_shapes[0] if cap.input_shapes else None
+    return shape[0] if shape else None
+
+
+def copy_program(cap: CapturedProgram) -> CapturedProgram:
+    """A copy of ``cap`` whose graph later passes can change without changing ``cap``'s."""
+    return dataclasses.replace(cap, gm=_rebatched_module(cap.gm, cap.gm, 1, 1, 1))
+
+
+def rebatch(base: CapturedProgram, other: CapturedProgram, example_inputs=(), example_kwargs=None
+            ) -> CapturedProgram | None:
+    """The program ``capture`` would give at ``example_inputs``'s batch, derived from two captures of
+    the same model at other batch sizes (``base`` and ``other``, their batches dim 0 of their first
+    input) instead of exporting again; None when the two captures are not one program whose integers
+    are proportional to the batch (a model that branches on its batch size), or when a batch is 1, so
+    the caller captures.
+
+    Every node, name, op and argument must agree between the two; an integer that differs must be the
+    same multiple of the batch in both (a view's ``batch * seq``, an ``arange(batch)``), and is that
+    multiple of the new batch here. The values' shapes are then propagated again with fake tensors, so
+    a derived program is checked by the ops' own meta functions."""
+    example_kwargs = dict(example_kwargs or {})
+    if not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+    flat = torch.utils._pytree.tree_leaves((tuple(example_inputs), example_kwargs))
+    shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in flat)
+    batches = [batch_of(base), batch_of(other), shapes[0][0] if shapes and shapes[0] else None]
+    # export specializes sizes of 1 (a batch of one captures without some expands and copies), as
+    # torch's symbolic shapes do: only batches of 2 or more are one program.
+    if None in batches or min(batches) < 2 or batches[0] == batches[1] or len(shapes) != len(base.input_shapes) \
+            or base.in_spec != other.in_spec or base.out_spec != other.out_spec:
+        return None
+    for b, o, s in zip(base.input_shapes, other.input_shapes, shapes):
+        if b is None or s is None:
+            if b != s or o != s:
+                return None
+        elif len(b) != len(s) or len(o) != len(s) or b[1:] != s[1:] or o[1:] != s[1:]:
+            return None
+    try:
+        gm = _rebatched_module(base.gm, other.gm, *batches)
+    except _Differs:
+        return None
+    inputs = dict(zip(base.inputs, shapes))
+    vals = []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        v = n.meta["val"]
+        if n.name in inputs and isinstance(v, torch.Tensor):
+            with v.fake_mode:
+                v = torch.empty(inputs[n.name], dtype=v.dtype, device=v.device)
+        vals.append(v)
+    fake_mode = next(v.fake_mode for v in vals if isinstance(v, torch.Tensor))
+    try:
+        from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+        FakeTensorProp(gm, fake_mode).propagate_dont_convert_inputs(*vals)
+    except Exception:          # the integers were not all the batch's: capture at this batch instead
+        return None
+    return dataclasses.replace(base, gm=gm, input_shapes=shapes)
+
+
+def _rebatched_module(base: fx.GraphModule, other: fx.GraphModule, b0: int, b1: int, b: int) -> fx.GraphModule:
+    base_nodes, other_nodes = list(base.graph.nodes), list(other.graph.nodes)
+    if len(base_nodes) != len(other_nodes):
+        raise _Differs
+    graph, env, attrs = fx.Graph(), {}, {}
+
+    def same(x, y):
+        if isinstance(x, fx.Node):
+            if not isinstance(y, fx.Node) or x.name != y.name:
+                raise _Differs
+            return env[x]
+        if type(x) is not type(y):
+            raise _Differs
+        if isinstance(x, (list, tuple)):
+            if len(x) != len(y):
+                raise _Differs
+            out = [same(a, c) for a, c in zip(x, y)]
+            return type(x)(out) if not hasattr(x, "_fields") else type(x)(*out)
+        if isinstance(x, dict):
+            if x.keys() != y.keys():
+                raise _Differs
+            return {k: same(x[k], y[k]) for k in x}
+        if isinstance(x, int) and not isinstance(x, bool) and x != y:
+            # The same multiple of the batch in both captures, and a whole one of the new batch.
+            if x * b1 != y * b0 or (x * b) % b0:
+                raise _Differs
+            return x * b // b0
+        if x != y:
+            raise _Differs
+        return x
+
+    for n, o in zip(base_nodes, other_nodes):
+        if n.op != o.op or n.name != o.name or n.target != o.target:
+            raise _Differs
+        if n.op == "get_attr":
+            sub, sub_o = getattr(base, n.target), getattr(other, o.target)
+            attrs[n.target] = (_rebatched_module(sub, sub_o, b0, b1, b) if isinstance(sub, fx.GraphModule)
+                               else sub)
+        new = graph.node_copy(n, lambda x: env[x])
+        new.args, new.kwargs = same(n.args, o.args), same(n.kwargs, o.kwargs)
+        env[n] = new
+    graph._codegen = base.graph._codegen
+    gm = fx.GraphModule(attrs, graph, class_name=type(base).__name__)
+    gm.meta.update(base.meta)
+    return gm

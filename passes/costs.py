@@ -195,15 +195,20 @@ class CostModel:
         return self.steps_seconds(steps, info.dtype.itemsize, requires_grad(value.node))
 
     # --- parameters and memory -----------------------------------------------------------------
-    def param_bytes(self, node: fx.Node, layout, zero=None) -> tuple[float, float, float]:
+    def param_bytes(self, node: fx.Node, layout, zero=None, offload: bool = False) -> tuple[float, float, float]:
         """(parameter, gradient, optimizer state) bytes per device that a parameter under ``layout``
         keeps through the step. ``zero`` (a ZeroState) shards the optimizer state along its axis
         (ZeRO-1), and the gradient kept for the optimizer too (ZeRO-2); ZeRO's formulas
-        (REFERENCES.md) follow: ``p + g + o/N`` and ``p + (g + o)/N``."""
+        (REFERENCES.md) follow: ``p + g + o/N`` and ``p + (g + o)/N``. ``offload`` keeps the
+        optimizer state, the gradient the optimizer reads and the copy of the parameter it steps in
+        host memory (``host_bytes``): on a GPU only the parameter the program reads stays, ``p``; where
+        host and device are one memory (CPU processes) the host copies count too, ``2p + g + o``."""
         val = node.meta["val"]
         numel = val.numel() * local_fraction(layout, self.mesh_shape)
         p = numel * val.dtype.itemsize
         g, o = p, numel * self.optimizer.bytes_per_param
+        if offload:
+            return (2 * p, g, o) if self.cluster.host_is_device else (p, 0.0, 0.0)
         if zero is not None:
             n = self.mesh_shape[zero.axis]
             o /= n
@@ -211,13 +216,27 @@ class CostModel:
                 g /= n
         return p, g, o
 
-    def optimizer_seconds(self, node: fx.Node, layout, zero=None) -> float:
-        """Seconds of the optimizer step on what this device steps (its shard under ZeRO-1/2)."""
+    def host_bytes(self, node: fx.Node, layout) -> float:
+        """Host memory an offloaded parameter takes per device: the copy the optimizer steps (the fp32
+        master under bf16-mixed), its gradient and its optimizer state."""
+        p, g, o = self.param_bytes(node, layout)
+        return p + g + o
+
+    def optimizer_seconds(self, node: fx.Node, layout, zero=None, offload: bool = False) -> float:
+        """Seconds of the optimizer step on what this device steps (its shard under ZeRO-1/2). An
+        offloaded parameter's step runs on the host: its gradient goes down and the updated parameter
+        comes back over the host link, and the host's Adam, bound by the host's memory bandwidth (a
+        node's devices share it), reads and writes what the device's would."""
         p, g, o = self.param_bytes(node, layout, zero)
         if zero is not None:
             p, g = p / self.mesh_shape[zero.axis], g if zero.stage >= 2 else g / self.mesh_shape[zero.axis]
         # Adam reads the parameter, gradient and states and writes the parameter and states.
-        return (2 * p + g + 2 * o) / self.cluster.device.memory_bandwidth
+        touched = 2 * p + g + 2 * o
+        if offload:
+            c = self.cluster
+            c.require_host_figures("offloading optimizer states")
+            return (g + p) / c.host_link_bandwidth + touched / (c.host_memory_bandwidth / c.devices_per_node)
+        return touched / self.cluster.device.memory_bandwidth
 
     def zero_collectives(self, node: fx.Node, layout, zero) -> list[Collective]:
         """What a ZeRO-1/2 parameter's state costs in communication beyond plain data parallelism's:

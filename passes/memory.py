@@ -326,13 +326,24 @@ class StepMemory:
         self.points: list[tuple[int, str, str]] = []       # (number of events before it, phase, name)
         self._values: dict = {}
         self._copies: dict = {}
+        self._moved: dict = {}   # an instance whose saved activations go to host -> (decision, indicator)
+        self._host: dict = {}    # a parameter's decision -> host bytes per option (offloaded optimizer states)
         instances = {}        # a recomputed region (a layer instance, or its attention core) -> (decision,
         #                       1 or 0 per option of it: whether the region recomputes, its nodes)
         for cls, insts in layer_instances(gm).items():
             if cls in idx.recompute:
-                ri, counts, selective = idx.recompute[cls]
+                ri, counts, selective, offloaded = idx.recompute[cls]
+                # An instance whose saved activations go to host memory keeps nothing on the device
+                # through forward and brings them back as its backward runs: at most what a recomputed
+                # one re-materializes when its backward starts. Where host and device are one memory
+                # (CPU processes) nothing leaves.
+                off = [0 if cm.cluster.host_is_device else f for f in offloaded]
                 for j, (inst, nodes) in enumerate(insts.items()):
-                    ind = tuple(1.0 if r > j else 0.0 for r in counts)
+                    ind = tuple(1.0 if r > j or r + k <= j < r + k + f else 0.0
+                                for r, k, f in zip(counts, selective, off))
+                    moved = tuple(1.0 if r + k <= j < r + k + f else 0.0 for r, k, f in zip(counts, selective, off))
+                    if any(moved):
+                        self._moved[inst] = (ri, moved)
                     if any(ind):
                         instances[inst] = (ri, ind, nodes)
                     ind = tuple(1.0 if r <= j < r + k else 0.0 for r, k in zip(counts, selective))
@@ -394,6 +405,8 @@ class StepMemory:
     def copy(self, v, node, k):
         """(bytes of the resharded copy that ``node`` reads input ``k`` through, bytes of that input's
         gradient at the layout read when a resharding's backward converts it); None where there is none."""
+        from math import prod
+
         from autopar.layout import local_fraction
         from autopar.passes.resharding import grad_partial_axes
         from autopar.passes.strategies import requires_grad, value_info
@@ -413,46 +426,64 @@ class StepMemory:
                 reads.append((dst, grad_partial_axes(dst, s.splits_work, grad), s))
             size = {dst: info.nbytes * local_fraction(dst, mesh) for dst, _, _ in reads}
             found = {}
-            fwd, bwd = [], []
+            fwd, bwd, blocks = [], [], []
             for i in self._options(ca):
                 src = self._strategy(v.node, i)
                 z = None if src is None else src.zero
                 zero_axis = z.axis if z is not None and z.stage >= 2 else None
                 src = None if src is None else tuple(src.outputs[v.index])
-                frow, brow = [], []
+                frow, brow, krow = [], [], []
                 for dst, partial, s in reads:
                     pair = (src or dst, dst, partial, zero_axis)
                     if pair not in found:
                         steps = self.cm.resharding(v, pair[0], node, s, k) or []
                         if zero_axis is not None:       # its own reduce-scatter reduces it instead
                             steps = [st for st in steps if not (st.op == "grad_all_reduce" and st.axis == zero_axis)]
+                        # A local chunk's backward all-gathers the gradient; along a dim with larger
+                        # dims before it, the gathered blocks stand beside their contiguous copy.
+                        gathered = max((info.dtype.itemsize * prod(st.in_shape) for st in steps if st.op == "local_chunk"
+                                        and st.dim and prod(st.in_shape[:st.dim]) > 1), default=0.0)
                         found[pair] = (size[dst] if any(st.op in _ALLOCATING_STEPS for st in steps) else 0.0,
-                                       size[dst] if steps else 0.0)
-                    f, b = found[pair]
+                                       size[dst] if steps else 0.0, float(gathered))
+                    f, b, g = found[pair]
                     frow.append(f)
                     brow.append(b)
+                    krow.append(g)
                 fwd.append(frow)
                 bwd.append(brow)
-            f, b = _pair(ca, cb, fwd), _pair(ca, cb, bwd)
-            self._copies[key] = (None if f.zero() else f, None if b.zero() else b)
+                blocks.append(krow)
+            f, b, g = _pair(ca, cb, fwd), _pair(ca, cb, bwd), _pair(ca, cb, blocks)
+            self._copies[key] = (None if f.zero() else f, None if b.zero() else b, None if g.zero() else g)
         return self._copies[key]
 
     def _output_copy(self, node, gathered: bool):
-        """Bytes of the replicated copy a gathered user output is returned as, or None."""
+        """(bytes of the replicated copy a gathered user output is returned as, bytes of the contiguous
+        copy made of it at the end of forward), or (None, None).
+
+        The collective is issued as soon as the output is computed (codegen/overlap.py) and waited at
+        the end of forward, so its result is live from there. An all-gather along a dim with larger
+        dims before it receives the blocks stacked on a new leading dim: the result is made
+        contiguous in the output's own layout at the wait, a second full copy while the first is
+        freed."""
+        from math import prod
+
         from autopar.layout import R
         from autopar.passes.strategies import Value, value_info
 
         if not gathered:
-            return None
+            return None, None
         v, c = Value(node), self._choice(node)
         rep = tuple(R for _ in self.cm.mesh_shape)
-        table = []
+        table, again = [], []
         for o in self._options(c):
             s = self._strategy(node, o)
             steps = self.cm.resharding(v, s.outputs[0], None, None, 0, dst_layout=rep) if s else []
-            table.append(value_info(v).nbytes if steps else 0.0)
-        q = _one(c, table)
-        return None if q.zero() else q
+            nbytes = value_info(v).nbytes if steps else 0.0
+            table.append(nbytes)
+            again.append(nbytes if any(st.op == "all_gather" and st.dim and prod(st.in_shape[:st.dim]) > 1
+                                       for st in steps) else 0.0)
+        q, r = _one(c, table), _one(c, again)
+        return (None, None) if q.zero() else (q, None if r.zero() else r)
 
     def _contiguous_shard(self, node, s) -> bool:
         """Whether a ZeRO shard is a contiguous block of the parameter's local tensor: no dim before
@@ -521,15 +552,23 @@ class StepMemory:
                 c = self._choice(n)
                 opts = [self._strategy(n, i) for i in self._options(c)]
                 full = [self.cm.param_bytes(n, s.outputs[0]) for s in opts]
-                kept = [self.cm.param_bytes(n, s.outputs[0], s.zero) for s in opts]
+                kept = [self.cm.param_bytes(n, s.outputs[0], s.zero, s.offload) for s in opts]
+                if c is not None and any(s.offload for s in opts) and not self.cm.cluster.host_is_device:
+                    acc = self._host.setdefault(c, [0.0] * len(opts))
+                    for i, s in enumerate(opts):
+                        acc[i] += self.cm.host_bytes(n, s.outputs[0]) if s.offload else 0.0
                 add((_P, 1, _one(c, [k[0] for k in kept])))
                 add((_O, 1, _one(c, [k[2] for k in kept])))
                 grads_of[n] = _one(c, [f[1] for f in full])      # the gradient backward accumulates
                 shards = [1 if s.zero is None else self.cm.mesh_shape[s.zero.axis] for s in opts]
-                step_of[n] = _one(c, [f[1] / k for f, k in zip(full, shards)])
-                if any(s.zero is not None and s.zero.stage >= 2 for s in opts):
-                    # ZeRO-2: once accumulated, the gradient is reduce-scattered into its shard.
-                    z2 = [s.zero is not None and s.zero.stage >= 2 for s in opts]
+                # An offloaded parameter's optimizer step runs in host memory: its buffers count on the
+                # device only where host and device are one memory.
+                on_device = [0.0 if s.offload and not self.cm.cluster.host_is_device else 1.0 for s in opts]
+                step_of[n] = _one(c, [f[1] / k * d for f, k, d in zip(full, shards, on_device)])
+                if any((s.zero is not None and s.zero.stage >= 2) or s.offload for s in opts):
+                    # ZeRO-2: once accumulated, the gradient is reduce-scattered into its shard; offload:
+                    # it is copied to host memory (nothing on the device unless host and device are one).
+                    z2 = [(s.zero is not None and s.zero.stage >= 2) or s.offload for s in opts]
                     scatter[n] = (_one(c, [k[1] if z else 0.0 for k, z in zip(kept, z2)]),
                                   _one(c, [f[1] if z else 0.0 for f, z in zip(full, z2)]))
                 if any(s.zero is not None for s in opts):
@@ -556,9 +595,11 @@ class StepMemory:
         # The caller holds the outputs until the step ends: a gathered output's copy, else the value.
         to_end, output_copies = set(), []
         for a in outputs:
-            cp = self._output_copy(a, gathered_output(a, self.sharded_outputs))
+            cp, again = self._output_copy(a, gathered_output(a, self.sharded_outputs))
             if cp is not None:
-                output_copies.append(cp)
+                frees.setdefault(("F", pos.get(a, 0)), []).append((_T, 1, cp))
+            if again is not None:
+                output_copies.append(again)
             if cp is None or self._choice(base(Value(a)).node) != self._choice(a):
                 to_end.add(base(Value(a)))
             else:       # the value itself is held only where no copy is made
@@ -578,7 +619,7 @@ class StepMemory:
                 if not keep or k >= len(ins):
                     continue
                 v = ins[k]
-                cp, _ = self.copy(v, n, k)
+                cp, _, _ = self.copy(v, n, k)
                 if cp is not None:
                     kept.setdefault(n, []).append(cp)
                     held_copy.add((n, k))
@@ -622,6 +663,12 @@ class StepMemory:
                         ri, ind, _ = instances[inst]
                         frees.setdefault(("F", t), []).append((_A, -1, _times(vb, ri, ind)))
                         remat.setdefault(inst, []).append(_times(vb, ri, ind))
+                # A storage made before an instance and saved only inside it: where the instance's saved
+                # activations go to host memory, so does it (a recomputed instance keeps it instead).
+                for inst, (ri, moved) in self._moved.items():
+                    if inst not in inst_of.get(s.node, ()) and all(inst in inst_of.get(h, ()) for h, _ in hs):
+                        frees.setdefault(("F", t), []).append((_A, -1, _times(vb, ri, moved)))
+                        remat.setdefault(inst, []).append(_times(vb, ri, moved))
             else:
                 cond = next(c for h, c in hs if h is h0)
                 frees.setdefault(("F", t), []).extend([(_T, -1, vb), (_A, 1, cond)])
@@ -637,6 +684,10 @@ class StepMemory:
         # first instances; with attention cores too, on the safe side).
         external = {}         # (storage, recompute decision) -> (indicator, position of its instance)
         for inst, (ri, ind, nodes) in instances.items():
+            if inst in self._moved:   # an offloaded instance keeps no input it does not save
+                ind = tuple(x - y for x, y in zip(ind, self._moved[inst][1]))
+                if not any(ind):
+                    continue
             for n in nodes:
                 for v in input_values(n):
                     s = base(v)
@@ -655,7 +706,7 @@ class StepMemory:
         for t, n in enumerate(calls):
             transient = []
             for k, v in enumerate(input_values(n)):
-                cp, _ = self.copy(v, n, k)
+                cp, _, _ = self.copy(v, n, k)
                 if cp is not None and (n, k) not in held_copy:
                     add((_T, 1, cp))
                     transient.append(cp)
@@ -688,6 +739,8 @@ class StepMemory:
         for cp in output_copies:
             add((_T, 1, cp))
         self.points.append((len(self.events), "forward", "outputs"))
+        for cp in output_copies:        # the gathered blocks, once made contiguous
+            add((_T, -1, cp))
 
         # Backward, seeded by the gradient of the scalar outputs (the loss).
         grads = {_canonical(Value(a)): self.value(Value(a)) for a in outputs
@@ -719,11 +772,13 @@ class StepMemory:
                 for k, v in enumerate(input_values(n)):
                     if not requires_grad(v.node):
                         continue
-                    if not view:
-                        _, gcp = self.copy(v, n, k)
-                        if gcp is not None:
-                            add((_T, 1, gcp))
-                            after.append((_T, gcp))
+                    # The gradient at the layout read (a view's too), converted by the resharding's
+                    # backward into the input's.
+                    _, gcp, blocks = self.copy(v, n, k)
+                    for q in (gcp, blocks):
+                        if q is not None:
+                            add((_T, 1, q))
+                            after.append((_T, q))
                     key = _canonical(v)
                     q, cat = (grads_of[v.node], _G) if is_param(v.node) else (self.value(key), _T)
                     add((cat, 1, q))
@@ -798,6 +853,19 @@ class StepMemory:
     def constraint(self, k: int):
         """Point ``k`` as a memory constraint of the solver: its live bytes as terms of the decisions."""
         return self.constraints([k])[0]
+
+    def host_constraint(self, budget: float):
+        """Offloaded optimizer states within a device's share of its node's host memory, as a memory
+        constraint of the solver: its bytes are scaled so that the share meets ``budget``, the limit
+        every memory constraint shares. None when nothing can be offloaded."""
+        from autopar.solver import MemoryConstraint
+
+        if not self._host:
+            return None
+        c = self.cm.cluster
+        scale = budget / (c.host_memory / c.devices_per_node)
+        return MemoryConstraint("host memory of offloaded optimizer states",
+                                tuple((ch, tuple(v * scale for v in table)) for ch, table in self._host.items()))
 
     def constraints(self, ks: Sequence[int]) -> list:
         """``constraint`` of every point in ``ks``, in one pass over the events."""
@@ -951,6 +1019,9 @@ def solve_under_budget(problem, sm: StepMemory, budget: float, *, time_limit: fl
     problem.memory_limit = budget
     have = set(_initial_points(sm, problem))
     problem.memory = sm.constraints(sorted(have))
+    host = sm.host_constraint(budget)
+    if host is not None:
+        problem.memory.append(host)
     for _ in range(_MAX_ROUNDS):
         sol = solve(problem, time_limit=time_limit, bound=bound)
         if sol.status in ("infeasible", "bounded"):

@@ -80,6 +80,8 @@ class ProgramMeta:
                                           # order, in place of one reduction per use
     sharded_states: tuple = ()            # (parameter, ZeRO stage, group name, dim) of every parameter
                                           # whose optimizer state the runtime shards (runtime/zero.py)
+    offloaded: tuple = ()                 # parameters whose gradient the runtime copies to host memory
+                                          # once complete (runtime/offload.py)
 
 
 _EMPTY = AutoparMeta()

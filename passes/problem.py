@@ -40,18 +40,24 @@ class ProblemIndex:
     choice_of_key: dict = field(default_factory=dict)
     keys: list = field(default_factory=list)
     # layer class -> (choice index, per option: how many instances recompute whole, how many of the
-    # next ones recompute their attention cores only)
+    # next ones recompute their attention cores only, how many of the next ones offload their saved
+    # activations to host memory)
     recompute: dict = field(default_factory=dict)
     roots_of_key: dict = field(default_factory=lambda: defaultdict(list))
 
     def recompute_counts(self, assignment) -> dict:
         """Layer class -> how many of its instances recompute their activations in backward."""
-        return {cls: counts[assignment[ci]] for cls, (ci, counts, _) in self.recompute.items()}
+        return {cls: counts[assignment[ci]] for cls, (ci, counts, _, _) in self.recompute.items()}
 
     def selective_counts(self, assignment) -> dict:
         """Layer class -> how many of its instances, after the wholly recomputed ones, recompute only
         their attention cores (passes.layers.attention_cores)."""
-        return {cls: sel[assignment[ci]] for cls, (ci, _, sel) in self.recompute.items()}
+        return {cls: sel[assignment[ci]] for cls, (ci, _, sel, _) in self.recompute.items()}
+
+    def offload_counts(self, assignment) -> dict:
+        """Layer class -> how many of its instances, after the recomputed ones, keep their saved
+        activations in host memory between forward and backward."""
+        return {cls: off[assignment[ci]] for cls, (ci, _, _, off) in self.recompute.items()}
 
     def option_of(self, node: fx.Node, assignment) -> int:
         """The strategy index ``node`` takes under an assignment of the problem's choices."""
@@ -76,7 +82,8 @@ def _pinned_options(rep: fx.Node, pins: dict, mesh_axes: int):
     A pin is the output layout (``["R", "S(1)"]``), or ``{"output": layout, "inputs": [layout per
     tensor input]}`` with either key, for ops whose strategies differ only in how they read. A
     parameter's pin may add ``"zero": 0, 1 or 2``: its optimizer state replicated (0), or sharded along
-    an axis it is replicated on (ZeRO-1), with its gradient (ZeRO-2)."""
+    an axis it is replicated on (ZeRO-1), with its gradient (ZeRO-2); and ``"offload": True or False``:
+    its optimizer state kept and stepped in host memory, or on the device."""
     import fnmatch
 
     from autopar.errors import ShardingError
@@ -87,10 +94,14 @@ def _pinned_options(rep: fx.Node, pins: dict, mesh_axes: int):
         if not fnmatch.fnmatchcase(name, pattern):
             continue
         want = pin if isinstance(pin, dict) else {"output": pin}
-        unknown = set(want) - {"output", "inputs", "zero"}
+        unknown = set(want) - {"output", "inputs", "zero", "offload"}
         if unknown:
             raise ShardingError(f"pin {pattern!r}: unknown keys {sorted(unknown)}; a pin gives 'output' and/or "
-                                f"'inputs', and 'zero' for a parameter")
+                                f"'inputs', and 'zero' or 'offload' for a parameter")
+        offload = want.get("offload")
+        if offload not in (None, True, False):
+            raise ShardingError(f"pin {pattern!r}: offload must be True (optimizer state in host memory) or False, "
+                                f"got {offload!r}")
         zero = want.get("zero")
         if zero not in (None, 0, 1, 2):
             raise ShardingError(f"pin {pattern!r}: zero must be 0 (state replicated), 1 (ZeRO-1) or 2 (ZeRO-2), got "
@@ -105,7 +116,12 @@ def _pinned_options(rep: fx.Node, pins: dict, mesh_axes: int):
         allowed = {o for o, s in enumerate(opts)
                    if (out is None or (s.outputs and format_layout(s.outputs[0]) == out))
                    and (ins is None or [format_layout(l) for l in s.inputs] == ins)
-                   and (zero is None or (s.zero.stage if s.zero is not None else 0) == zero)}
+                   and (zero is None or (s.zero.stage if s.zero is not None else 0) == zero)
+                   and (offload is None or s.offload == offload)}
+        if not allowed and offload:
+            raise ShardingError(f"pin {pattern!r} asks {name} to offload its optimizer state"
+                                f"{f' with layout {out}' if out else ''}{f' and ZeRO-{zero}' if zero else ''}, which "
+                                f"it cannot take: only a trained parameter offloads, and not with ZeRO-1/2")
         if not allowed and zero:
             raise ShardingError(f"pin {pattern!r} asks {name} for ZeRO-{zero}{f' with layout {out}' if out else ''}, "
                                 f"which it cannot take here: a ZeRO-1/2 state is sharded along a mesh axis the "
@@ -170,26 +186,30 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
 
     prob = Problem(memory_limit=memory_limit)
     forward = {}         # choice -> forward seconds of one copy, per option (what recomputing costs)
+    saved = {}           # choice -> bytes one copy saves for backward, per option (what offloading moves)
     core_forward = {}    # choice -> the part of it in the layer's attention cores
     in_core = _attention_core_nodes(gm)
     decided_names = set()
     for key, roots in idx.roots_of_key.items():
         rep = roots[0]
         opts = meta_of(rep).strategies.strategies
-        costs, fwd, core = [], [], []
+        costs, fwd, core, kept = [], [], [], []
         for o in range(len(opts)):
-            c, f, fc = 0.0, 0.0, 0.0
+            c, f, fc, a = 0.0, 0.0, 0.0, 0.0
             for m in members[rep]:
                 s = strategy_of(m, o)
                 c += cm.compute_seconds(m, s) + cm.op_comm_seconds(m, s)
                 f += cm.forward_seconds(m, s)
+                a += cm.activation_bytes(m, s)
                 if m in in_core:
                     fc += cm.forward_seconds(m, s)
                 if m.op == "placeholder" and meta_of(m).role.kind == "param":
-                    c += cm.optimizer_seconds(m, s.outputs[0], s.zero) + cm.zero_seconds(m, s.outputs[0], s.zero)
+                    c += (cm.optimizer_seconds(m, s.outputs[0], s.zero, s.offload)
+                          + cm.zero_seconds(m, s.outputs[0], s.zero))
             costs.append(c)
             fwd.append(f)
             core.append(fc)
+            kept.append(a)
         allowed = None
         decided_names.update(decision_name(r) for r in roots)
         for r in roots:
@@ -204,11 +224,12 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
         idx.keys.append(key)
         forward[ci] = tuple(fwd)
         core_forward[ci] = tuple(core)
+        saved[ci] = tuple(kept)
     for pattern in pins or {}:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in decided_names):
             raise _unmatched(pattern, decided_names, nodes)
     if recompute:
-        _recompute_choices(gm, prob, idx, forward, core_forward, recompute)
+        _recompute_choices(gm, prob, idx, forward, core_forward, recompute, saved, cm.cluster)
 
     # A value read outside its own decision by one reader is a plain edge (a tight formulation); a value
     # read by several is a shared edge, where each distinct way its readers ask for it (target layout,
@@ -255,7 +276,8 @@ def recompute_counts_for(n: int) -> tuple[int, ...]:
 def forced_recompute(cls: str, n: int, recompute) -> int | str | None:
     """The count ``recompute`` fixes for layer class ``cls`` of ``n`` instances: a dict maps a glob over
     class names (``model.layers.*``; the ``#k`` suffix that tells apart classes of one pattern is
-    optional) to a count, "all", or "attention" (every instance recomputes its attention cores only)."""
+    optional) to a count, "all", "attention" (every instance recomputes its attention cores only) or
+    "offload" (every instance keeps its saved activations in host memory)."""
     import fnmatch
 
     from autopar.errors import AutoparError
@@ -265,11 +287,11 @@ def forced_recompute(cls: str, n: int, recompute) -> int | str | None:
     for pattern, count in recompute.items():
         if fnmatch.fnmatchcase(cls, pattern) or fnmatch.fnmatchcase(cls.split("#")[0], pattern):
             count = n if count == "all" else count
-            if count == "attention":
+            if count in ("attention", "offload"):
                 return count
             if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= n:
                 raise AutoparError(f"recompute {pattern!r} -> {count!r}: give a count from 0 to {n} (the "
-                                   f"instances of {cls}), 'all' or 'attention'")
+                                   f"instances of {cls}), 'all', 'attention' or 'offload'")
             return count
     return None
 
@@ -281,14 +303,18 @@ def _attention_core_nodes(gm) -> set:
             for core in attention_cores(nodes) for n in core}
 
 
-def _recompute_choices(gm, prob: Problem, idx: ProblemIndex, forward: dict, core_forward: dict, recompute) -> None:
+def _recompute_choices(gm, prob: Problem, idx: ProblemIndex, forward: dict, core_forward: dict, recompute,
+                       saved: dict, cluster) -> None:
     """One decision per layer class: how many instances (the first ones) run under activation
     checkpointing, and whether the others recompute their attention cores only (Korthikanti et al.'s
-    selective recompute; ``passes.layers.attention_cores``). Recomputing ``r`` instances whole and
-    ``s`` cores costs ``r`` times the layer's forward seconds and ``s`` times its cores' (an edge to
-    each of the layer's layout decisions); what it saves in memory is in the step's memory model
-    (passes.memory.StepMemory). Reshardings inside the recomputed regions run again too; the ILP leaves
-    them out, and the plan's step time counts them."""
+    selective recompute; ``passes.layers.attention_cores``) or keep their saved activations in host
+    memory (``torch.autograd.graph.save_on_cpu``). Recomputing ``r`` instances whole and ``s`` cores
+    costs ``r`` times the layer's forward seconds and ``s`` times its cores'; offloading ``f`` instances
+    costs ``f`` times the bytes the layer saves, down in forward and up in backward over the host link
+    (an edge to each of the layer's layout decisions); what it saves in memory is in the step's memory
+    model (passes.memory.StepMemory). Reshardings inside the recomputed regions run again too; the ILP
+    leaves them out, and the plan's step time counts them. Offload is offered where the host is not the
+    devices' memory and its figures are known, and wherever ``recompute`` forces it."""
     from autopar.errors import AutoparError
     from autopar.passes.layers import attention_cores, layer_instances
 
@@ -296,6 +322,7 @@ def _recompute_choices(gm, prob: Problem, idx: ProblemIndex, forward: dict, core
     for key, ci in idx.choice_of_key.items():
         if key[0] == "L":
             by_class[key[1]].append(ci)
+    offer = cluster.has_host_figures and not cluster.host_is_device
     for cls, instances in layer_instances(gm).items():
         n = len(instances)
         forced = forced_recompute(cls, n, recompute)
@@ -305,23 +332,32 @@ def _recompute_choices(gm, prob: Problem, idx: ProblemIndex, forward: dict, core
                 raise AutoparError(f"recompute asks {cls} to recompute its attention only, but its layers have "
                                    f"no attention core (a fused attention op, or two activation matmuls with the "
                                    f"softmax between them); recompute whole layers ('all' or a count) instead")
-            options = [(0, n)]
+            options = [(0, n, 0)]
+        elif forced == "offload":
+            cluster.require_host_figures(f"recompute {cls} -> 'offload' (activations in host memory)")
+            options = [(0, 0, n)]
         elif forced is not None:
-            options = [(forced, 0)]
+            options = [(forced, 0, 0)]
         else:
             counts = recompute_counts_for(n)
-            options = [(r, 0) for r in counts] + ([(r, n - r) for r in counts if r < n] if cores else [])
-        if cls not in by_class or options == [(0, 0)]:
+            options = [(r, 0, 0) for r in counts] + ([(r, n - r, 0) for r in counts if r < n] if cores else [])
+            if offer:
+                options += [(r, 0, n - r) for r in counts if r < n]
+                options += [(0, 0, f) for f in counts if 0 < f < n]
+        if cls not in by_class or options == [(0, 0, 0)]:
             continue
-        full, sel = tuple(r for r, _ in options), tuple(k for _, k in options)
-        labels = tuple(f"recompute {r} of {n}" + (f", attention of {k}" if k else "") for r, k in options)
+        full, sel, off = (tuple(o[i] for o in options) for i in range(3))
+        labels = tuple(f"recompute {r} of {n}" + (f", attention of {k}" if k else "") + (f", offload {f}" if f else "")
+                       for r, k, f in options)
         ri = prob.add_choice(Choice(f"recompute {cls}", (0.0,) * len(options), labels=labels))
-        idx.recompute[cls] = (ri, full, sel)
+        idx.recompute[cls] = (ri, full, sel, off)
+        link = cluster.host_link_bandwidth if any(off) else None
         for ci in by_class[cls]:
-            fwd, fc = forward[ci], core_forward[ci]
-            if any(fwd):
-                prob.edges.append(Edge(ci, ri, tuple(tuple(r * f + k * c for r, k in options)
-                                                     for f, c in zip(fwd, fc))))
+            fwd, fc, kept = forward[ci], core_forward[ci], saved[ci]
+            if any(fwd) or (link and any(kept)):
+                prob.edges.append(Edge(ci, ri, tuple(tuple(r * f + k * c + (q * 2 * a / link if q else 0.0)
+                                                           for r, k, q in options)
+                                                     for f, c, a in zip(fwd, fc, kept))))
 
 
 def _shared_edge(v: Value, rs, count: int, idx: ProblemIndex, cm: CostModel) -> SharedEdge:

@@ -45,11 +45,14 @@ class Strategy:
     outputs: tuple[Layout, ...]      # one layout per output tensor
     splits_work: tuple[bool, ...]    # per mesh axis: the op's work is divided along it
     zero: ZeroState | None = None    # a parameter's state sharded where the parameter is replicated
+    offload: bool = False            # a parameter's optimizer state kept, and stepped, in host memory
 
     def label(self) -> str:
         outs = ",".join("[" + ",".join(map(str, lay)) + "]" for lay in self.outputs)
         if self.zero is not None:
             outs += f" ZeRO-{self.zero.stage}@{self.zero.axis}"
+        if self.offload:
+            outs += " offload"
         return outs or "-"
 
 
@@ -125,7 +128,7 @@ def zero_variants(shape, layout, mesh_shape) -> list[ZeroState]:
     return out
 
 
-def _placeholder_strategies(node: fx.Node, mesh_shape, zero: bool = False) -> list[Strategy]:
+def _placeholder_strategies(node: fx.Node, mesh_shape, zero: bool = False, offload: bool = False) -> list[Strategy]:
     role = meta_of(node).role
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
@@ -139,9 +142,14 @@ def _placeholder_strategies(node: fx.Node, mesh_shape, zero: bool = False) -> li
     for combo in itertools.product(*[per_axis[0] if n > 1 else [R] for n in mesh_shape]):
         if _distinct_dims(combo) and divides(shape, combo, mesh_shape):
             out.append(Strategy((), (tuple(combo),), (False,) * len(mesh_shape)))
-            if zero and role is not None and role.kind == "param" and requires_grad(node):
+            trained = role is not None and role.kind == "param" and requires_grad(node)
+            if zero and trained:
                 out += [Strategy((), (tuple(combo),), (False,) * len(mesh_shape), z)
                         for z in zero_variants(shape, combo, mesh_shape)]
+            if offload and trained:
+                # The local tensor's optimizer state in host memory (with its own layout: ZeRO-3 offloads
+                # this rank's shard); not combined with ZeRO-1/2.
+                out.append(Strategy((), (tuple(combo),), (False,) * len(mesh_shape), None, True))
     return out
 
 
@@ -205,21 +213,23 @@ def _val_sig(v):
     return None
 
 
-def node_strategies(node: fx.Node, mesh_shape, cache: dict | None = None, zero: bool = False) -> list[Strategy]:
-    """``zero``: parameters also offer their ZeRO-1 and ZeRO-2 variants (``ZeroState``)."""
+def node_strategies(node: fx.Node, mesh_shape, cache: dict | None = None, zero: bool = False,
+                    offload: bool = False) -> list[Strategy]:
+    """``zero``: parameters also offer their ZeRO-1 and ZeRO-2 variants (``ZeroState``); ``offload``:
+    their optimizer state in host memory (``Strategy.offload``)."""
     if cache is not None:
-        key = (signature(node), zero)
+        key = (signature(node), zero, offload)
         if key not in cache:
-            cache[key] = _node_strategies(node, mesh_shape, zero), meta_of(node).refused
+            cache[key] = _node_strategies(node, mesh_shape, zero, offload), meta_of(node).refused
         strategies, refused = cache[key]
         set_meta(node, refused=refused)
         return strategies
-    return _node_strategies(node, mesh_shape, zero)
+    return _node_strategies(node, mesh_shape, zero, offload)
 
 
-def _node_strategies(node: fx.Node, mesh_shape, zero: bool = False) -> list[Strategy]:
+def _node_strategies(node: fx.Node, mesh_shape, zero: bool = False, offload: bool = False) -> list[Strategy]:
     if node.op == "placeholder":
-        return _placeholder_strategies(node, mesh_shape, zero)
+        return _placeholder_strategies(node, mesh_shape, zero, offload)
     ctx = context_for(node)
     opts = axis_options(ctx)
     rep_only = [opts[0]]
@@ -257,10 +267,11 @@ def _try_follow(node: fx.Node, own: list[Strategy], producer_set: StrategySet, v
 
 
 @requires("mark_requires_grad_pass")
-def strategies_pass(gm: fx.GraphModule, mesh_shape, zero: bool = True) -> fx.GraphModule:
+def strategies_pass(gm: fx.GraphModule, mesh_shape, zero: bool = True, offload: bool = False) -> fx.GraphModule:
     """Write a ``StrategySet`` on every placeholder and call_function node. With ``zero``, a parameter
     replicated along an axis may also shard its optimizer state there (ZeRO-1) and its gradient
-    (ZeRO-2): one more option per stage and axis (``ZeroState``).
+    (ZeRO-2): one more option per stage and axis (``ZeroState``). With ``offload``, a parameter may
+    also keep its optimizer state in host memory: one more option per layout.
 
     The copies of a repeated layer share one decision per position, so they must offer the same
     strategies. They can differ where a strategy is reachable from one copy's outside input and not
@@ -269,7 +280,7 @@ def strategies_pass(gm: fx.GraphModule, mesh_shape, zero: bool = True) -> fx.Gra
     mesh_shape = tuple(mesh_shape)
     drop: dict = {}
     while True:
-        _assign_strategies(gm, mesh_shape, drop, zero)
+        _assign_strategies(gm, mesh_shape, drop, zero, offload)
         extra = _disagreeing_copies(gm)
         if not extra:
             return gm
@@ -277,7 +288,7 @@ def strategies_pass(gm: fx.GraphModule, mesh_shape, zero: bool = True) -> fx.Gra
             drop.setdefault(key, set()).update(bad)
 
 
-def _assign_strategies(gm, mesh_shape, drop: dict, zero: bool) -> None:
+def _assign_strategies(gm, mesh_shape, drop: dict, zero: bool, offload: bool = False) -> None:
     cache: dict = {}
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", "call_function"):
@@ -286,7 +297,7 @@ def _assign_strategies(gm, mesh_shape, drop: dict, zero: bool) -> None:
             set_meta(node, strategies=_getitem_strategies(node, meta_of(node.args[0]).strategies))
             continue
         ins = input_values(node) if node.op == "call_function" else []
-        own = _reachable(node_strategies(node, mesh_shape, cache, zero), ins)
+        own = _reachable(node_strategies(node, mesh_shape, cache, zero, offload), ins)
         tag = meta_of(node).layer
         bad = drop.get((tag.cls, tag.index)) if tag is not None else None
         if bad:

@@ -124,6 +124,15 @@ def _p2p(sends, recvs, name: str) -> list:
     return reqs + [dist.isend(t.contiguous(), dist.get_global_rank(group, r), group=group) for r, t in sends]
 
 
+def _released(y: torch.Tensor) -> torch.Tensor:
+    """A new tensor on the storage of ``y``, a waited collective's result that its c10d Work may still
+    hold: the backend's thread drops the Work some time after the wait, and autograd attaches the
+    graph (in a recomputed layer, every tensor the recomputation made) to the tensor an
+    autograd.Function returns. Through a tensor of its own (not a view: the program may write to it
+    in place), the graph is not kept alive by the Work, which keeps only the buffer."""
+    return y.new_empty(0).set_(y)
+
+
 def _chunk(x: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
     n = x.size(dim) // size
     return x.narrow(dim, rank * n, n)
@@ -139,7 +148,7 @@ class _AllGather(torch.autograd.Function):
     def forward(ctx, x, dim, name, grad):
         rank, size = _group(name)
         ctx.args = dim, name, grad, rank, size
-        return _gather(x, dim, size, name)
+        return _released(_gather(x, dim, size, name))
 
     @staticmethod
     def backward(ctx, g):
@@ -166,7 +175,7 @@ class _ReduceScatter(torch.autograd.Function):
 class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, name):
-        return _all_reduce(x, name)
+        return _released(_all_reduce(x, name))
 
     @staticmethod
     def backward(ctx, g):
@@ -204,7 +213,7 @@ class _AllToAll(torch.autograd.Function):
         _, size = _group(name)
         _check_divisible("all_to_all", x, dst_dim, size, name)
         ctx.args = src_dim, dst_dim, name, size
-        return _all_to_all(x, src_dim, dst_dim, size, name)
+        return _released(_all_to_all(x, src_dim, dst_dim, size, name))
 
     @staticmethod
     def backward(ctx, g):

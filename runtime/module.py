@@ -48,6 +48,9 @@ class ParallelModule(nn.Module):
         # ZeRO-1/2 parameters: the program reads the whole local tensor, the optimizer steps this rank's
         # block of it (runtime/zero.py).
         self._zero_of = {fqn: (stage, group, dim) for fqn, stage, group, dim in program.sharded_states}
+        # Offloaded parameters: the program reads a device tensor, the optimizer steps its copy in host
+        # memory (runtime/offload.py).
+        self._offloaded = set(plan.offload)
         self._whole: dict = {}
         for fqn, full in full_params.items():
             local = shard_of(full, self._layouts[fqn], plan.mesh_shape, self._coords)
@@ -69,6 +72,9 @@ class ParallelModule(nn.Module):
         self._sharded_states = None
         if self._zero_of:
             self._make_sharded_states()
+        self._host_states = None
+        if self._offloaded:
+            self._make_host_states()
 
     def _set_local(self, fqn: str, local: torch.Tensor, requires_grad: bool) -> None:
         key = self._fqn_to_key[fqn]
@@ -77,6 +83,10 @@ class ParallelModule(nn.Module):
 
             _stage, group, dim = self._zero_of[fqn]
             self._whole[fqn], self.shards[key] = split(local, group, dim, requires_grad)
+        elif fqn in self._offloaded:
+            from autopar.runtime.offload import split as to_host
+
+            self._whole[fqn], self.shards[key] = to_host(local, requires_grad)
         else:
             self.shards[key] = nn.Parameter(local.detach().clone(), requires_grad=requires_grad)
 
@@ -87,6 +97,12 @@ class ParallelModule(nn.Module):
                                                            group, dim)
                                               for fqn, (stage, group, dim) in self._zero_of.items()])
 
+    def _make_host_states(self) -> None:
+        from autopar.runtime.offload import HostState, HostStates
+
+        self._host_states = HostStates([HostState(fqn, self._whole[fqn], self.local_parameter(fqn))
+                                        for fqn in sorted(self._offloaded)])
+
     # --- the user's view ---------------------------------------------------------------------
     @property
     def code(self) -> str:
@@ -94,7 +110,9 @@ class ParallelModule(nn.Module):
         parts = [self.local_program.code]
         for name, mod in self.local_program.named_children():
             if isinstance(mod, torch.fx.GraphModule):
-                parts.append(f"\n# self.{name}, run under activation checkpointing:{mod.code}")
+                how = "its saved activations in host memory" if name.startswith("offload_") else \
+                    "activation checkpointing"
+                parts.append(f"\n# self.{name}, run under {how}:{mod.code}")
         return "".join(parts)
 
     @property
@@ -104,7 +122,8 @@ class ParallelModule(nn.Module):
 
     def local_parameter(self, fqn: str) -> nn.Parameter:
         """The parameter the optimizer steps: the local shard under the plan's layout, or under a
-        ZeRO-1/2 parameter's state layout (``state_layout``)."""
+        ZeRO-1/2 parameter's state layout (``state_layout``); an offloaded parameter's copy in host
+        memory."""
         return self.shards[self._fqn_to_key[fqn]]
 
     def local_tensor(self, fqn: str) -> torch.Tensor:
@@ -130,6 +149,8 @@ class ParallelModule(nn.Module):
         self._check_materialized()
         if self._sharded_states is not None:
             self._sharded_states.before_forward()
+        if self._host_states is not None:
+            self._host_states.sync()
         if self._grad_buckets is not None and torch.is_grad_enabled():
             self._grad_buckets.set_aside()
         outs = pytree.tree_leaves(self.local_program(*self._local_args(flat)))
@@ -206,6 +227,8 @@ class ParallelModule(nn.Module):
 
         if self._sharded_states is not None:
             self._sharded_states.sync()
+        if self._host_states is not None:
+            self._host_states.sync()
         out = {}
         for fqn, lay in self._layouts.items():
             local = self.local_tensor(fqn)
@@ -271,6 +294,10 @@ class ParallelModule(nn.Module):
             if any(self.local_parameter(st.fqn) is not st.shard for st in self._sharded_states.states):
                 self._make_sharded_states()        # parameters made on loading a meta model's weights
             self._sharded_states.mark_gathered()
+        if self._host_states is not None:
+            if any(self.local_parameter(st.fqn) is not st.host for st in self._host_states.states):
+                self._make_host_states()           # parameters made on loading a meta model's weights
+            self._host_states.download()
         self._materialized = False
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 

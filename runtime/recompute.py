@@ -1,4 +1,5 @@
-"""Activation checkpointing of a region of the local program (codegen/recompute.py)."""
+"""Activation checkpointing, and activations kept in host memory, for a region of the local program
+(codegen/recompute.py)."""
 from __future__ import annotations
 
 import torch
@@ -14,4 +15,12 @@ def checkpointed(body: torch.nn.Module, *args):
         return checkpoint(body, *args, use_reentrant=False)
 
 
-__all__ = ["checkpointed"]
+def offloaded(body: torch.nn.Module, *args):
+    """``body(*args)``, with every tensor it saves for backward copied to host memory (pinned on CUDA)
+    as it is saved and brought back when backward reads it. On CPU processes the host copy is the
+    tensor itself."""
+    with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+        return body(*args)
+
+
+__all__ = ["checkpointed", "offloaded"]

@@ -6,9 +6,17 @@ of torch.distributed._tools.mem_tracker.MemTracker without its module hooks: tho
 parameter gradient until backward ends, which changes what is live (a data-parallel plan keeps each
 gradient twice, before and after its all-reduce), so MemTracker over-reports what an unobserved step
 holds.
+
+A collective's c10d Work holds its input and output until the backend's thread drops it, some time
+after the wait returns; a storage freed on that thread is freed only once it takes the interpreter
+lock, which this thread holds while it runs ops. So that the peak does not depend on how the threads
+happen to be scheduled (on a loaded machine, several layers later), each wait lets the backend's
+thread drop the Work before the step goes on: the collective's buffers are counted until their wait
+or their last use, whichever is later.
 """
 from __future__ import annotations
 
+import time
 import weakref
 
 import torch
@@ -16,11 +24,23 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+def _tensors(tree) -> list:
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _storage_key(t: torch.Tensor):
+    return t.untyped_storage()._cdata
+
+
 class LiveBytes(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.live = self.peak = 0
         self._refs: dict = {}
+        self._works: dict = {}      # output storage of an issued collective -> [(tensor, references its Work holds)]
 
     def hold(self, *tensors) -> None:
         """Count tensors that exist before the steps."""
@@ -46,7 +66,22 @@ class LiveBytes(TorchDispatchMode):
         self._refs[key] = weakref.ref(st, free)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _WAIT:
+            # The tensors the Work holds, and their counts of references once it is dropped.
+            floors = [(t, t._use_count() - n) for t, n in self._works.pop(_storage_key(args[0]), ())]
+        elif func.namespace == "_c10d_functional":
+            before = {id(t): t._use_count() for t in _tensors((args, kwargs))}
         out = func(*args, **(kwargs or {}))
+        if func is _WAIT:
+            deadline = time.monotonic() + 1.0
+            for t, floor in floors:
+                while t._use_count() > floor and time.monotonic() < deadline:
+                    time.sleep(1e-4)
+            del floors
+        elif func.namespace == "_c10d_functional":
+            held = [(t, t._use_count() - before.get(id(t), 1)) for t in _tensors((args, kwargs, out))]
+            for t in _tensors(out):
+                self._works[_storage_key(t)] = [(u, n) for u, n in held if n > 0]
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._track(t)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 ARCHS = ("gpt2", "llama", "bert", "gpt", "gpt-probe", "gpt-vocab")
-KINDS = ("auto", "dp", "megatron", "zero3", "vocab", "vocab-sharded-outputs", "recompute", "sharded-outputs", "2d")
+KINDS = ("auto", "dp", "megatron", "zero3", "vocab", "vocab-sharded-outputs", "vocab-sliced", "recompute",
+         "sharded-outputs", "2d")
 
 
 def build(arch: str, seq: int, batch: int, device):
@@ -69,6 +70,12 @@ def options(arch: str, kind: str, ranks: int, model) -> dict | None:
         pins = {**{k: [v] for k, v in VOCAB_PARALLEL[key].items()}, **VOCAB_PARALLEL_NODES}
         return {"mesh_shape": (ranks,), "pins": pins, "recompute": False,
                 **({"sharded_outputs": True} if kind == "vocab-sharded-outputs" else {})}
+    if kind == "vocab-sliced":        # the logits made whole, then sliced (local_chunk) to the loss
+        if arch != "gpt-vocab":
+            return None
+        pins = {**{k: [v] for k, v in VOCAB_PARALLEL[key].items()}, **VOCAB_PARALLEL_NODES,
+                "linear_6": {"inputs": [["R"], ["R"]]}, "slice_1": {"inputs": [["S(2)"]]}}
+        return {"mesh_shape": (ranks,), "pins": pins, "recompute": False}
     if kind == "recompute":
         return {"mesh_shape": (ranks,), "pins": params_r, "recompute": {"*": "all"}}
     if kind == "sharded-outputs":

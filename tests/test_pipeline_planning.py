@@ -255,3 +255,50 @@ def test_cli_plans_a_pipeline_and_shows_the_bubble(tmp_path, capsys):
     assert "pipeline bubble" in stdout and "pipeline: 2 stages on 2 ranks of axis 'pp', schedule 1F1B" in stdout
     plan = autopar.Plan.load(out)
     assert plan.pipeline["microbatches"] == 4 and plan.mesh_shape == (2, 8)
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "bert-tiny"])
+def test_a_microbatch_program_derived_from_two_captures_is_the_capture_at_its_batch(name):
+    from autopar import zoo
+    from autopar.passes.capture import capture, rebatch
+
+    model, args, kwargs = zoo.build(name, batch=8, device="cpu")
+    caps = {m: (capture(model, *PL.microbatch_inputs(args, kwargs, m)), PL.microbatch_inputs(args, kwargs, m))
+            for m in (1, 2, 4, 8)}
+    (base, _), (other, _) = caps[1], caps[4]           # batches 8 and 2
+    want, (mb_args, mb_kwargs) = caps[2]                # batch 4
+    got = rebatch(base, other, mb_args, mb_kwargs)
+    assert got is not None and got.input_shapes == want.input_shapes
+    for a, b in zip(want.gm.graph.nodes, got.gm.graph.nodes, strict=True):
+        assert (a.name, a.op, a.target, str(a.args), str(a.kwargs)) == (b.name, b.op, b.target, str(b.args),
+                                                                           str(b.kwargs))
+        va, vb = a.meta.get("val"), b.meta.get("val")
+        if isinstance(va, torch.Tensor):
+            assert (va.shape, va.stride(), va.dtype) == (vb.shape, vb.stride(), vb.dtype), a.name
+    # export specializes a batch of 1 (fewer copies and expands): it is captured, never derived.
+    assert rebatch(base, other, *caps[8][1]) is None
+
+
+def test_pipeline_planning_derives_microbatch_programs_and_plans_the_same(monkeypatch):
+    import autopar.planner as planner
+
+    # Four microbatch counts on a fixed pp mesh: the first two are captured, the others derived.
+    derived_batches = []
+    rebatch = planner.rebatch
+
+    def counted(base, other, args, kwargs):
+        got = rebatch(base, other, args, kwargs)
+        derived_batches.append(None if got is None else got.input_shapes[0][0])
+        return got
+
+    monkeypatch.setattr(planner, "rebatch", counted)
+    derived = _stack_plan().to_dict()
+    assert derived_batches == [8, 4]
+    monkeypatch.setattr(planner, "_derived", lambda *a, **k: None)
+    captured = _stack_plan().to_dict()
+    for p in (derived, captured):
+        p["solver"].pop("timings"), p["solver"].pop("planning_seconds"), p["solver"].pop("seconds", None)
+        for c in p["solver"]["candidates"]:
+            c.pop("seconds", None)
+        p["solver"].pop("passes")
+    assert derived == captured

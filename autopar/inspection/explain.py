@@ -156,6 +156,9 @@ def _param_lines(ix: PlanIndex, fqn: str) -> list[str]:
                 2: "optimizer state and gradient sharded, parameter replicated",
                 3: "parameter, gradient and optimizer state sharded, the parameter gathered for its readers"}
         lines.append(f"  ZeRO-{stage[0]} along {stage[1]}: {what[stage[0]]}")
+    if fqn in plan.offload:
+        lines.append(f"  optimizer state, its gradient and the copy it steps in host memory "
+                     f"({_b(plan.offload[fqn]['host_bytes'])}), stepped there and uploaded after each step")
     held = plan.memory.get("by_param", {}).get(fqn)
     if held is not None:
         lines.append(f"  per device: {_b(held)} of parameter, gradient and optimizer state")

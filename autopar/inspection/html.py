@@ -82,7 +82,17 @@ def _summary_html(plan) -> str:
 <h3>Peak memory per device: {_b(m['peak'])} of {_b(budget)} budget ({100 * frac:.1f}%)</h3>
 {_stacked_bar(mem_parts + [("free", max(budget - m['peak'], 0.0), "#e8e8e8")], max(budget, m['peak']))}
 {_legend([(p[0], p[2]) for p in mem_parts])}
+{_offload_html(plan)}
 {_pipeline_html(plan)}"""
+
+
+def _offload_html(plan) -> str:
+    from autopar.report import offload_lines
+
+    lines = offload_lines(plan) + [ln for ln in plan.summary().splitlines() if ln.startswith("activations offloaded")]
+    if not lines:
+        return ""
+    return f'<h3 id="offload">Offloaded to host memory</h3><pre>{_e(chr(10).join(lines))}</pre>'
 
 
 def _pipeline_html(plan) -> str:
