@@ -443,9 +443,9 @@ def _forced_pipeline_recompute(gm, recompute) -> frozenset:
     out = set()
     for cls, insts in layer_instances(gm).items():
         forced = forced_recompute(cls, len(insts), recompute)
-        if forced == "attention":
-            raise AutoparError(f"recompute asks {cls} to recompute its attention cores only; pipeline plans "
-                               f"recompute whole layers: give 'all' or a count")
+        if forced in ("attention", "offload"):
+            raise AutoparError(f"recompute asks {cls} to {'recompute its attention cores only' if forced == 'attention' else 'offload its activations'}; "
+                               f"pipeline plans recompute whole layers: give 'all' or a count")
         out.update(list(insts)[:forced or 0])
     return frozenset(out)
 
