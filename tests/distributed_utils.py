@@ -88,3 +88,17 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> None:
                 )
     except ProcessException as e:
         raise _first_failure(store, fn, world_size, e) from e
+
+
+def resumes_alike(path, pm, opt, other, other_opt, ids, labels, steps=2):
+    """Save ``pm`` and ``opt`` at ``path`` and load them into ``other`` and ``other_opt`` (another plan);
+    both then train ``steps`` steps with the same losses."""
+    import autopar.checkpoint as ckpt
+
+    ckpt.save(path, pm, opt)
+    ckpt.load(path, other, other_opt)
+    for _ in range(steps):
+        a, b = pm.train_step(ids, labels=labels), other.train_step(ids, labels=labels)
+        assert torch.allclose(a, b, rtol=1e-5, atol=0), (a.item(), b.item())
+        opt.step(), other_opt.step()
+        opt.zero_grad(), other_opt.zero_grad()

@@ -19,7 +19,7 @@ from torch import nn
 
 import autopar
 from autopar.passes.costs import OptimizerSpec
-from tests.distributed_utils import run_distributed
+from tests.distributed_utils import resumes_alike, run_distributed
 
 
 class _Wide(nn.Module):
@@ -240,19 +240,11 @@ def _check_offloaded(rank, world, mesh, checkpoint_dir=None):
     # A checkpoint of the offloaded run (host copies and their optimizer states) resumes under a plan
     # that offloads nothing, with the losses the offloaded run goes on with.
     if checkpoint_dir is not None:
-        import autopar.checkpoint as ckpt
-
         plain = autopar.compile(model, cluster, (ids,), {"labels": labels}, mesh_shape=mesh, recompute=False,
                                 pins={"input_ids": ["S(0)"], "labels": ["S(0)"]})
         assert not plain.plan.offload
         plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
-        ckpt.save(f"{checkpoint_dir}/offloaded", pm, opt)
-        ckpt.load(f"{checkpoint_dir}/offloaded", plain, plain_opt)
-        for _ in range(2):
-            a, b = pm.train_step(ids, labels=labels), plain.train_step(ids, labels=labels)
-            assert torch.allclose(a, b, rtol=1e-5, atol=0), (a.item(), b.item())
-            opt.step(), plain_opt.step()
-            opt.zero_grad(), plain_opt.zero_grad()
+        resumes_alike(f"{checkpoint_dir}/offloaded", pm, opt, plain, plain_opt, ids, labels)
 
 
 def test_offloaded_plans_train_save_and_load_on_two_ranks(tmp_path):

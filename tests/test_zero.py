@@ -14,7 +14,7 @@ from torch import nn
 
 import autopar
 from autopar.passes.costs import OptimizerSpec
-from tests.distributed_utils import run_distributed
+from tests.distributed_utils import resumes_alike, run_distributed
 
 PSI, N = 96000 * 78125, 64          # ZeRO's example: 7.5B parameters on 64 data-parallel devices
 
@@ -139,7 +139,6 @@ def _train_and_compare(pm, ref, ids, labels, where):
 
 
 def _check_sharded_states(rank, world, mesh, checkpoint_dir):
-    import autopar.checkpoint as ckpt
     from tests.hf_models import MEGATRON, batch, build
     from tests.live_memory import step_peak_over_ranks
 
@@ -176,13 +175,7 @@ def _check_sharded_states(rank, world, mesh, checkpoint_dir):
         pm1 = autopar.compile(model, cluster, (ids,), {"labels": labels}, mesh_shape=mesh,
                               pins=_pins(model, len(mesh), 1, tp), recompute=False)
         opt1 = torch.optim.AdamW(pm1.parameters(), lr=LR)
-        ckpt.save(f"{checkpoint_dir}/zero2", pm2, opt2)
-        ckpt.load(f"{checkpoint_dir}/zero2", pm1, opt1)
-        for _ in range(2):
-            a, b = pm2.train_step(ids, labels=labels), pm1.train_step(ids, labels=labels)
-            assert torch.allclose(a, b, rtol=1e-5, atol=0), (a.item(), b.item())
-            opt2.step(), opt1.step()
-            opt2.zero_grad(), opt1.zero_grad()
+        resumes_alike(f"{checkpoint_dir}/zero2", pm2, opt2, pm1, opt1, ids, labels)
 
 
 def test_zero_plans_train_save_and_load_on_two_ranks(tmp_path):
