@@ -17,12 +17,12 @@ offloaded program is tested on gloo.
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from autopar.runtime.zero import after_optimizer_steps
 
 
 @dataclass
@@ -51,15 +51,7 @@ class HostStates:
             if s.device.requires_grad:
                 s.device.register_post_accumulate_grad_hook(self._download_hook(s))
         self.mark_uploaded()
-        me = weakref.ref(self)
-
-        def after_step(optimizer, _args, _kwargs):
-            states = me()
-            if states is not None and any(id(p) in states._ids for g in optimizer.param_groups for p in g["params"]):
-                states.upload()
-
-        handle = register_optimizer_step_post_hook(after_step)
-        weakref.finalize(self, handle.remove)
+        after_optimizer_steps(self, "upload")
 
     @staticmethod
     def _download_hook(s: HostState):

@@ -29,6 +29,20 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from autopar.runtime import collectives as C
 
 
+
+def after_optimizer_steps(owner, method: str) -> None:
+    """Call ``owner.<method>()`` after every step of an optimizer (the user's own) over a parameter whose
+    id is in ``owner._ids``. The hook holds ``owner`` weakly and is removed when ``owner`` is collected."""
+    me = weakref.ref(owner)
+
+    def after_step(optimizer, _args, _kwargs):
+        target = me()
+        if target is not None and any(id(p) in target._ids for g in optimizer.param_groups for p in g["params"]):
+            getattr(target, method)()
+
+    handle = register_optimizer_step_post_hook(after_step)
+    weakref.finalize(owner, handle.remove)
+
 @dataclass
 class ShardedState:
     fqn: str
@@ -57,15 +71,7 @@ class ShardedStates:
             if s.full.requires_grad:
                 s.full.register_post_accumulate_grad_hook(self._ready_hook(s))
         self.mark_gathered()
-        me = weakref.ref(self)
-
-        def after_step(optimizer, _args, _kwargs):
-            states = me()
-            if states is not None and any(id(p) in states._ids for g in optimizer.param_groups for p in g["params"]):
-                states.gather()
-
-        handle = register_optimizer_step_post_hook(after_step)
-        weakref.finalize(self, handle.remove)
+        after_optimizer_steps(self, "gather")
 
     def _ready_hook(self, s: ShardedState):
         def ready(full):
