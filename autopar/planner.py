@@ -19,6 +19,7 @@ from autopar.errors import AutoparError, AutoparWarning, InfeasiblePlanError
 from autopar.layout import format_layout
 from autopar.passes.capture import CapturedProgram, batch_of, rebatch
 from autopar.passes.costs import INFEASIBLE, CostModel, OptimizerSpec
+from autopar.passes.exposure import exposure
 from autopar.passes.layers import layer_counts, layer_instances
 from autopar.passes.memory import StepMemory, minimum_budget, solve_under_budget
 from autopar.passes.reshard_plan import collectives, plan_reshards
@@ -176,7 +177,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
                     # A pipeline mesh the planner added itself: this model cannot use it.
                     tried.append({"mesh": list(shape), "status": "skipped", "reason": str(e)})
                     continue
-                if p is not None and (best is None or p.step_time < best.step_time):
+                if p is not None and (best is None or serial_seconds(p) < serial_seconds(best)):
                     best = p
                 continue
             report(f"mesh {shape}: strategies")
@@ -557,14 +558,16 @@ def _strategies_of(gm) -> dict:
 def _search(meshes: list[_Mesh], best, prep, cluster, budget, sharded_outputs, time_limit, report):
     """Solve the candidate meshes and keep the plan of least step time (``best``: one already found).
 
-    The mesh whose greedy layout is fastest goes first, and the step time of the best plan so far bounds
-    the rest: a mesh whose lower bound is no better is not solved, and the solver stops a mesh as soon
-    as it proves it cannot beat it. A plan's step time is never below its problem's objective (it adds
-    the reshardings recomputed layers run again), so neither shortcut loses the best plan. Two meshes
+    Plans are compared by their serial step time (``serial_seconds``), which the solver minimizes. The
+    mesh whose greedy layout is fastest goes first, and the serial step time of the best plan so far
+    bounds the rest: a mesh whose lower bound is no better is not solved, and the solver stops a mesh
+    as soon as it proves it cannot beat it. A plan's serial step time is never below its problem's
+    objective (it adds the reshardings recomputed layers run again), so neither shortcut loses the best
+    plan. Two meshes
     are solved at a time (the solver runs outside Python's lock); the plans are evaluated here.
     """
     order = sorted(meshes, key=lambda m: (m.estimate, m.lower_bound, m.position))
-    best_key = None if best is None else (best.step_time, -1)
+    best_key = None if best is None else (serial_seconds(best), -1)
     tried, infeasible, t_eval, best_mesh = {}, [], 0.0, None
     workers = max(1, min(SOLVER_THREADS, len(order)))
     with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -572,7 +575,7 @@ def _search(meshes: list[_Mesh], best, prep, cluster, budget, sharded_outputs, t
         while order or running:
             while order and len(running) < workers:
                 m = order.pop(0)
-                bound = None if best is None else best.step_time
+                bound = None if best is None else serial_seconds(best)
                 if bound is not None and m.lower_bound >= bound:
                     tried[m.position] = {"mesh": list(m.shape), "status": "bounded", "objective": None,
                                          "lower_bound": m.lower_bound, "seconds": 0.0, "variables": 0,
@@ -611,13 +614,19 @@ def _search(meshes: list[_Mesh], best, prep, cluster, budget, sharded_outputs, t
                 p.alternatives = alternatives(prep.gm, m.prob, m.idx, sol.assignment, m.cm, m.names)
                 p.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
                                 constraints=sol.num_constraints, backend=sol.backend, gap=sol.gap)
-                if best is None or (p.step_time, m.position) < best_key:
-                    best, best_key, best_mesh = p, (p.step_time, m.position), m
+                if best is None or (serial_seconds(p), m.position) < best_key:
+                    best, best_key, best_mesh = p, (serial_seconds(p), m.position), m
                 t_eval += time.perf_counter() - t0
     if best_mesh is not None:          # the graph holds the returned plan's strategies
         _restore_strategies(best_mesh.strategies)
     infeasible.sort(key=lambda item: [m.shape for m in meshes].index(item[0]))
     return best, [tried[k] for k in sorted(tried)], infeasible, t_eval
+
+
+def serial_seconds(plan: Plan) -> float:
+    """The plan's step time with no communication hidden: what the solver minimizes, an upper bound
+    of ``plan.step_time`` (docs/cost-model.md). Pipeline plans price no overlap."""
+    return plan.breakdown.get("serial", plan.step_time)
 
 
 def _restore_strategies(strategies: dict) -> None:
@@ -685,6 +694,10 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
              if c["phase"] == "forward" and c["node"] in recomputed_nodes]
     recompute_compute = sum(cm.forward_compute_seconds(n, chosen[n]) for n in instance_of)
     colls += rerun
+    serial_comm = sum(c["seconds"] for c in colls)
+    ex = exposure(gm, chosen, colls, cm, axis_names, recomputed_nodes)
+    for c, seconds, exposed in zip(colls, ex.seconds, ex.exposed):
+        c.update(seconds=seconds, exposed=exposed)
     # Offloaded layers' saved activations go to host memory in forward and come back in backward.
     off_layers = set(recompute.get("offload", {}).get("layers", ()))
     offload_seconds = 0.0
@@ -744,7 +757,8 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
                peak_point=timeline["peak_index"], peak_at={"phase": peak_point.phase, "node": peak_point.name,
                                                            **peak_point.bytes},
                budget=budget, timeline=timeline["points"], by_param=param_bytes)
-    step = compute + recompute_compute + sum(comm_axis.values()) + optim + offload_seconds
+    serial = compute + recompute_compute + serial_comm + optim + offload_seconds
+    step = compute + recompute_compute + sum(comm_axis.values()) - ex.hidden + optim + offload_seconds
     return Plan(
         model={"class": cap.model_class, "fingerprint": prep.fingerprint,
                "num_params": sum(int(n.meta["val"].numel()) for n in gm.graph.nodes
@@ -755,7 +769,8 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
         mesh={"shape": list(mesh_shape), "axes": list(axis_names)},
         params=params, inputs=inputs, nodes=nodes, collectives=colls, memory=mem, step_time=step,
         breakdown={"compute": compute, "communication": comm_axis, "optimizer": optim,
-                   "recompute": recompute_compute, **({"offload": offload_seconds} if off_layers else {})},
+                   "recompute": recompute_compute, "exposed": sum(comm_axis.values()) - ex.hidden, "hidden": ex.hidden,
+                   "serial": serial, **({"offload": offload_seconds} if off_layers else {})},
         solver={}, sharded_outputs=sharded_outputs, recompute=recompute, zero=zero, offload=offload,
     )
 
