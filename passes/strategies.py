@@ -58,9 +58,20 @@ class Strategy:
 
 @dataclass(frozen=True)
 class StrategySet:
-    strategies: tuple[Strategy, ...]
+    """A node's candidate strategies, indexed by strategy index (``sset[i]``, ``len(sset)``)."""
+
+    candidates: tuple[Strategy, ...]
     follows: fx.Node | None = None           # the node whose choice fixes this one's
     follow_map: tuple[int, ...] = ()         # producer strategy index -> own strategy index
+
+    def __getitem__(self, index: int) -> Strategy:
+        return self.candidates[index]
+
+    def __len__(self) -> int:
+        return len(self.candidates)
+
+    def __iter__(self):
+        return iter(self.candidates)
 
 
 @dataclass(frozen=True)
@@ -246,7 +257,7 @@ def _node_strategies(node: fx.Node, mesh_shape, zero: bool = False, offload: boo
 def _getitem_strategies(node: fx.Node, producer: StrategySet) -> StrategySet:
     idx = node.args[1]
     strategies, follow = [], []
-    for s in producer.strategies:
+    for s in producer:
         lay = s.outputs[idx]
         st = Strategy((lay,), (lay,), (False,) * len(lay))
         if st not in strategies:
@@ -257,7 +268,7 @@ def _getitem_strategies(node: fx.Node, producer: StrategySet) -> StrategySet:
 
 def _try_follow(node: fx.Node, own: list[Strategy], producer_set: StrategySet, v: Value):
     follow = []
-    for s in producer_set.strategies:
+    for s in producer_set:
         lay = s.outputs[v.index] if s.outputs else None
         match = next((j for j, t in enumerate(own) if t.inputs[0] == lay), None)
         if match is None:
@@ -314,7 +325,7 @@ def _disagreeing_copies(gm) -> dict:
     for node in gm.graph.nodes:
         tag = meta_of(node).layer if node.op in ("placeholder", "call_function") else None
         if tag is not None and meta_of(node).strategies is not None:
-            offered.setdefault((tag.cls, tag.index), []).append(meta_of(node).strategies.strategies)
+            offered.setdefault((tag.cls, tag.index), []).append(meta_of(node).strategies.candidates)
     out = {}
     for key, lists in offered.items():
         if any(lst != lists[0] for lst in lists):
@@ -336,7 +347,7 @@ def _reachable(strategies: list[Strategy], ins: list[Value]) -> list[Strategy]:
     partial_ok = []
     for v in ins:
         sset = meta_of(v.node).strategies
-        partial_ok.append({a for s in sset.strategies for a, p in enumerate(s.outputs[v.index]) if p.is_partial})
+        partial_ok.append({a for s in sset for a, p in enumerate(s.outputs[v.index]) if p.is_partial})
     return [s for s in strategies
             if all(not p.is_partial or a in partial_ok[k] for k, lay in enumerate(s.inputs) for a, p in enumerate(lay))]
 

@@ -31,7 +31,7 @@ def test_fused_costs_less_for_a_pointwise_chain_and_the_same_for_matmuls():
     for n in prep.gm.graph.nodes:
         if n.op != "call_function":
             continue
-        s = meta_of(n).strategies.strategies[0]
+        s = meta_of(n).strategies[0]
         a, b = plain.compute_seconds(n, s), fused.compute_seconds(n, s)
         if torch.Tag.pointwise in getattr(n.target, "tags", ()):
             pointwise["plain"] += a

@@ -24,13 +24,13 @@ def key_of(node: fx.Node):
     return ("L", tag.cls, tag.index) if tag is not None else ("N", node.name)
 
 
-def strategy_of(node: fx.Node, option: int):
-    sset = meta_of(node).strategies
-    return sset.strategies[strategy_under_root(node, option)]
+def strategy_of(node: fx.Node, root_option: int):
+    """The strategy ``node`` takes when its root's decision takes option ``root_option``."""
+    return meta_of(node).strategies[strategy_under_root(node, root_option)]
 
 
-def output_layout(v: Value, option_of_root: int):
-    return strategy_of(v.node, option_of_root).outputs[v.index]
+def output_layout(v: Value, root_option: int):
+    return strategy_of(v.node, root_option).outputs[v.index]
 
 
 @dataclass
@@ -59,7 +59,7 @@ class ProblemIndex:
         activations in host memory between forward and backward."""
         return {cls: off[assignment[ci]] for cls, (ci, _, _, off) in self.recompute.items()}
 
-    def option_of(self, node: fx.Node, assignment) -> int:
+    def strategy_index(self, node: fx.Node, assignment) -> int:
         """The strategy index ``node`` takes under an assignment of the problem's choices."""
         root = root_of(node)
         return strategy_under_root(node, assignment[self.choice_of_key[key_of(root)]])
@@ -112,7 +112,7 @@ def _pinned_options(rep: fx.Node, pins: dict, mesh_axes: int):
             if len(lay) != mesh_axes:
                 raise ShardingError(f"pin {pattern!r} -> {lay} gives {len(lay)} placements for a "
                                     f"{mesh_axes}-axis mesh")
-        opts = meta_of(rep).strategies.strategies
+        opts = meta_of(rep).strategies
         allowed = {o for o, s in enumerate(opts)
                    if (out is None or (s.outputs and format_layout(s.outputs[0]) == out))
                    and (ins is None or [format_layout(l) for l in s.inputs] == ins)
@@ -167,7 +167,7 @@ def _unmatched(pattern, decided_names, nodes):
     return unmatched_pin_error(pattern, decided_names)
 
 
-def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
+def build_problem(gm: fx.GraphModule, cm: CostModel, memory_budget: float | None,
                   pins: dict | None = None, sharded_outputs: bool = False,
                   recompute: bool | dict = True) -> tuple[Problem, ProblemIndex]:
     """``pins`` maps a glob over decision names (parameter FQNs, input names, node names) to a layout
@@ -184,7 +184,7 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
         if root is n:
             idx.roots_of_key[key_of(n)].append(n)
 
-    prob = Problem(memory_limit=memory_limit)
+    prob = Problem(memory_budget=memory_budget)
     forward = {}         # choice -> forward seconds of one copy, per option (what recomputing costs)
     saved = {}           # choice -> bytes one copy saves for backward, per option (what offloading moves)
     core_forward = {}    # choice -> the part of it in the layer's attention cores
@@ -192,7 +192,7 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
     decided_names = set()
     for key, roots in idx.roots_of_key.items():
         rep = roots[0]
-        opts = meta_of(rep).strategies.strategies
+        opts = meta_of(rep).strategies
         costs, fwd, core, kept = [], [], [], []
         for o in range(len(opts)):
             c, f, fc, a = 0.0, 0.0, 0.0, 0.0
@@ -364,7 +364,7 @@ def _shared_edge(v: Value, rs, count: int, idx: ProblemIndex, cm: CostModel) -> 
     from autopar.passes.resharding import grad_partial_axes
 
     rp = root_of(v.node)
-    n_src = len(meta_of(rp).strategies.strategies)
+    n_src = len(meta_of(rp).strategies)
     grad = requires_grad(v.node)
     requests: dict = {}
 
@@ -377,7 +377,7 @@ def _shared_edge(v: Value, rs, count: int, idx: ProblemIndex, cm: CostModel) -> 
             always.add(request(tuple(R for _ in cm.mesh_shape), frozenset()))
             continue
         row = []
-        for j in range(len(meta_of(rc).strategies.strategies)):
+        for j in range(len(meta_of(rc).strategies)):
             st = strategy_of(c, j)
             dst = st.inputs[k]
             partial = grad_partial_axes(dst, st.splits_work, grad)
