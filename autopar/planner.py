@@ -22,11 +22,10 @@ from autopar.passes.costs import INFEASIBLE, CostModel, OptimizerSpec
 from autopar.passes.layers import layer_counts, layer_instances
 from autopar.passes.memory import StepMemory, minimum_budget, solve_under_budget
 from autopar.passes.reshard_plan import collectives, plan_reshards
-from autopar.passes.meta import meta_of, op_name, set_meta
+from autopar.passes.meta import meta_of, op_name
 from autopar.passes.precision import Precision, resolve_precision
 from autopar.passes.ilp_build import ProblemIndex, build_problem
 from autopar.passes.runner import PassRunner
-from autopar.passes.strategies import root_of
 from autopar.alternatives import alternatives
 from autopar.pass_pipeline import FrontEnd, analysis_passes, front_end, mesh_passes, new_runner
 from autopar.plan import Plan
@@ -185,7 +184,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
             report(f"mesh {shape}: costs")
             prob, idx = build_problem(prep.gm, cm, memory_budget, pins, sharded_outputs, recompute)
             quick = greedy(prob)
-            meshes.append(_Mesh(len(meshes), shape, names, prob, idx, cm, _strategies_of(prep.gm),
+            meshes.append(_Mesh(len(meshes), shape, names, prob, idx, cm,
                                 prob.lower_bound(), prob.objective(quick) if prob.feasible(quick) else math.inf,
                                 prep.gm, sharded_outputs))
         t_build = time.perf_counter() - t_build
@@ -200,7 +199,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
 
             raise no_fit(tried[-1]["mesh"][0], tried[-1]["pipeline"]["microbatches"], memory_budget)
         if best is None:
-            _raise_infeasible(prep, infeasible, cluster, memory_budget, offload)
+            _raise_infeasible(prep, infeasible, cluster, memory_budget)
         _check_host_memory(best, cluster)
         best.precision = prec.name
         best.extra["warnings"] = idle_axis_warnings(prep.gm, best) if prep is not None else []
@@ -403,8 +402,7 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
         t0 = time.perf_counter()
         sub = evaluate(prep, idx, sol.assignment, cm, sub_shape, sub_names, sub_cluster, memory_budget, sm,
                        sharded_outputs)
-        chosen = {n: meta_of(n).strategies[idx.strategy_index(n, sol.assignment)] for n in prep.gm.graph.nodes
-                  if n.op in ("placeholder", "call_function") and meta_of(n).strategies is not None}
+        chosen = idx.chosen(sol.assignment)
         instance_of = {n: meta_of(n).layer.layer for n in chosen if n.op == "call_function" and meta_of(n).layer}
         costs = PL.LayerCosts(prep.gm, sub, _boundary_bytes(instance_of, chosen, cm),
                               _recompute_seconds(instance_of, chosen, cm, sub.collectives),
@@ -533,7 +531,6 @@ class _Mesh:
     prob: object
     idx: ProblemIndex
     cm: CostModel
-    strategies: dict           # node -> its StrategySet on this mesh
     lower_bound: float         # no layout on this mesh is faster
     estimate: float            # the greedy layout's step time (inf when it does not fit)
     gm: fx.GraphModule
@@ -543,16 +540,11 @@ class _Mesh:
     @property
     def memory(self) -> StepMemory:
         """The step's memory on this mesh, made when first needed: a mesh cut off by its lower bound
-        never needs it. The graph holds the last mesh's strategies, so this mesh's are put back first."""
+        never needs it."""
         if self._memory is None:
-            _restore_strategies(self.strategies)
             self._memory = StepMemory(self.gm, self.cm, self.idx, [len(c.costs) for c in self.prob.choices],
                                       sharded_outputs=self.sharded_outputs)
         return self._memory
-
-
-def _strategies_of(gm) -> dict:
-    return {n: meta_of(n).strategies for n in gm.graph.nodes if meta_of(n).strategies is not None}
 
 
 def _search(meshes: list[_Mesh], best, prep, cluster, memory_budget, sharded_outputs, time_limit, report):
@@ -566,7 +558,7 @@ def _search(meshes: list[_Mesh], best, prep, cluster, memory_budget, sharded_out
     """
     order = sorted(meshes, key=lambda m: (m.estimate, m.lower_bound, m.position))
     best_key = None if best is None else (best.step_time, -1)
-    tried, infeasible, t_eval, best_mesh = {}, [], 0.0, None
+    tried, infeasible, t_eval = {}, [], 0.0
     workers = max(1, min(SOLVER_THREADS, len(order)))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         running: dict = {}
@@ -602,28 +594,20 @@ def _search(meshes: list[_Mesh], best, prep, cluster, memory_budget, sharded_out
                     continue
                 report(f"mesh {m.shape}: evaluating")
                 t0 = time.perf_counter()
-                _restore_strategies(m.strategies)
                 p = evaluate(prep, m.idx, sol.assignment, m.cm, m.shape, m.names, cluster, memory_budget, m.memory,
                              sharded_outputs)
                 if p.memory["peak"] > memory_budget * (1 + 1e-9):
                     raise AutoparError(f"internal error: the plan for mesh {list(m.shape)} peaks at "
                                        f"{p.memory['peak']:.0f} bytes, over its budget of {memory_budget:.0f}; please "
                                        f"report this")
-                p.alternatives = alternatives(prep.gm, m.prob, m.idx, sol.assignment, m.cm, m.names)
+                p.alternatives = alternatives(m.prob, m.idx, sol.assignment, m.cm, m.names)
                 p.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
                                 constraints=sol.num_constraints, backend=sol.backend, gap=sol.gap)
                 if best is None or (p.step_time, m.position) < best_key:
-                    best, best_key, best_mesh = p, (p.step_time, m.position), m
+                    best, best_key = p, (p.step_time, m.position)
                 t_eval += time.perf_counter() - t0
-    if best_mesh is not None:          # the graph holds the returned plan's strategies
-        _restore_strategies(best_mesh.strategies)
     infeasible.sort(key=lambda item: [m.shape for m in meshes].index(item[0]))
     return best, [tried[k] for k in sorted(tried)], infeasible, t_eval
-
-
-def _restore_strategies(strategies: dict) -> None:
-    for n, sset in strategies.items():
-        set_meta(n, strategies=sset)
 
 
 def _with_mesh(cluster, mesh_shape, axis_names):
@@ -667,10 +651,7 @@ def _progress(enabled, total: int):
 def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_shape, axis_names,
              cluster: ClusterSpec, memory_budget: float, sm: StepMemory, sharded_outputs: bool = False) -> Plan:
     gm, cap = prep.gm, prep.captured
-    chosen = {}
-    for n in gm.graph.nodes:
-        if n.op in ("placeholder", "call_function") and meta_of(n).strategies is not None:
-            chosen[n] = meta_of(n).strategies[idx.strategy_index(n, assignment)]
+    chosen = idx.chosen(assignment)
     low = plan_reshards(gm, chosen, cm.mesh_shape, sharded_outputs)
     colls = collectives(low, cm, axis_names)
     recompute = recomputed_layers(gm, idx.recompute_counts(assignment), idx.selective_counts(assignment),
@@ -727,7 +708,7 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
         a = cm.activation_bytes(n, s)
         compute += c
         tag = meta_of(n).layer
-        root = root_of(n)
+        root = idx.strategies.root_of(n)
         nodes.append({
             "name": n.name, "op": op_name(n),
             "inputs": [format_layout(l) for l in s.inputs], "outputs": [format_layout(l) for l in s.outputs],
@@ -844,7 +825,7 @@ def _timeline(walk) -> tuple[dict, object]:
     return {"points": points, "peak_index": k, "end_of_forward": (fwd[-1] if fwd else walk[0]).bytes}, walk[k]
 
 
-def _raise_infeasible(prep, infeasible, cluster, memory_budget, offload=False):
+def _raise_infeasible(prep, infeasible, cluster, memory_budget):
     best = None
     for shape, names, prob, idx, cm, sm in infeasible:
         found = _smallest_valid_budget(prob, sm)
@@ -855,7 +836,6 @@ def _raise_infeasible(prep, infeasible, cluster, memory_budget, offload=False):
                                   f"budget: the pinned layouts cannot be reached; relax the pins",
                                   memory_budget=memory_budget)
     need, assignment, shape, names, idx, cm, sm = best
-    prep.runner.run(mesh_passes(shape, offload=offload), prep.gm, f"mesh {shape}")   # the graph holds the last mesh's
     p = evaluate(prep, idx, assignment, cm, shape, names, cluster, memory_budget, sm)
     consumers = [(f"param {k} (+grad, optimizer)", v) for k, v in p.memory["by_param"].items()]
     consumers += [(f"activations of {n['name']}", n["activation_bytes"]) for n in p.nodes]

@@ -355,31 +355,26 @@ class StepMemory:
     # --- bytes of values under the decisions -------------------------------------------------------
     def _choice(self, node):
         from autopar.passes.ilp_build import key_of
-        from autopar.passes.strategies import root_of
 
-        if meta_of(node).strategies is None:
+        if node not in self.idx.strategies:
             return None
-        c = self.idx.choice_of_key[key_of(root_of(node))]
+        c = self.idx.choice_of_key[key_of(self.idx.strategies.root_of(node))]
         return c if self.num_options[c] > 1 else None
 
     def _options(self, c):
         return range(1 if c is None else self.num_options[c])
 
-    @staticmethod
-    def _strategy(node, o):
-        from autopar.passes.ilp_build import strategy_of
+    def _strategy(self, node, o):
+        return self.idx.strategies.strategy_of(node, o) if node in self.idx.strategies else None
 
-        return None if meta_of(node).strategies is None else strategy_of(node, o)
-
-    @staticmethod
-    def _fold_key(v, node=None, k=None):
+    def _fold_key(self, v, node=None, k=None):
         """What the bytes of ``v`` (read by ``node`` as input ``k``) depend on: the value itself, or for
         values and readers inside repeated layers their position in the layer, which every instance of
         the layer shares with its decisions and strategies (passes.layers)."""
         from autopar.passes.ilp_build import key_of
         from autopar.passes.strategies import value_info
 
-        ka = key_of(v.node) if meta_of(v.node).strategies is not None else None
+        ka = key_of(v.node) if v.node in self.idx.strategies else None
         kb = None if node is None else key_of(node)
         if ka is None or ka[0] != "L" or (kb is not None and kb[0] != "L"):
             return (v, node, k)

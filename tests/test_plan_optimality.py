@@ -58,7 +58,6 @@ def reference(model, args, kwargs, tight: bool):
             continue
         objective, a = exact(prob)
         assert budget is None or sm.peak(a)[1] <= budget * (1 + 1e-9)
-        strategies_pass(prep.gm, shape)
         p = evaluate(prep, idx, a, cm, shape, default_axis_names(shape), CLUSTER, budget or CLUSTER.usable_memory, sm)
         out[shape] = (prob, objective, p.step_time)
     return budget, out
