@@ -13,7 +13,8 @@ from autopar.passes.costs import CostModel
 from autopar.passes.memory import StepMemory
 from autopar.passes.ilp_build import build_problem
 from autopar.passes.strategies import strategies_pass
-from autopar.planner import default_optimizer, evaluate, prepare
+from autopar.plan_assembly import assemble_plan
+from autopar.planner import default_optimizer, prepare
 from autopar.solver import ilp, milp, minimum_feasible_budget
 
 CLUSTER = autopar.ClusterSpec.preset("8xH100")
@@ -58,7 +59,7 @@ def reference(model, args, kwargs, tight: bool):
             continue
         objective, a = exact(prob)
         assert budget is None or sm.peak(a)[1] <= budget * (1 + 1e-9)
-        p = evaluate(prep, idx, a, cm, shape, default_axis_names(shape), CLUSTER, budget or CLUSTER.usable_memory, sm)
+        p = assemble_plan(prep, idx, a, cm, shape, default_axis_names(shape), CLUSTER, budget or CLUSTER.usable_memory, sm)
         out[shape] = (prob, objective, p.step_time)
     return budget, out
 
