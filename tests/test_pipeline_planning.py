@@ -135,18 +135,37 @@ def test_batch_that_does_not_split_into_the_microbatches_is_refused():
         _stack_plan(microbatches=3)
 
 
+class _Flat(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.b(self.a(x)).pow(2).mean()
+
+
 def test_model_without_repeated_layers_is_refused():
-    class Flat(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
-
-        def forward(self, x):
-            return self.b(self.a(x)).pow(2).mean()
-
     with pytest.raises(autopar.AutoparError, match="has none"):
-        autopar.plan(Flat(), autopar.ClusterSpec.local_cpu(2), (torch.randn(4, 64),), mesh_shape=(2,),
+        autopar.plan(_Flat(), autopar.ClusterSpec.local_cpu(2), (torch.randn(4, 64),), mesh_shape=(2,),
                      axis_names=("pp",), progress=False)
+
+
+def test_pipeline_axis_larger_than_the_layers_is_refused():
+    with torch.device("meta"):
+        model = Stack(64, 4, 128, 2)
+    with pytest.raises(autopar.AutoparError, match="'pp' has 4 ranks but the model has only 2 layers to cut "
+                                                   "between; use a pipeline axis of at most 2"):
+        autopar.plan(model, autopar.ClusterSpec.local_cpu(4), (torch.randn(4, 8, 64, device="meta"),),
+                     mesh_shape=(4,), axis_names=("pp",), progress=False)
+
+
+def test_a_pipeline_mesh_the_planner_adds_falls_back_to_the_others():
+    """With the mesh left to the planner, a pipeline mesh the model cannot use is skipped with its reason
+    (the same check that refuses a 'pp' axis given by the user), and the plan is the best of the others."""
+    plan = autopar.plan(_Flat(), autopar.ClusterSpec.preset("16xH100"), (torch.randn(16, 64),), progress=False)
+    assert plan.pipeline is None and "pp" not in plan.axis_names
+    skipped = [c for c in plan.solver["candidates"] if c.get("status") == "skipped"]
+    assert [c["mesh"] for c in skipped] == [[2, 8]] and "has none" in skipped[0]["reason"]
 
 
 def test_schedule_with_more_stages_than_layers_is_refused():
