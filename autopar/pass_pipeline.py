@@ -30,11 +30,12 @@ from autopar.passes.normalize import normalize_pass
 from autopar.passes.precision import Precision, autocast_pass, resolve_precision
 from autopar.passes.runner import PassRunner, pass_name
 from autopar.passes.strategies import mark_requires_grad_pass, strategies_pass
+from autopar.passes.strided import strided_hints_pass
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.runtime.program import Program
 
-FRONT_END = (normalize_pass, layers_pass, mark_requires_grad_pass)
+FRONT_END = (normalize_pass, layers_pass, mark_requires_grad_pass, strided_hints_pass)
 
 
 def analysis_passes(device_type: str) -> tuple:

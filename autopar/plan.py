@@ -244,7 +244,7 @@ def _layout(axes, *, partial_ok=True):
         dims = []
         for x in v:
             if not isinstance(x, str):
-                _fail(where, f"placement {x!r} must be a string 'R', 'P' or 'S(<dim>)'")
+                _fail(where, f"placement {x!r} must be a string 'R', 'P', 'S(<dim>)' or 'S(<dim>,<groups>)'")
             try:
                 p = Placement.parse(x)
             except ShardingError as e:

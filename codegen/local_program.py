@@ -123,12 +123,15 @@ def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str]
         for st in low.reshards[key]:
             fn = _STEP_FN[st.op]
             group = group_names[st.axis]
+            # A strided shard's groups are passed only where there are some: plain calls read as before.
+            strided = {"groups": st.groups} if st.groups > 1 else {}
             if st.op == "all_gather":
-                x = g.call_function(fn, (x, st.dim, group), {"grad": st.grad})
+                x = g.call_function(fn, (x, st.dim, group), {"grad": st.grad, **strided})
             elif st.op in ("reduce_scatter", "local_chunk"):
-                x = g.call_function(fn, (x, st.dim, group))
+                x = g.call_function(fn, (x, st.dim, group), strided)
             elif st.op == "all_to_all":
-                x = g.call_function(fn, (x, st.dim, st.dst_dim, group))
+                groups = {k: v for k, v in (("src_groups", st.groups), ("dst_groups", st.dst_groups)) if v > 1}
+                x = g.call_function(fn, (x, st.dim, st.dst_dim, group), groups)
             else:
                 x = g.call_function(fn, (x, group))
             set_meta(x, step=st, layer=current["layer"], reader=current["node"])

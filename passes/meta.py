@@ -61,6 +61,8 @@ class AutoparMeta:
     signature: tuple | None = None        # what strategies and costs depend on (passes.strategies)
     strategies: Any = None                # passes.strategies.StrategySet under the current mesh
     refused: tuple[str, ...] = ()         # why rule options were refused here (named in pin errors)
+    strided: tuple[tuple[int, int], ...] = ()   # (output dim, groups): strided shards a consumer can
+                                          # use (passes/strided.py)
     # In a rank's local program (codegen):
     source: str | None = None             # the planned node this node computes
     step: Any = None                      # the resharding step (passes.resharding.Step) it runs

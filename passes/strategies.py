@@ -137,7 +137,9 @@ def _placeholder_strategies(node: fx.Node, mesh_shape, zero: bool = False, offlo
     if role is None or role.kind in ("buffer", "constant"):
         per_axis = [[R]]
     else:
-        per_axis = [[R] + [S(d) for d in range(len(shape)) if shape[d] > 1]]
+        # A weight a fused projection reads strided (passes/strided.py) may also be laid out so.
+        per_axis = [[R] + [S(d) for d in range(len(shape)) if shape[d] > 1]
+                    + [S(d, groups) for d, groups in meta_of(node).strided if shape[d] > 1]]
     out = []
     for combo in itertools.product(*[per_axis[0] if n > 1 else [R] for n in mesh_shape]):
         if _distinct_dims(combo) and divides(shape, combo, mesh_shape):
@@ -200,7 +202,7 @@ def signature(node: fx.Node) -> tuple:
 
         role = meta_of(node).role
         sig = (node.op, str(node.target), arg(node.args), tuple((k, arg(v)) for k, v in node.kwargs.items()),
-               role.kind if role else None, _val_sig(node.meta.get("val")))
+               role.kind if role else None, _val_sig(node.meta.get("val")), meta_of(node).strided)
         set_meta(node, signature=sig)
     return sig
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from autopar.errors import AutoparError, ShapeMismatchError
-from autopar.layout import global_shape, parse_layout
+from autopar.layout import block_runs, global_shape, parse_layout
 from autopar.plan import Plan
 from autopar.runtime.program import Program
 
@@ -24,12 +24,13 @@ log = logging.getLogger("autopar")
 
 
 def shard_of(full: torch.Tensor, layout, mesh_shape, coords) -> torch.Tensor:
-    """This rank's block of ``full`` under ``layout`` (a view where possible)."""
+    """This rank's block of ``full`` under ``layout`` (a view, except for a strided shard's blocks of
+    its groups, which are copied together)."""
     x = full
     for p, n, c in zip(layout, mesh_shape, coords):
         if p.is_shard:
-            size = x.shape[p.dim] // n
-            x = x.narrow(p.dim, c * size, size)
+            runs = [x.narrow(p.dim, start, length) for start, length in block_runs(x.shape[p.dim], p, n, c)]
+            x = runs[0] if len(runs) == 1 else torch.cat(runs, p.dim)
     return x
 
 

@@ -29,10 +29,10 @@ def _plan(**options):
 def test_every_pass_runs_through_the_runner_in_pipeline_order():
     p = _plan()
     ran = [r["name"] for r in p.solver["passes"]]
-    assert ran[:6] == list(PASS_NAMES[:6])                    # front end, then analysis
-    assert set(ran[6:]) == {"strategies_pass"}                # then one per candidate mesh
+    assert ran[:7] == list(PASS_NAMES[:7])                    # front end, then analysis
+    assert set(ran[7:]) == {"strategies_pass"}                # then one per candidate mesh
     assert all(r["seconds"] >= 0 and not r["skipped"] for r in p.solver["passes"])
-    assert {r["stage"] for r in p.solver["passes"][:4]} == {"front end"}
+    assert {r["stage"] for r in p.solver["passes"][:5]} == {"front end"}
 
 
 def test_a_skipped_pass_is_recorded_and_a_required_one_gives_a_clear_error():
