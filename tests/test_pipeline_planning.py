@@ -27,11 +27,78 @@ def test_bubble_matches_narayanan(p, m):
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (8, 32)])
 def test_in_flight_microbatches_match_korthikanti(p, m):
-    # 1F1B: the first stage holds p microbatches, GPipe all m; interleaved multiplies by 1 + (p-1)/(p*m).
+    # 1F1B: the first stage holds p microbatches, GPipe all m; interleaving v stages per rank multiplies
+    # the first stage's by 1 + (p-1)/(p*v) (Korthikanti et al. 4.2.3, their m being the stages per rank).
     assert PL.in_flight("1F1B", p, m, 0) == p
     assert [PL.in_flight("1F1B", p, m, r) for r in range(p)] == [p - r for r in range(p)]
     assert PL.in_flight("GPipe", p, m, p - 1) == m
-    assert PL.in_flight("Interleaved1F1B", p, m, 0) == pytest.approx(p * (1 + (p - 1) / (p * m)))
+    assert PL.in_flight("Interleaved1F1B", p, m, 0) == pytest.approx(p * (1 + (p - 1) / (p * 2)))
+    # ZB-H1 keeps 1F1B's first-stage peak on every rank (Qi et al.).
+    assert [PL.in_flight("InterleavedZeroBubble", p, m, r) for r in range(p)] == [p] * p
+
+
+def _in_flight_under_torch(rank, world, p, group, cases):
+    """Run tiny stages under each (schedule, microbatches) of ``cases`` on this rank's pipeline group of
+    ``p`` ranks; return the most stage-microbatches whose activations were held at once, in microbatches
+    through all of the rank's layers (a stage's are held from its forward to its backward, or to its
+    weight-gradient pass where the schedule splits backward)."""
+    from torch.distributed import pipelining as P
+
+    me = torch.distributed.get_rank(group)
+    classes = {"GPipe": P.ScheduleGPipe, "1F1B": P.Schedule1F1B, "Interleaved1F1B": P.ScheduleInterleaved1F1B,
+               "InterleavedZeroBubble": P.ScheduleInterleavedZeroBubble, "ZBVZeroBubble": P.ScheduleZBVZeroBubble}
+    measured = {}
+    for schedule, m in cases:
+        v = PL.VIRTUAL[schedule]
+        live = {"now": 0, "peak": 0}
+        stages = []
+        for index in [s for s in range(p * v) if PL.rank_of_stage(schedule, s, p) == me]:
+            stage = P.PipelineStage(torch.nn.Linear(4, 4), index, p * v, torch.device("cpu"), group=group)
+            fwd, bwd, wgt = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
+
+            def forward(*a, _f=fwd, **k):
+                live["now"] += 1
+                live["peak"] = max(live["peak"], live["now"])
+                return _f(*a, **k)
+
+            def backward(*a, _b=bwd, **k):
+                out = _b(*a, **k)
+                live["now"] -= k.get("full_backward", True)
+                return out
+
+            def weight_backward(*a, _w=wgt, **k):
+                out = _w(*a, **k)
+                live["now"] -= 1
+                return out
+
+            stage.forward_one_chunk, stage.backward_one_chunk = forward, backward
+            stage.backward_weight_one_chunk = weight_backward
+            stages.append(stage)
+        run = classes[schedule](stages if v > 1 else stages[0], n_microbatches=m, loss_fn=lambda y, _: y.sum())
+        inputs = (torch.randn(2 * m, 4),) if any(st.is_first for st in stages) else ()
+        targets = {"target": torch.zeros(2 * m, 4), "losses": []} if any(st.is_last for st in stages) else {}
+        run.step(*inputs, **targets)
+        measured[schedule, m] = live["peak"] / v
+    return measured
+
+
+def _check_in_flight(rank, world):
+    # Four ranks: one pipeline of 4, and two of 2 on ranks {0, 1} and {2, 3}.
+    pairs = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2, 3])]
+    for p, group, counts in ((4, None, (4, 8)), (2, pairs[rank // 2], (2, 4))):
+        me = rank if p == 4 else rank % 2
+        cases = [(sched, m) for sched in PL.SCHEDULES for m in counts]
+        for (sched, m), got in _in_flight_under_torch(rank, world, p, group, cases).items():
+            want = PL.in_flight(sched, p, m, me)
+            assert got == want, f"{sched}, p={p}, m={m}, pipeline rank {me}: torch holds {got}, the model {want}"
+
+
+def test_in_flight_microbatches_match_torch_schedules():
+    """The memory model's in-flight microbatches per rank are those torch.distributed.pipelining's
+    schedules hold, on pipelines of 2 and 4 gloo ranks."""
+    from tests.distributed_utils import run_distributed
+
+    run_distributed(_check_in_flight, 4, timeout=300)
 
 
 def test_first_stage_memory_is_korthikanti_whole_model_activations():
@@ -41,7 +108,7 @@ def test_first_stage_memory_is_korthikanti_whole_model_activations():
     per_stage = per_layer * L / p
     assert PL.in_flight("1F1B", p, m, 0) * per_stage == pytest.approx(s * b * h * L * (34 + 5 * a * s / h))
     inter = PL.in_flight("Interleaved1F1B", p, m, 0) * per_stage
-    assert inter == pytest.approx(s * b * h * L * (34 + 5 * a * s / h) * (1 + (p - 1) / (p * m)))
+    assert inter == pytest.approx(s * b * h * L * (34 + 5 * a * s / h) * (1 + (p - 1) / (p * 2)))
 
 
 def test_balance_is_optimal_against_brute_force():
