@@ -354,32 +354,27 @@ class StepMemory:
 
     # --- bytes of values under the decisions -------------------------------------------------------
     def _choice(self, node):
-        from autopar.passes.problem import key_of
-        from autopar.passes.strategies import root_of
+        from autopar.passes.ilp_build import key_of
 
-        if meta_of(node).strategies is None:
+        if node not in self.idx.strategies:
             return None
-        c = self.idx.choice_of_key[key_of(root_of(node))]
+        c = self.idx.choice_of_key[key_of(self.idx.strategies.root_of(node))]
         return c if self.num_options[c] > 1 else None
 
     def _options(self, c):
         return range(1 if c is None else self.num_options[c])
 
-    @staticmethod
-    def _strategy(node, o):
-        from autopar.passes.problem import strategy_of
+    def _strategy(self, node, o):
+        return self.idx.strategies.strategy_of(node, o) if node in self.idx.strategies else None
 
-        return None if meta_of(node).strategies is None else strategy_of(node, o)
-
-    @staticmethod
-    def _fold_key(v, node=None, k=None):
+    def _fold_key(self, v, node=None, k=None):
         """What the bytes of ``v`` (read by ``node`` as input ``k``) depend on: the value itself, or for
         values and readers inside repeated layers their position in the layer, which every instance of
         the layer shares with its decisions and strategies (passes.layers)."""
-        from autopar.passes.problem import key_of
+        from autopar.passes.ilp_build import key_of
         from autopar.passes.strategies import value_info
 
-        ka = key_of(v.node) if meta_of(v.node).strategies is not None else None
+        ka = key_of(v.node) if v.node in self.idx.strategies else None
         kb = None if node is None else key_of(node)
         if ka is None or ka[0] != "L" or (kb is not None and kb[0] != "L"):
             return (v, node, k)
@@ -854,7 +849,7 @@ class StepMemory:
         """Point ``k`` as a memory constraint of the solver: its live bytes as terms of the decisions."""
         return self.constraints([k])[0]
 
-    def host_constraint(self, budget: float):
+    def host_constraint(self, memory_budget: float):
         """Offloaded optimizer states within a device's share of its node's host memory, as a memory
         constraint of the solver: its bytes are scaled so that the share meets ``budget``, the limit
         every memory constraint shares. None when nothing can be offloaded."""
@@ -863,7 +858,7 @@ class StepMemory:
         if not self._host:
             return None
         c = self.cm.cluster
-        scale = budget / (c.host_memory / c.devices_per_node)
+        scale = memory_budget / (c.host_memory / c.devices_per_node)
         return MemoryConstraint("host memory of offloaded optimizer states",
                                 tuple((ch, tuple(v * scale for v in table)) for ch, table in self._host.items()))
 
@@ -980,7 +975,7 @@ def _initial_points(sm: StepMemory, problem) -> list[int]:
         picks.add(fwd[-1])
     if bwd:
         picks.add(bwd[0])
-    free = dataclasses.replace(problem, memory=[], memory_limit=None)
+    free = dataclasses.replace(problem, memory=[], memory_budget=None)
     walk = sm.walk(greedy(free))
     picks.add(max(range(len(walk)), key=lambda k: walk[k].total))
     opt = [k for k, ph in enumerate(phases) if ph == "optimizer"]
@@ -989,11 +984,11 @@ def _initial_points(sm: StepMemory, problem) -> list[int]:
     return sorted(picks)
 
 
-def _over_budget(walk, budget: float, have: set) -> list[int]:
+def _over_budget(walk, memory_budget: float, have: set) -> list[int]:
     """The points to add to the solver's constraints after a solve whose step goes over ``budget``:
     the highest point of each stretch of consecutive points over it (one solve then learns every
     stretch at once; the rest of a stretch usually falls with its highest point), skipping those held."""
-    cap = budget * (1 + 1e-9)
+    cap = memory_budget * (1 + 1e-9)
     out, run = [], None
     for k, p in enumerate(walk):
         t = p.total
@@ -1008,7 +1003,7 @@ def _over_budget(walk, budget: float, have: set) -> list[int]:
     return [k for k in out if k not in have]
 
 
-def solve_under_budget(problem, sm: StepMemory, budget: float, *, time_limit: float = 60.0, bound=None):
+def solve_under_budget(problem, sm: StepMemory, memory_budget: float, *, time_limit: float = 60.0, bound=None):
     """The fastest assignment whose step peak (``sm.peak``) fits ``budget``: solve with the memory
     constraints of a few candidate points, walk the step, add the points over the budget (the highest
     of each stretch), solve again. Every returned feasible solution's walked peak is within the budget.
@@ -1016,10 +1011,10 @@ def solve_under_budget(problem, sm: StepMemory, budget: float, *, time_limit: fl
     from autopar.errors import AutoparError
     from autopar.solver import solve
 
-    problem.memory_limit = budget
+    problem.memory_budget = memory_budget
     have = set(_initial_points(sm, problem))
     problem.memory = sm.constraints(sorted(have))
-    host = sm.host_constraint(budget)
+    host = sm.host_constraint(memory_budget)
     if host is not None:
         problem.memory.append(host)
     for _ in range(_MAX_ROUNDS):
@@ -1028,17 +1023,17 @@ def solve_under_budget(problem, sm: StepMemory, budget: float, *, time_limit: fl
             return sol
         walk = sm.walk(sol.assignment)
         k = max(range(len(walk)), key=lambda i: walk[i].total)
-        if walk[k].total <= budget * (1 + 1e-9):
+        if walk[k].total <= memory_budget * (1 + 1e-9):
             return sol
-        add = _over_budget(walk, budget, have)
+        add = _over_budget(walk, memory_budget, have)
         if k in have or not add:
             raise AutoparError(f"memory point {sm.points[k][1]} {sm.points[k][2]!r} is over the budget although "
-                               f"the solver was held to it ({walk[k].total:.0f} > {budget:.0f} bytes); please "
+                               f"the solver was held to it ({walk[k].total:.0f} > {memory_budget:.0f} bytes); please "
                                f"report this")
-        log.debug("step peak %.0f over the budget %.0f: memory points %s join", walk[k].total, budget, add)
+        log.debug("step peak %.0f over the budget %.0f: memory points %s join", walk[k].total, memory_budget, add)
         have.update(add)
         problem.memory.extend(sm.constraints(add))
-    raise AutoparError(f"no layout within {budget:.0f} bytes was proven after {_MAX_ROUNDS} rounds of memory "
+    raise AutoparError(f"no layout within {memory_budget:.0f} bytes was proven after {_MAX_ROUNDS} rounds of memory "
                        f"points; raise the budget")
 
 

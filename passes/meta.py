@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch.fx as fx
 
@@ -59,7 +59,6 @@ class AutoparMeta:
     saved_by: int = 1                     # how many nodes keep this value for backward (shared)
     requires_grad: bool = False           # whether a gradient flows through this value
     signature: tuple | None = None        # what strategies and costs depend on (passes.strategies)
-    strategies: Any = None                # passes.strategies.StrategySet under the current mesh
     refused: tuple[str, ...] = ()         # why rule options were refused here (named in pin errors)
     strided: tuple[tuple[int, int], ...] = ()   # (output dim, groups): strided shards a consumer can
                                           # use (passes/strided.py)
@@ -72,7 +71,8 @@ class AutoparMeta:
 
 @dataclass(frozen=True)
 class ProgramMeta:
-    """What codegen records on a rank's local program, under ``gm.meta["autopar"]``."""
+    """What codegen records on a rank's local program, under ``gm.meta["autopar"]``, and the planner's
+    per-mesh strategies on the graph it plans."""
 
     placeholders: tuple = ()              # (kind, target) per placeholder, in call order
     output_layouts: tuple = ()            # per returned tensor: its layout (all-R unless kept sharded)
@@ -84,6 +84,9 @@ class ProgramMeta:
                                           # whose optimizer state the runtime shards (runtime/zero.py)
     offloaded: tuple = ()                 # parameters whose gradient the runtime copies to host memory
                                           # once complete (runtime/offload.py)
+    # On the graph the planner searches: mesh shape -> passes.strategies.MeshStrategies, one per
+    # candidate mesh strategies_pass ran for
+    strategies: Mapping[tuple, Any] = dataclasses.field(default_factory=dict)
 
 
 _EMPTY = AutoparMeta()

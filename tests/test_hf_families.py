@@ -60,7 +60,7 @@ def test_family_plans(family):
     model = build(family)
     args, kwargs = inputs(model)
     plan = autopar.plan(model, autopar.ClusterSpec.local_cpu(2), args, kwargs, progress=False, time_limit=20)
-    assert plan.params and plan.memory["peak"] <= plan.memory["budget"]
+    assert plan.params and plan.memory["peak"] <= plan.memory["memory_budget"]
 
 
 @pytest.mark.parametrize("family", sorted(REFUSED))

@@ -15,7 +15,7 @@ def minimum_feasible_budget(problem: Problem, *, time_limit: float = 60.0,
                             backend: str = "auto") -> tuple[float, tuple[int, ...]]:
     """(L, assignment): L = min over assignments of the max over memory constraints of their bytes.
 
-    Solved as min t subject to every constraint's bytes <= t; ``problem.memory_limit`` is ignored.
+    Solved as min t subject to every constraint's bytes <= t; ``problem.memory_budget`` is ignored.
     If the time limit stops the solver early, L is the best found (an upper bound). Without memory
     constraints any budget fits: returns 0.0 and the greedy assignment.
     """
