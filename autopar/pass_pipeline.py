@@ -87,11 +87,13 @@ def front_end(model, example_inputs, example_kwargs, runner: PassRunner, *, prec
     depend only on the model and the training precision (passes/precision.py: ``precision`` is a
     Lightning name, None for the model's own dtype, with autocast's op lists of ``device_type``).
     ``keep_raw`` keeps a copy of the capture as it was before the passes (``FrontEnd.raw``), from which
-    the planner derives pipelines' microbatch programs (passes/capture.py ``rebatch``)."""
+    the planner derives pipelines' microbatch programs (passes/capture.py ``rebatch``), unless the
+    capture was unrolled from a few layers (passes/unroll.py): capturing again costs less then."""
     prec = resolve_precision(precision, model)
     if captured is None:
         captured = capture(model, example_inputs, example_kwargs)
-    raw = copy_program(captured) if keep_raw else None
+    # An unrolled capture costs less than a derivation, which propagates shapes through every layer.
+    raw = copy_program(captured) if keep_raw and captured.unrolled is None else None
     runner.dump(captured.gm, "capture")
     gm = runner.run((partial(autocast_pass, precision=prec, device_type=device_type), *FRONT_END), captured.gm,
                     "front end")

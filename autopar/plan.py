@@ -353,7 +353,7 @@ def _schema(axes) -> dict:
         "extra": _object({}, {"warnings": _list_of(_string)}),
         "pipeline": _optional(_pipeline(axes)),
         "zero": _dict_of(_object({"stage": _zero_stage, "axis": _one_of(axes), "dim": _integer(0)},
-                                 open_ended=False)),
+                                 {"bucket": _integer(0)}, open_ended=False)),
         "offload": _dict_of(_object({"host_bytes": _number, "device_bytes_freed": _number}, open_ended=False)),
     }
 

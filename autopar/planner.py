@@ -689,7 +689,8 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
                 lay = s.outputs[0]
                 params[role.target] = format_layout(lay)
                 if s.zero is not None:
-                    zero[role.target] = {"stage": s.zero.stage, "axis": axis_names[s.zero.axis], "dim": s.zero.dim}
+                    zero[role.target] = {"stage": s.zero.stage, "axis": axis_names[s.zero.axis], "dim": s.zero.dim,
+                                         "bucket": sm.gather_bucket[n]}
                 if s.offload:
                     host = cm.host_bytes(n, lay)
                     freed = sum(cm.param_bytes(n, lay)) - sum(cm.param_bytes(n, lay, None, True))

@@ -165,8 +165,9 @@ def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str]
                     outs.append(env[a] if isinstance(a, fx.Node) else a)
             g.output(pytree.tree_unflatten(outs, spec))
     local = fx.GraphModule(gm, g, class_name="LocalProgram")
-    zero = tuple((fqn, z["stage"], group_names[plan.axis_names.index(z["axis"])], z["dim"])
-                 for fqn, z in plan.zero.items())
+    # A plan without gather buckets (written before they existed) gathers each parameter alone.
+    zero = tuple((fqn, z["stage"], group_names[plan.axis_names.index(z["axis"])], z["dim"],
+                  z.get("bucket", f"own {fqn}")) for fqn, z in plan.zero.items())
     set_program_meta(local, placeholders=tuple(placeholders), output_layouts=tuple(output_layouts),
                      sharded_states=zero, offloaded=tuple(sorted(plan.offload)))
     return local

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.export.graph_signature import InputKind, OutputKind
 
 from autopar.errors import CaptureError
@@ -265,6 +266,7 @@ def _rebatched_module(base: fx.GraphModule, other: fx.GraphModule, b0: int, b1: 
         new.args, new.kwargs = same(n.args, o.args), same(n.kwargs, o.kwargs)
         env[n] = new
     graph._codegen = base.graph._codegen
-    gm = fx.GraphModule(attrs, graph, class_name=type(base).__name__)
+    # Lazy: the planner reads the graph and never runs it; the code is generated at the first call.
+    gm = _LazyGraphModule(attrs, graph, class_name=type(base).__name__)
     gm.meta.update(base.meta)
     return gm

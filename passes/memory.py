@@ -480,14 +480,6 @@ class StepMemory:
         q, r = _one(c, table), _one(c, again)
         return (None, None) if q.zero() else (q, None if r.zero() else r)
 
-    def _contiguous_shard(self, node, s) -> bool:
-        """Whether a ZeRO shard is a contiguous block of the parameter's local tensor: no dim before
-        its own is larger than one."""
-        from autopar.layout import local_shape
-
-        shape = local_shape(tuple(node.meta["val"].shape), s.outputs[0], self.cm.mesh_shape)
-        return all(k == 1 for k in shape[:s.zero.dim])
-
     def _per_work(self, node, nbytes: float) -> Bytes:
         """Bytes private to an op (norm statistics, a log-softmax): they scale with its share of the
         work, not with its output (a loss over sharded tokens has a Partial scalar output)."""
@@ -567,11 +559,10 @@ class StepMemory:
                     scatter[n] = (_one(c, [k[1] if z else 0.0 for k, z in zip(kept, z2)]),
                                   _one(c, [f[1] if z else 0.0 for f, z in zip(full, z2)]))
                 if any(s.zero is not None for s in opts):
-                    # After the step the updated shards are all-gathered into a new tensor, then copied
-                    # into the parameter; a shard that is not a contiguous block is copied first.
-                    gathers[n] = _one(c, [0.0 if s.zero is None else
-                                          f[0] * (1 + (0 if self._contiguous_shard(n, s) else 1 / k))
-                                          for s, f, k in zip(opts, full, shards)])
+                    # After the step the updated shards of a bucket are copied into one flat buffer and
+                    # all-gathered into a new one, then copied into the parameters.
+                    gathers[n] = (_one(c, [0.0 if s.zero is None else f[0] * (1 + 1 / k)
+                                           for s, f, k in zip(opts, full, shards)]), max(f[0] for f in full))
             else:
                 add((_T, 1, Bytes(None, None, float(val.numel() * val.element_size()))))
 
@@ -821,10 +812,15 @@ class StepMemory:
                 previous = g
             if previous is not None:
                 add((_T, -1, previous))
-        for n, q in gathers.items():
-            add((_T, 1, q))
-            self.points.append((len(self.events), "optimizer", f"all_gather {meta_of(n).role.target}"))
-            add((_T, -1, q))
+        buckets = zero_gather_buckets([(n, whole) for n, (_, whole) in gathers.items()])
+        self.gather_bucket = {n: b for b, members in enumerate(buckets) for n in members}
+        for members in buckets:
+            for n in members:
+                add((_T, 1, gathers[n][0]))
+            self.points.append((len(self.events), "optimizer",
+                                f"all_gather {', '.join(meta_of(n).role.target for n in members)}"))
+            for n in members:
+                add((_T, -1, gathers[n][0]))
 
     # --- evaluation ---------------------------------------------------------------------------------
     def walk(self, assignment: Sequence[int]) -> list[StepPoint]:
@@ -896,6 +892,24 @@ class StepMemory:
             made[k] = MemoryConstraint(f"{phase} {name} (point {k})", tuple((c, tuple(v)) for c, v in terms.items()),
                                        constant, tuple((a, b, tuple(map(tuple, m))) for (a, b), m in pairs.items()))
         return [made[k] for k in ks]
+
+
+# The post-step all-gathers of ZeRO-1/2 parameters run a bucket at a time (DDP's bucket size).
+ZERO_GATHER_BUCKET_BYTES = 25 * 2**20
+
+
+def zero_gather_buckets(candidates) -> list[list]:
+    """Parameters that may be ZeRO-1/2-sharded, as (parameter, its largest local bytes), in order,
+    packed into buckets of about ``ZERO_GATHER_BUCKET_BYTES``. The buckets do not depend on which of them
+    the plan shards, so the memory each bucket's gather holds is a sum of one term per parameter."""
+    buckets, size = [], 0.0
+    for n, nbytes in candidates:
+        if not buckets or size >= ZERO_GATHER_BUCKET_BYTES:
+            buckets.append([])
+            size = 0.0
+        buckets[-1].append(n)
+        size += nbytes
+    return buckets
 
 
 def _memoized(f):

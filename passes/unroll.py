@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import logging
 import re
+import weakref
 from typing import Callable
 
 import torch
@@ -135,20 +136,29 @@ def unrolled_capture(model: torch.nn.Module, export: Callable[[torch.nn.Module],
         log.info("capture: exporting every layer of %s (%s)", type(model).__name__, why)
         return None
     n = len(model.get_submodule(fqn))
+    checked = _CHECKED.get(model)
     try:
         with _cut(model, fqn, 2):
             two = export(model)
+        if checked is not None and checked[0] == fqn:
+            # Checked at an earlier capture (other input shapes): what a layer adds does not change.
+            with contextlib.suppress(_Differs):
+                whole = _unroll(two, fqn, n, checked[1])
+                if _lifted_as_export(whole, model):
+                    log.info("capture: %s's %d layers of %s unrolled from an export of 2 (checked before)",
+                             type(model).__name__, n, fqn)
+                    return dataclasses.replace(whole, unrolled=fqn)
         with _cut(model, fqn, 3):
             three = export(model)
     except CaptureError as e:            # the whole export reports the model's own error
         log.info("capture: exporting every layer of %s: a cut stack does not export (%s)", type(model).__name__, e)
         return None
     try:
-        diff = same_program(_unroll(two, three, fqn, 3), three)
+        fn_steps = _suffix_fn_steps(two, three, fqn)
+        diff = same_program(_unroll(two, fqn, 3, fn_steps), three)
         if diff is None:
-            whole = _unroll(two, three, fqn, n)
-            if list(whole.params.values()) != [name for name, _ in model.named_parameters(remove_duplicate=False)] \
-                    or list(whole.buffers.values()) != [name for name, _ in model.named_buffers(remove_duplicate=False)]:
+            whole = _unroll(two, fqn, n, fn_steps)
+            if not _lifted_as_export(whole, model):
                 diff = "the parameters and buffers would not come out as export lifts them"
     except _Differs as e:
         diff = str(e) or "the 2-layer export's layers cannot be told apart"
@@ -156,8 +166,19 @@ def unrolled_capture(model: torch.nn.Module, export: Callable[[torch.nn.Module],
         log.info("capture: exporting every layer of %s: the 3-layer export is not the 2-layer one with one "
                  "more layer of %s (%s)", type(model).__name__, fqn, diff)
         return None
+    _CHECKED[model] = (fqn, fn_steps)
     log.info("capture: %s's %d layers of %s unrolled from exports of 2 and 3", type(model).__name__, n, fqn)
     return dataclasses.replace(whole, unrolled=fqn)
+
+
+# model -> (its stack, how far a layer moves export's torch_fn counters after it) once the rule held.
+_CHECKED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _lifted_as_export(program: "CapturedProgram", model: torch.nn.Module) -> bool:
+    """Whether the program's parameters and buffers are the model's, in the order export lifts them."""
+    return (list(program.params.values()) == [name for name, _ in model.named_parameters(remove_duplicate=False)]
+            and list(program.buffers.values()) == [name for name, _ in model.named_buffers(remove_duplicate=False)])
 
 
 def _layer_index(path: str, stack: str) -> int | None:
@@ -267,19 +288,13 @@ def _shifted(name: str, per_layer: dict[str, int], layers: int) -> str:
     return f"{base}_{_counter(name) + layers * per_layer[base]}"
 
 
-def _unroll(two: "CapturedProgram", three: "CapturedProgram", stack: str, n: int) -> "CapturedProgram":
-    """The program of ``n`` layers from the 2-layer one: its second layer's nodes repeated. Export's
-    ``torch_fn`` records count torch calls that leave no node (a ``contiguous()`` of a contiguous
-    tensor), so how far a layer moves those counters on after the stack is read from ``three``, the
-    3-layer export; everything else is derived from ``two``."""
-    gm = two.gm
-    roles = {**two.params, **two.buffers}
-    nodes = list(gm.graph.nodes)
+def _blocks(two: "CapturedProgram", stack: str) -> tuple[list, list, list]:
+    """The 2-layer program's ops, and those of its two layers: from a layer's first op up to the
+    next layer's first op (ops of the parent module run between two layers belong to the first); the
+    last block is as long as the first."""
     ops = _ops(two)
     if any(x.op == "get_attr" for x in ops):
         raise _Differs("the program holds submodules (get_attr)")
-    # The layer blocks: from a layer's first op up to the next layer's first op (ops of the parent
-    # module run between two layers belong to the first); the last block is as long as the first.
     tags = [_op_layer(x, stack) for x in ops]
     if 0 not in tags or 1 not in tags:
         raise _Differs(f"no ops are recorded inside {stack}.0 and {stack}.1")
@@ -290,6 +305,28 @@ def _unroll(two: "CapturedProgram", three: "CapturedProgram", stack: str, n: int
     if len(block1) != length or 1 in rest or 0 in rest or any(t not in (0, None) for t in tags[first0:first1]) \
             or any(t not in (1, None) for t in tags[first1:first1 + length]):
         raise _Differs(f"the ops of {stack}.0 and {stack}.1 are not two blocks of one length")
+    return ops, block0, block1
+
+
+def _suffix_fn_steps(two: "CapturedProgram", three: "CapturedProgram", stack: str) -> dict[str, int]:
+    """How far one layer moves on export's ``torch_fn`` counters of the ops after the stack. Those
+    count torch calls that leave no node (a ``contiguous()`` of a contiguous tensor), so they are read
+    from the 3-layer export against the 2-layer one, not from the nodes of a layer."""
+    ops, _, block1 = _blocks(two, stack)
+    after = len(ops) - ops.index(block1[-1]) - 1
+    later = _ops(three)
+    return _steps((t.meta["torch_fn"][0], r.meta["torch_fn"][0]) for t, r in
+                  zip(later[len(later) - after:], ops[len(ops) - after:])
+                  if t.meta.get("torch_fn") and r.meta.get("torch_fn"))
+
+
+def _unroll(two: "CapturedProgram", stack: str, n: int, fn_steps: dict[str, int]) -> "CapturedProgram":
+    """The program of ``n`` layers from the 2-layer one: its second layer's nodes repeated
+    (``fn_steps``: ``_suffix_fn_steps``)."""
+    gm = two.gm
+    roles = {**two.params, **two.buffers}
+    nodes = list(gm.graph.nodes)
+    ops, block0, block1 = _blocks(two, stack)
     # Placeholders by layer, in runs (parameters, then buffers): layer 0's, then layer 1's.
     placeholders = [x for x in nodes if x.op == "placeholder"]
     template = dict(zip(block1, block0))          # layer-1 node -> its layer-0 counterpart
@@ -308,10 +345,6 @@ def _unroll(two: "CapturedProgram", three: "CapturedProgram", stack: str, n: int
             run = []
     layer0 = {v: k for k, v in template.items()}        # layer-0 node -> layer-1 node
     per_layer_names = _steps((t.name, r.name) for t, r in template.items())
-    after = len(ops) - first1 - length                  # ops after the stack
-    per_layer_fns = _steps((t.meta["torch_fn"][0], r.meta["torch_fn"][0]) for t, r in
-                           zip(_ops(three)[len(_ops(three)) - after:], ops[len(ops) - after:])
-                           if t.meta.get("torch_fn") and r.meta.get("torch_fn"))
 
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -353,7 +386,7 @@ def _unroll(two: "CapturedProgram", three: "CapturedProgram", stack: str, n: int
             # After the stack: reads the last layer; its name counters move on by the added layers.
             meta = dict(x.meta)
             if meta.get("torch_fn"):
-                meta["torch_fn"] = (_shifted(meta["torch_fn"][0], per_layer_fns, n - 2), meta["torch_fn"][1])
+                meta["torch_fn"] = (_shifted(meta["torch_fn"][0], fn_steps, n - 2), meta["torch_fn"][1])
             name = x.name if x.op == "output" else _shifted(x.name, per_layer_names, n - 2)
             env[x] = emit(x, name, n - 1, meta)
         else:

@@ -48,7 +48,7 @@ class ParallelModule(nn.Module):
         self.shards = nn.ParameterDict()
         # ZeRO-1/2 parameters: the program reads the whole local tensor, the optimizer steps this rank's
         # block of it (runtime/zero.py).
-        self._zero_of = {fqn: (stage, group, dim) for fqn, stage, group, dim in program.sharded_states}
+        self._zero_of = {fqn: rest for fqn, *rest in program.sharded_states}
         # Offloaded parameters: the program reads a device tensor, the optimizer steps its copy in host
         # memory (runtime/offload.py).
         self._offloaded = set(plan.offload)
@@ -82,7 +82,7 @@ class ParallelModule(nn.Module):
         if fqn in self._zero_of:
             from autopar.runtime.zero import split
 
-            _stage, group, dim = self._zero_of[fqn]
+            _stage, group, dim, _bucket = self._zero_of[fqn]
             self._whole[fqn], self.shards[key] = split(local, group, dim, requires_grad)
         elif fqn in self._offloaded:
             from autopar.runtime.offload import split as to_host
@@ -95,8 +95,8 @@ class ParallelModule(nn.Module):
         from autopar.runtime.zero import ShardedState, ShardedStates
 
         self._sharded_states = ShardedStates([ShardedState(fqn, self._whole[fqn], self.local_parameter(fqn), stage,
-                                                           group, dim)
-                                              for fqn, (stage, group, dim) in self._zero_of.items()])
+                                                           group, dim, bucket)
+                                              for fqn, (stage, group, dim, bucket) in self._zero_of.items()])
 
     def _make_host_states(self) -> None:
         from autopar.runtime.offload import HostState, HostStates

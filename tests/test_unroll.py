@@ -28,14 +28,31 @@ def test_unrolled_capture_is_the_whole_export(family):
     assert same_program(got, capture(model, args, kwargs, unroll=False)) is None
 
 
-def test_unrolled_capture_plans_the_same(monkeypatch):
-    torch.manual_seed(0)
-    model = Stack(32, 4, 64, layers=6)
-    args = (torch.randn(4, 8, 32),)
-    cluster = autopar.ClusterSpec.local_cpu(2)
-    unrolled = autopar.plan(model, cluster, args, progress=False).to_dict()
+def test_a_model_checked_once_is_unrolled_from_2_layers_at_other_shapes(caplog):
+    """A pipeline's microbatch capture (here a batch of 1, which export specializes) reuses the check
+    made at the whole batch: one export of 2 layers, still the whole export's program."""
+    model = build("llama", layers=4)
+    args, kwargs = inputs(model)
+    capture(model, args, kwargs)
+    one = (args[0][:1],), {"labels": kwargs["labels"][:1]}
+    with caplog.at_level(logging.INFO, logger="autopar.capture"):
+        got = capture(model, *one)
+    assert "unrolled from an export of 2 (checked before)" in caplog.text
+    assert same_program(got, capture(model, *one, unroll=False)) is None
+
+
+@pytest.mark.parametrize("pp", [1, 2], ids=["one stage", "pipeline"])
+def test_unrolled_capture_plans_the_same(monkeypatch, pp):
+    """A pipeline plan captures every microbatch shape too (by unrolling, or by exporting whole)."""
+    with torch.device("meta"):
+        model = Stack(256, 4, 1024, 6)
+    args = (torch.randn(16, 64, 256, device="meta"),)
+    options = dict(mesh_shape=(pp, 8 // pp), axis_names=("pp", "dp")) if pp > 1 else {}
+    cluster = autopar.ClusterSpec.preset("8xH100")
+    unrolled = autopar.plan(model, cluster, args, progress=False, **options).to_dict()
     monkeypatch.setattr(capture_module, "unrolled_capture", lambda model, export: None)
-    whole = autopar.plan(model, cluster, args, progress=False).to_dict()
+    whole = autopar.plan(model, cluster, args, progress=False, **options).to_dict()
+    assert bool(unrolled["pipeline"]) == (pp > 1)
     assert _untimed(unrolled) == _untimed(whole)
 
 

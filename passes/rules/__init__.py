@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -206,8 +207,17 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
 
 def output_infos(node: fx.Node) -> list[TensorInfo]:
     val = node.meta.get("val")
-    leaves = pytree.tree_leaves(val)
-    return [TensorInfo(tuple(int(s) for s in v.shape), v.dtype) for v in leaves if isinstance(v, torch.Tensor)]
+    seen = _OUTPUT_INFOS.get(node)
+    if seen is not None and seen[0] is val:        # a pass that changes a value stores a new one
+        return list(seen[1])
+    infos = [TensorInfo(tuple(int(s) for s in v.shape), v.dtype) for v in pytree.tree_leaves(val)
+             if isinstance(v, torch.Tensor)]
+    _OUTPUT_INFOS[node] = (val, infos)
+    return list(infos)
+
+
+# node -> (its value, output_infos of it): planning asks for the same node's infos many times.
+_OUTPUT_INFOS: "weakref.WeakKeyDictionary[fx.Node, tuple]" = weakref.WeakKeyDictionary()
 
 
 def context_for(node: fx.Node) -> OpContext:
