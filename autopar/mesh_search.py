@@ -13,7 +13,7 @@ from autopar.errors import AutoparError
 from autopar.passes.costs import INFEASIBLE, CostModel
 from autopar.passes.ilp_build import ProblemIndex
 from autopar.passes.memory import StepMemory, solve_under_budget
-from autopar.plan_assembly import assemble_plan
+from autopar.plan_assembly import assemble_plan, serial_seconds
 
 SOLVER_THREADS = 2   # candidate meshes solved at once
 
@@ -48,14 +48,15 @@ def search(meshes: list[MeshCandidate], best, prep, cluster, memory_budget, shar
            report):
     """Solve the candidate meshes and keep the plan of least step time (``best``: one already found).
 
-    The mesh whose greedy layout is fastest goes first, and the step time of the best plan so far bounds
-    the rest: a mesh whose lower bound is no better is not solved, and the solver stops a mesh as soon
-    as it proves it cannot beat it. A plan's step time is never below its problem's objective (it adds
-    the reshardings recomputed layers run again), so neither shortcut loses the best plan. Two meshes
-    are solved at a time (the solver runs outside Python's lock); the plans are evaluated here.
+    Plans are compared by their serial step time (``serial_seconds``), which the solver minimizes. The
+    mesh whose greedy layout is fastest goes first, and the serial step time of the best plan so far
+    bounds the rest: a mesh whose lower bound is no better is not solved, and the solver stops a mesh
+    as soon as it proves it cannot beat it. A plan's serial step time is never below its problem's
+    objective (it adds the reshardings recomputed layers run again), so neither shortcut loses the best
+    plan. Two meshes are solved at a time (the solver runs outside Python's lock); the plans are evaluated here.
     """
     order = sorted(meshes, key=lambda m: (m.estimate, m.lower_bound, m.position))
-    best_key = None if best is None else (best.step_time, -1)
+    best_key = None if best is None else (serial_seconds(best), -1)
     tried, infeasible, t_eval = {}, [], 0.0
     workers = max(1, min(SOLVER_THREADS, len(order)))
     with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -63,7 +64,7 @@ def search(meshes: list[MeshCandidate], best, prep, cluster, memory_budget, shar
         while order or running:
             while order and len(running) < workers:
                 m = order.pop(0)
-                bound = None if best is None else best.step_time
+                bound = None if best is None else serial_seconds(best)
                 if bound is not None and m.lower_bound >= bound:
                     tried[m.position] = {"mesh": list(m.shape), "status": "bounded", "objective": None,
                                          "lower_bound": m.lower_bound, "seconds": 0.0, "variables": 0,
@@ -101,8 +102,8 @@ def search(meshes: list[MeshCandidate], best, prep, cluster, memory_budget, shar
                 p.alternatives = alternatives(m.prob, m.idx, sol.assignment, m.cm, m.names)
                 p.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
                                 constraints=sol.num_constraints, backend=sol.backend, gap=sol.gap)
-                if best is None or (p.step_time, m.position) < best_key:
-                    best, best_key = p, (p.step_time, m.position)
+                if best is None or (serial_seconds(p), m.position) < best_key:
+                    best, best_key = p, (serial_seconds(p), m.position)
                 t_eval += time.perf_counter() - t0
     infeasible.sort(key=lambda m: m.position)
     return best, [tried[k] for k in sorted(tried)], infeasible, t_eval

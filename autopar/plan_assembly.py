@@ -9,6 +9,7 @@ import torch
 from autopar.cluster import ClusterSpec
 from autopar.layout import format_layout
 from autopar.passes.costs import CostModel
+from autopar.passes.exposure import exposure
 from autopar.passes.ilp_build import ProblemIndex
 from autopar.passes.layers import layer_counts, layer_instances
 from autopar.passes.memory import StepMemory
@@ -18,6 +19,13 @@ from autopar.plan import Plan
 
 if TYPE_CHECKING:
     from autopar.planner import Prepared
+
+
+def serial_seconds(plan: Plan) -> float:
+    """The plan's step time with no communication hidden: what the solver minimizes, an upper bound
+    of ``plan.step_time`` (docs/cost-model.md). Pipeline plans price no overlap."""
+    return plan.breakdown.get("serial", plan.step_time)
+
 
 def assemble_plan(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_shape, axis_names,
              cluster: ClusterSpec, memory_budget: float, sm: StepMemory, sharded_outputs: bool = False) -> Plan:
@@ -38,6 +46,10 @@ def assemble_plan(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, 
              if c["phase"] == "forward" and c["node"] in recomputed_nodes]
     recompute_compute = sum(cm.forward_compute_seconds(n, chosen[n]) for n in instance_of)
     colls += rerun
+    serial_comm = sum(c["seconds"] for c in colls)
+    ex = exposure(gm, chosen, colls, cm, axis_names, recomputed_nodes)
+    for c, seconds, exposed in zip(colls, ex.seconds, ex.exposed):
+        c.update(seconds=seconds, exposed=exposed)
     # Offloaded layers' saved activations go to host memory in forward and come back in backward.
     off_layers = set(recompute.get("offload", {}).get("layers", ()))
     offload_seconds = 0.0
@@ -98,7 +110,8 @@ def assemble_plan(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, 
                peak_point=timeline["peak_index"], peak_at={"phase": peak_point.phase, "node": peak_point.name,
                                                            **peak_point.bytes},
                memory_budget=memory_budget, timeline=timeline["points"], by_param=param_bytes)
-    step = compute + recompute_compute + sum(comm_axis.values()) + optim + offload_seconds
+    serial = compute + recompute_compute + serial_comm + optim + offload_seconds
+    step = compute + recompute_compute + sum(comm_axis.values()) - ex.hidden + optim + offload_seconds
     return Plan(
         model={"class": cap.model_class, "fingerprint": prep.fingerprint,
                "num_params": sum(int(n.meta["val"].numel()) for n in gm.graph.nodes
@@ -109,7 +122,8 @@ def assemble_plan(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, 
         mesh={"shape": list(mesh_shape), "axes": list(axis_names)},
         params=params, inputs=inputs, nodes=nodes, collectives=colls, memory=mem, step_time=step,
         breakdown={"compute": compute, "communication": comm_axis, "optimizer": optim,
-                   "recompute": recompute_compute, **({"offload": offload_seconds} if off_layers else {})},
+                   "recompute": recompute_compute, "exposed": sum(comm_axis.values()) - ex.hidden, "hidden": ex.hidden,
+                   "serial": serial, **({"offload": offload_seconds} if off_layers else {})},
         solver={}, sharded_outputs=sharded_outputs, recompute=recompute, zero=zero, offload=offload,
     )
 
