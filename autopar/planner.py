@@ -8,7 +8,7 @@ import logging
 import math
 import time
 import warnings
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +30,7 @@ from autopar.passes.strategies import root_of
 from autopar.alternatives import alternatives
 from autopar.pass_pipeline import FrontEnd, analysis_passes, front_end, mesh_passes, new_runner
 from autopar.plan import Plan
-from autopar.solver import GAP, greedy
+from autopar.solver import GAP, NODE_LIMIT, greedy
 
 log = logging.getLogger("autopar")
 
@@ -561,18 +561,22 @@ def _search(meshes: list[_Mesh], best, prep, cluster, budget, sharded_outputs, t
     the rest: a mesh whose lower bound is no better is not solved, and the solver stops a mesh as soon
     as it proves it cannot beat it. A plan's step time is never below its problem's objective (it adds
     the reshardings recomputed layers run again), so neither shortcut loses the best plan. Two meshes
-    are solved at a time (the solver runs outside Python's lock); the plans are evaluated here.
+    are solved at a time (the solver runs outside Python's lock), in waves whose bound is the best plan
+    of the waves before; the plans are evaluated here.
     """
     order = sorted(meshes, key=lambda m: (m.estimate, m.lower_bound, m.position))
     best_key = None if best is None else (best.step_time, -1)
     tried, infeasible, t_eval, best_mesh = {}, [], 0.0, None
     workers = max(1, min(SOLVER_THREADS, len(order)))
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        running: dict = {}
-        while order or running:
-            while order and len(running) < workers:
+        while order:
+            # A wave of meshes solved together under the bound of the waves before it, its results taken
+            # in order: which mesh finishes first never changes a bound, so the plan does not depend on
+            # the machine's load.
+            bound = None if best is None else best.step_time
+            wave = []
+            while order and len(wave) < workers:
                 m = order.pop(0)
-                bound = None if best is None else best.step_time
                 if bound is not None and m.lower_bound >= bound:
                     tried[m.position] = {"mesh": list(m.shape), "status": "bounded", "objective": None,
                                          "lower_bound": m.lower_bound, "seconds": 0.0, "variables": 0,
@@ -580,13 +584,9 @@ def _search(meshes: list[_Mesh], best, prep, cluster, budget, sharded_outputs, t
                     continue
                 report(f"mesh {m.shape}: solving {len(m.prob.choices)} decisions, "
                        f"{len(m.prob.edges) + len(m.prob.shared)} edges")
-                running[pool.submit(solve_under_budget, m.prob, m.memory, budget, time_limit=time_limit,
-                                    bound=bound)] = m
-            if not running:
-                break
-            done, _ = wait(running, return_when=FIRST_COMPLETED)
-            for fut in sorted(done, key=lambda f: running[f].position):
-                m = running.pop(fut)
+                wave.append((m, pool.submit(solve_under_budget, m.prob, m.memory, budget, time_limit=time_limit,
+                                            bound=bound)))
+            for m, fut in wave:
                 sol = fut.result()
                 tried[m.position] = {"mesh": list(m.shape), "status": sol.status, "objective": sol.objective,
                                      "lower_bound": m.lower_bound, "seconds": sol.seconds,
@@ -760,19 +760,23 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
     )
 
 
-def _smallest_valid_budget(prob, sm: StepMemory):
-    """The smallest budget with a valid plan, and that plan.
+def _smallest_valid_budget(prob, sm: StepMemory, above: float | None = None):
+    """The smallest budget with a valid plan, and that plan; None where there is none, or none below
+    ``above``.
 
     The memory-only minimum ignores seconds, so it may pick a resharding that cannot happen (priced
     INFEASIBLE); starting from it, look for the least budget at which the time-aware solve avoids them.
     """
-    lower_bound, least = minimum_budget(prob, sm)
+    found = minimum_budget(prob, sm, above=above)
+    if found is None:
+        return None
+    lower_bound, least = found
     if prob.objective(least) < INFEASIBLE:          # the least peak's own layout is a valid plan
         return lower_bound, least
     for factor in (1.0 + 1e-6, 1.01, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0, 100.0):
         try:
-            sol = solve_under_budget(prob, sm, lower_bound * factor, time_limit=30.0)
-        except AutoparError:        # no layout found within the time limit at this budget: try a larger one
+            sol = solve_under_budget(prob, sm, lower_bound * factor, time_limit=math.inf, node_limit=NODE_LIMIT)
+        except AutoparError:        # no layout found within the node limit at this budget: try a larger one
             continue
         if sol.status != "infeasible" and prob.objective(sol.assignment) < INFEASIBLE:
             return sm.peak(sol.assignment)[1], sol.assignment
@@ -846,7 +850,7 @@ def _timeline(walk) -> tuple[dict, object]:
 def _raise_infeasible(prep, infeasible, cluster, budget, offload=False):
     best = None
     for shape, names, prob, idx, cm, sm in infeasible:
-        found = _smallest_valid_budget(prob, sm)
+        found = _smallest_valid_budget(prob, sm, above=None if best is None else best[0])
         if found is not None and (best is None or found[0] < best[0]):
             best = (*found, shape, names, idx, cm, sm)
     if best is None:
