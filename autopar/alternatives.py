@@ -6,18 +6,18 @@ from __future__ import annotations
 from autopar.layout import format_layout
 from autopar.passes.costs import CostModel
 from autopar.passes.meta import meta_of
-from autopar.passes.problem import ProblemIndex
-from autopar.passes.strategies import requires_grad, root_of
+from autopar.passes.ilp_build import ProblemIndex
+from autopar.passes.strategies import requires_grad
 
 
-def alternatives(gm, prob, idx: ProblemIndex, assignment, cm: CostModel, axis_names, top: int = 3) -> dict:
+def alternatives(prob, idx: ProblemIndex, assignment, cm: CostModel, axis_names, top: int = 3) -> dict:
     """For every decision: the chosen option and the ``top`` cheapest others, each with its own cost,
     the resharding it would cause with its neighbours (held at their chosen layouts) and its memory."""
-    from autopar.passes.problem import strategy_of
     from autopar.passes.strategies import input_values
 
-    chosen = {n: meta_of(n).strategies.strategies[idx.option_of(n, assignment)]
-              for n in gm.graph.nodes if n.op in ("placeholder", "call_function") and meta_of(n).strategies}
+    strategies = idx.strategies
+    root_of = strategies.root_of
+    chosen = idx.chosen(assignment)
     members: dict = {}
     for n in chosen:
         members.setdefault(root_of(n), []).append(n)
@@ -51,7 +51,7 @@ def alternatives(gm, prob, idx: ProblemIndex, assignment, cm: CostModel, axis_na
             total, _, edge = next(x for x in scored if x[1] == o)
             colls = []
             for m in members.get(rep, []):
-                s = strategy_of(m, o)
+                s = strategies.strategy_of(m, o)
                 colls += _op_collectives(cm, m, s, axis_names)
                 if m.op == "call_function":
                     for k, v in enumerate(input_values(m)):
@@ -64,7 +64,7 @@ def alternatives(gm, prob, idx: ProblemIndex, assignment, cm: CostModel, axis_na
                         if v.node is m:
                             colls += _edge_collectives(cm, v, s.outputs[v.index], chosen[c], k, c.name, axis_names)
             mem = fwd_mem.get(ci, [0.0] * len(choice.costs))[o] / choice.count
-            rs = meta_of(rep).strategies.strategies[o]
+            rs = strategies[rep][o]
             entries.append({"layout": choice.labels[o] if choice.labels else str(o), "chosen": o == assignment[ci],
                             "inputs": [format_layout(l) for l in rs.inputs],
                             "own_seconds": choice.costs[o], "resharding_seconds": edge, "total_seconds": total,

@@ -10,6 +10,10 @@ them (another mesh, other layouts, another world size). Scalar optimizer state (
 once. The optimizer's hyperparameters (lr after a schedule, betas, ...) and the user's ``extra`` go in
 a small JSON file, ``autopar.json``, beside DCP's files: no pickled object is ever read back.
 
+A strided shard (``S(d,k)``) is not one block of the full tensor, and DCP describes a rank's part by
+one offset and size per dim: such a tensor is saved and loaded replicated along that mesh axis
+(gathered over it for the moment of saving or loading), so any plan reads it back.
+
 A checkpoint is complete only once every rank has written its part: it is written under
 ``<path>.partial`` and renamed to ``<path>`` after that, with ``autopar.json`` last, so a run that dies
 while saving leaves a ``.partial`` directory that ``load`` and ``latest`` never take.
@@ -55,6 +59,7 @@ def save(path, pmodel, optimizer=None, extra=None) -> None:
     groups = None
     if optimizer is not None:
         state["optim"], groups = _optimizer_state(pmodel, optimizer)
+    state = _without_strided(state)
     import torch.distributed.checkpoint as dcp
 
     dcp.save(state, checkpoint_id=str(partial), no_dist=not _distributed())
@@ -92,7 +97,9 @@ def load(path, pmodel, optimizer=None):
             raise CheckpointError(f"{path} holds no optimizer state; load it without an optimizer")
         _init_optimizer_state(optimizer)
         state["optim"], _ = _optimizer_state(pmodel, optimizer)
-    dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
+    contiguous = _without_strided(state)
+    dcp.load(contiguous, checkpoint_id=str(path), no_dist=not _distributed())
+    state = _restrided(contiguous, state)
     with torch.no_grad():
         for fqn in _held(pmodel, state["model"]):
             local = pmodel.local_tensor(fqn)
@@ -167,6 +174,35 @@ def read_marker(path) -> dict:
         raise CheckpointError(f"{f}: checkpoint format {marker.get('format') if isinstance(marker, dict) else None!r} "
                               f"is not the one this autopar reads ({FORMAT})")
     return marker
+
+
+def _strided_to_replicated(t):
+    """A DTensor with strided shards, replicated along their axes instead (a gather); others as they are."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not isinstance(t, DTensor) or not any(isinstance(p, _StridedShard) for p in t.placements):
+        return t
+    return t.redistribute(placements=[Replicate() if isinstance(p, _StridedShard) else p for p in t.placements])
+
+
+def _without_strided(state: dict) -> dict:
+    """``state`` (nested dicts of tensors) with every strided DTensor replicated along its strided axes."""
+    return {k: _without_strided(v) if isinstance(v, dict) else _strided_to_replicated(v) for k, v in state.items()}
+
+
+def _restrided(loaded: dict, like: dict) -> dict:
+    """``loaded`` (what DCP filled, from ``_without_strided(like)``) in the placements of ``like``: this
+    rank's blocks of the strided tensors, cut locally."""
+    out = {}
+    for k, v in loaded.items():
+        if isinstance(v, dict):
+            out[k] = _restrided(v, like[k])
+        elif v is not like[k]:
+            out[k] = v.redistribute(placements=like[k].placements)
+        else:
+            out[k] = v
+    return out
 
 
 # --- optimizer state ------------------------------------------------------------------------------

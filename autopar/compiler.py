@@ -147,7 +147,7 @@ def _check_pin(plan: Plan, pattern: str, pin) -> None:
     """A pin beside plan=: the plan must already give what the pin asks for."""
     import fnmatch
 
-    from autopar.passes.problem import unmatched_pin_error
+    from autopar.passes.ilp_build import unmatched_pin_error
 
     want = pin if isinstance(pin, dict) else {"output": pin}
     layouts = {**{k: {"output": v} for k, v in plan.params.items()},

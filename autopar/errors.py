@@ -12,9 +12,9 @@ class InfeasiblePlanError(AutoparError):
     ``largest_consumers`` lists ``(name, bytes)`` of what uses the most memory in that plan.
     """
 
-    def __init__(self, message, *, budget=None, min_feasible_budget=None, largest_consumers=()):
+    def __init__(self, message, *, memory_budget=None, min_feasible_budget=None, largest_consumers=()):
         super().__init__(message)
-        self.budget = budget
+        self.memory_budget = memory_budget
         self.min_feasible_budget = min_feasible_budget
         self.largest_consumers = list(largest_consumers)
 

@@ -30,11 +30,12 @@ from autopar.passes.normalize import normalize_pass
 from autopar.passes.precision import Precision, autocast_pass, resolve_precision
 from autopar.passes.runner import PassRunner, pass_name
 from autopar.passes.strategies import mark_requires_grad_pass, strategies_pass
+from autopar.passes.strided import strided_hints_pass
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.runtime.program import Program
 
-FRONT_END = (normalize_pass, layers_pass, mark_requires_grad_pass)
+FRONT_END = (normalize_pass, layers_pass, mark_requires_grad_pass, strided_hints_pass)
 
 
 def analysis_passes(device_type: str) -> tuple:
@@ -86,11 +87,13 @@ def front_end(model, example_inputs, example_kwargs, runner: PassRunner, *, prec
     depend only on the model and the training precision (passes/precision.py: ``precision`` is a
     Lightning name, None for the model's own dtype, with autocast's op lists of ``device_type``).
     ``keep_raw`` keeps a copy of the capture as it was before the passes (``FrontEnd.raw``), from which
-    the planner derives pipelines' microbatch programs (passes/capture.py ``rebatch``)."""
+    the planner derives pipelines' microbatch programs (passes/capture.py ``rebatch``), unless the
+    capture was unrolled from a few layers (passes/unroll.py): capturing again costs less then."""
     prec = resolve_precision(precision, model)
     if captured is None:
         captured = capture(model, example_inputs, example_kwargs)
-    raw = copy_program(captured) if keep_raw else None
+    # An unrolled capture costs less than a derivation, which propagates shapes through every layer.
+    raw = copy_program(captured) if keep_raw and captured.unrolled is None else None
     runner.dump(captured.gm, "capture")
     gm = runner.run((partial(autocast_pass, precision=prec, device_type=device_type), *FRONT_END), captured.gm,
                     "front end")

@@ -202,7 +202,7 @@ class LayerCosts:
                 "send_bytes": 0.0 if last else self.boundary.get(layers[-1], 0.0) if layers else 0.0}
 
 
-def schedule_plan(costs: LayerCosts, schedule: str, p: int, m: int, budget: float, link: tuple[float, float]):
+def schedule_plan(costs: LayerCosts, schedule: str, p: int, m: int, memory_budget: float, link: tuple[float, float]):
     """Stages, predicted step and memory of one schedule, or None when no cut fits the budget."""
     v = VIRTUAL[schedule]
     n = p * v
@@ -227,7 +227,7 @@ def schedule_plan(costs: LayerCosts, schedule: str, p: int, m: int, budget: floa
         mine = [st for st in stages if st["pp_rank"] == r]
         k = in_flight(schedule, p, m, r)
         static = sum(st["param_bytes"] for st in mine)
-        act = _recompute_to_fit(costs, mine, static, k, budget)
+        act = _recompute_to_fit(costs, mine, static, k, memory_budget)
         if act is None:
             return None
         per_mb = sum(st["seconds"] for st in mine)
@@ -253,7 +253,7 @@ def schedule_plan(costs: LayerCosts, schedule: str, p: int, m: int, budget: floa
     optim = tail_rank["optimizer_seconds"]
     sync = sum(tail_rank["grad_sync_seconds"].values())
     peak = max(r["peak"] for r in ranks)
-    if peak > budget:
+    if peak > memory_budget:
         return None
     for st in stages:
         st["in_flight"] = ranks[st["pp_rank"]]["in_flight"]
@@ -263,7 +263,8 @@ def schedule_plan(costs: LayerCosts, schedule: str, p: int, m: int, budget: floa
             "bubble_fraction": bubble_fraction(schedule, p, m, v), "optimizer_seconds": optim, "peak": peak}
 
 
-def _recompute_to_fit(costs: LayerCosts, mine: list[dict], static: float, k: float, budget: float) -> float | None:
+def _recompute_to_fit(costs: LayerCosts, mine: list[dict], static: float, k: float,
+                      memory_budget: float) -> float | None:
     """Choose which layers of one rank's stages recompute, and return the rank's activation bytes at its
     peak (None when recomputing every layer it may still leaves it over ``budget``).
 
@@ -291,7 +292,7 @@ def _recompute_to_fit(costs: LayerCosts, mine: list[dict], static: float, k: flo
         order = sorted((i for i in saving if saving[i] > 0),
                        key=lambda i: -saving[i] / max(costs.recompute_seconds.get(i, 0.0), 1e-12))
         for inst in order:
-            if static + activation_bytes() <= budget:
+            if static + activation_bytes() <= memory_budget:
                 break
             chosen.add(inst)
     for st in mine:
@@ -299,7 +300,7 @@ def _recompute_to_fit(costs: LayerCosts, mine: list[dict], static: float, k: flo
         st["recompute_seconds"] = sum(costs.recompute_seconds.get(inst, 0.0) for inst in st["recompute"])
         st["seconds"] += st["recompute_seconds"]
     act = activation_bytes()
-    return act if static + act <= budget else None
+    return act if static + act <= memory_budget else None
 
 
 def check_layers(gm, p: int, schedule: str | None = None) -> None:
@@ -323,7 +324,7 @@ def check_layers(gm, p: int, schedule: str | None = None) -> None:
                            f"rank (GPipe, 1F1B) or a pipeline axis of at most {n // v}")
 
 
-def no_fit(p, m, budget):
+def no_fit(p, m, memory_budget):
     return InfeasiblePlanError(f"no cut of the model into {p} pipeline stages with {m} microbatches fits "
-                               f"{budget / 2**30:.3f} GiB per device under any schedule; use more stages or "
-                               f"microbatches, or raise memory_budget", budget=budget)
+                               f"{memory_budget / 2**30:.3f} GiB per device under any schedule; use more stages or "
+                               f"microbatches, or raise memory_budget", memory_budget=memory_budget)

@@ -71,6 +71,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: Any) -> "Plan":
+        d = _renamed_keys(d)
         _validate(d)
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
@@ -244,7 +245,7 @@ def _layout(axes, *, partial_ok=True):
         dims = []
         for x in v:
             if not isinstance(x, str):
-                _fail(where, f"placement {x!r} must be a string 'R', 'P' or 'S(<dim>)'")
+                _fail(where, f"placement {x!r} must be a string 'R', 'P', 'S(<dim>)' or 'S(<dim>,<groups>)'")
             try:
                 p = Placement.parse(x)
             except ShardingError as e:
@@ -321,7 +322,7 @@ def _schema(axes) -> dict:
         "nodes": _list_of(_node(axes)),
         "collectives": _list_of(collective),
         "memory": _object({k: _number for k in MEMORY_KEYS},
-                          {"budget": _number, "host": _number, "by_param": _dict_of(_number), "timeline": _list_of(timeline),
+                          {"memory_budget": _number, "host": _number, "by_param": _dict_of(_number), "timeline": _list_of(timeline),
                            "peak_point": _integer(0), "peak_at": peak_at}),
         "step_time": _number,
         "breakdown": _object({"compute": _number, "communication": _dict_of(_number), "optimizer": _number},
@@ -352,7 +353,7 @@ def _schema(axes) -> dict:
         "extra": _object({}, {"warnings": _list_of(_string)}),
         "pipeline": _optional(_pipeline(axes)),
         "zero": _dict_of(_object({"stage": _zero_stage, "axis": _one_of(axes), "dim": _integer(0)},
-                                 open_ended=False)),
+                                 {"bucket": _integer(0)}, open_ended=False)),
         "offload": _dict_of(_object({"host_bytes": _number, "device_bytes_freed": _number}, open_ended=False)),
     }
 
@@ -370,6 +371,15 @@ def _pipeline(axes):
     return _object({"axis": _one_of(axes), "schedule": _one_of(PIPELINE_SCHEDULES), "microbatches": _integer(1),
                     "stages": _list_of(stage), "bubble_fraction": _number, "bubble_seconds": _number},
                    {"virtual_stages": _integer(1), "ranks": _list_of(rank)})
+
+
+def _renamed_keys(d: Any) -> Any:
+    """A plan saved before ``memory.budget`` took the API's name, ``memory_budget``, with the new name."""
+    memory = d.get("memory") if isinstance(d, dict) else None
+    if isinstance(memory, dict) and "budget" in memory and "memory_budget" not in memory:
+        memory = {("memory_budget" if k == "budget" else k): v for k, v in memory.items()}
+        return {**d, "memory": memory}
+    return d
 
 
 def _validate(d: Any) -> None:

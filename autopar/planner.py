@@ -22,11 +22,10 @@ from autopar.passes.costs import INFEASIBLE, CostModel, OptimizerSpec
 from autopar.passes.layers import layer_counts, layer_instances
 from autopar.passes.memory import StepMemory, minimum_budget, solve_under_budget
 from autopar.passes.reshard_plan import collectives, plan_reshards
-from autopar.passes.meta import meta_of, op_name, set_meta
+from autopar.passes.meta import meta_of, op_name
 from autopar.passes.precision import Precision, resolve_precision
-from autopar.passes.problem import ProblemIndex, build_problem
+from autopar.passes.ilp_build import ProblemIndex, build_problem
 from autopar.passes.runner import PassRunner
-from autopar.passes.strategies import root_of
 from autopar.alternatives import alternatives
 from autopar.pass_pipeline import FrontEnd, analysis_passes, front_end, mesh_passes, new_runner
 from autopar.plan import Plan
@@ -134,7 +133,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     t0 = time.perf_counter()
     if mesh_shape is not None:
         cluster = _with_mesh(cluster, mesh_shape, axis_names)
-    budget = float(memory_budget) if memory_budget is not None else cluster.usable_memory
+    memory_budget = float(memory_budget) if memory_budget is not None else cluster.usable_memory
     prec = resolve_precision(precision, model)
     if front is not None and front.precision != prec:
         raise AutoparError(f"the front end was captured under precision {front.precision.name!r}, not {prec.name!r}")
@@ -165,7 +164,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
         for shape, names in candidates:
             if "pp" in names:
                 try:
-                    p = _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget,
+                    p = _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, memory_budget,
                                        optimizer, fused, pins, sharded_outputs, recompute, time_limit, skip_passes,
                                        insert_passes, microbatches, schedule, tried, report, cost_model,
                                        added=cluster.mesh_shape is None, timings=pipe, precision=prec.name,
@@ -183,14 +182,14 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
             prep.runner.run(mesh_passes(shape, offload=offload), prep.gm, f"mesh {shape}")
             cm = cost_model(cluster, shape, optimizer, fused=fused)
             report(f"mesh {shape}: costs")
-            prob, idx = build_problem(prep.gm, cm, budget, pins, sharded_outputs, recompute)
+            prob, idx = build_problem(prep.gm, cm, memory_budget, pins, sharded_outputs, recompute)
             quick = greedy(prob)
-            meshes.append(_Mesh(len(meshes), shape, names, prob, idx, cm, _strategies_of(prep.gm),
+            meshes.append(_Mesh(len(meshes), shape, names, prob, idx, cm,
                                 prob.lower_bound(), prob.objective(quick) if prob.feasible(quick) else math.inf,
                                 prep.gm, sharded_outputs))
         t_build = time.perf_counter() - t_build
         t_search = time.perf_counter()
-        best, searched, infeasible, t_eval = _search(meshes, best, prep, cluster, budget, sharded_outputs,
+        best, searched, infeasible, t_eval = _search(meshes, best, prep, cluster, memory_budget, sharded_outputs,
                                                      time_limit, report)
         tried += searched
         t_search = time.perf_counter() - t_search
@@ -198,9 +197,9 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
                 and cluster.mesh_shape is not None:
             from autopar.pipelining import no_fit
 
-            raise no_fit(tried[-1]["mesh"][0], tried[-1]["pipeline"]["microbatches"], budget)
+            raise no_fit(tried[-1]["mesh"][0], tried[-1]["pipeline"]["microbatches"], memory_budget)
         if best is None:
-            _raise_infeasible(prep, infeasible, cluster, budget, offload)
+            _raise_infeasible(prep, infeasible, cluster, memory_budget)
         _check_host_memory(best, cluster)
         best.precision = prec.name
         best.extra["warnings"] = idle_axis_warnings(prep.gm, best) if prep is not None else []
@@ -230,7 +229,7 @@ def _check_host_memory(plan: Plan, cluster: ClusterSpec) -> None:
         raise InfeasiblePlanError(
             f"the plan offloads {len(plan.offload)} parameters' optimizer states, {need / 1e9:.1f} GB per node of "
             f"host memory, more than the node's {cluster.host_memory / 1e9:.1f} GB (host_memory); raise the device "
-            f"budget, add devices, or give the host's real memory", budget=plan.memory.get("budget"))
+            f"budget, add devices, or give the host's real memory", memory_budget=plan.memory.get("memory_budget"))
 
 
 def offload_offered(cluster: ClusterSpec, pins) -> bool:
@@ -317,7 +316,7 @@ def idle_axis_warnings(gm, p: Plan) -> list[str]:
     return out
 
 
-def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, budget, optimizer, fused, pins,
+def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, memory_budget, optimizer, fused, pins,
                    sharded_outputs, recompute, time_limit, skip_passes, insert_passes, microbatches, schedule,
                    tried, report, cost_model=CostModel, added=False, timings=None, precision=None,
                    programs=None) -> Plan | None:
@@ -380,12 +379,12 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
         # them). Every rank is checked against the budget under each schedule below.
         scaled = _per_microbatch(cost_model)(sub_cluster, sub_shape, optimizer, fused=fused)
         scaled.microbatches, scaled.stages = m, p
-        prob, idx = build_problem(prep.gm, scaled, budget, pins, sharded_outputs, False)
+        prob, idx = build_problem(prep.gm, scaled, memory_budget, pins, sharded_outputs, False)
         sm = StepMemory(prep.gm, scaled, idx, [len(c.costs) for c in prob.choices], sharded_outputs=sharded_outputs)
         report(f"mesh {shape}, {m} microbatches: solving {len(prob.choices)} decisions")
         timings["build"] += time.perf_counter() - t0
         t0 = time.perf_counter()
-        sol = solve_under_budget(prob, sm, budget, time_limit=time_limit)
+        sol = solve_under_budget(prob, sm, memory_budget, time_limit=time_limit)
         if sol.status == "infeasible" and recompute is not False and not added:
             # Recomputing layers inside the stages (chosen per rank below) may fit what one microbatch's
             # activations through every layer do not: the fastest layouts, with memory left to the stages.
@@ -401,9 +400,9 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
         if sol.status == "infeasible" or prob.objective(sol.assignment) >= INFEASIBLE:
             continue
         t0 = time.perf_counter()
-        sub = evaluate(prep, idx, sol.assignment, cm, sub_shape, sub_names, sub_cluster, budget, sm, sharded_outputs)
-        chosen = {n: meta_of(n).strategies.strategies[idx.option_of(n, sol.assignment)] for n in prep.gm.graph.nodes
-                  if n.op in ("placeholder", "call_function") and meta_of(n).strategies is not None}
+        sub = evaluate(prep, idx, sol.assignment, cm, sub_shape, sub_names, sub_cluster, memory_budget, sm,
+                       sharded_outputs)
+        chosen = idx.chosen(sol.assignment)
         instance_of = {n: meta_of(n).layer.layer for n in chosen if n.op == "call_function" and meta_of(n).layer}
         costs = PL.LayerCosts(prep.gm, sub, _boundary_bytes(instance_of, chosen, cm),
                               _recompute_seconds(instance_of, chosen, cm, sub.collectives),
@@ -411,7 +410,7 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
         for sched in schedules:
             if sched != "GPipe" and sched != "1F1B" and m % p:
                 continue          # torch's interleaved schedules need whole rounds of p microbatches
-            found = PL.schedule_plan(costs, sched, p, m, budget, link)
+            found = PL.schedule_plan(costs, sched, p, m, memory_budget, link)
             entry["pipeline"]["schedules"][sched] = None if found is None else found["step_time"]
             if found is not None and (best is None or found["step_time"] < best[0]["step_time"]):
                 best = (found, sub, sol, {inst: cls for cls, insts in layer_instances(prep.gm).items()
@@ -420,7 +419,7 @@ def _plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs,
     if best is None:
         return None
     found, sub, sol, class_of = best
-    return _pipeline_plan(sub, found, shape, names, axis, cluster, budget, sol, class_of)
+    return _pipeline_plan(sub, found, shape, names, axis, cluster, memory_budget, sol, class_of)
 
 
 def _recompute_seconds(instance_of: dict, chosen: dict, cm: CostModel, collectives: list) -> dict:
@@ -440,7 +439,7 @@ def _recompute_seconds(instance_of: dict, chosen: dict, cm: CostModel, collectiv
 def _forced_pipeline_recompute(gm, recompute) -> frozenset:
     """The layer instances a ``recompute`` dict makes every pipeline plan recompute (the first ``count``
     of each class it names); a pipeline plan recomputes whole layers only."""
-    from autopar.passes.problem import forced_recompute
+    from autopar.passes.ilp_build import forced_recompute
 
     out = set()
     for cls, insts in layer_instances(gm).items():
@@ -452,7 +451,7 @@ def _forced_pipeline_recompute(gm, recompute) -> frozenset:
     return frozenset(out)
 
 
-def _pipeline_plan(sub: Plan, found: dict, shape, names, axis, cluster, budget, sol, class_of: dict) -> Plan:
+def _pipeline_plan(sub: Plan, found: dict, shape, names, axis, cluster, memory_budget, sol, class_of: dict) -> Plan:
     """The sub-mesh plan of one microbatch, widened to the whole mesh, with its pipeline."""
 
     def widen(lay):
@@ -468,7 +467,7 @@ def _pipeline_plan(sub: Plan, found: dict, shape, names, axis, cluster, budget, 
     m = found["microbatches"]
     worst = max(found["ranks"], key=lambda r: r["peak"])
     scale = worst["static_bytes"] / max(sub.memory["params"] + sub.memory["grads"] + sub.memory["optimizer"], 1.0)
-    sub.memory.update(peak=found["peak"], budget=budget, activations=worst["activation_bytes"],
+    sub.memory.update(peak=found["peak"], memory_budget=memory_budget, activations=worst["activation_bytes"],
                       params=sub.memory["params"] * scale, grads=sub.memory["grads"] * scale,
                       optimizer=sub.memory["optimizer"] * scale)
     slow = found["ranks"][found["slowest_rank"]]
@@ -532,7 +531,6 @@ class _Mesh:
     prob: object
     idx: ProblemIndex
     cm: CostModel
-    strategies: dict           # node -> its StrategySet on this mesh
     lower_bound: float         # no layout on this mesh is faster
     estimate: float            # the greedy layout's step time (inf when it does not fit)
     gm: fx.GraphModule
@@ -542,19 +540,14 @@ class _Mesh:
     @property
     def memory(self) -> StepMemory:
         """The step's memory on this mesh, made when first needed: a mesh cut off by its lower bound
-        never needs it. The graph holds the last mesh's strategies, so this mesh's are put back first."""
+        never needs it."""
         if self._memory is None:
-            _restore_strategies(self.strategies)
             self._memory = StepMemory(self.gm, self.cm, self.idx, [len(c.costs) for c in self.prob.choices],
                                       sharded_outputs=self.sharded_outputs)
         return self._memory
 
 
-def _strategies_of(gm) -> dict:
-    return {n: meta_of(n).strategies for n in gm.graph.nodes if meta_of(n).strategies is not None}
-
-
-def _search(meshes: list[_Mesh], best, prep, cluster, budget, sharded_outputs, time_limit, report):
+def _search(meshes: list[_Mesh], best, prep, cluster, memory_budget, sharded_outputs, time_limit, report):
     """Solve the candidate meshes and keep the plan of least step time (``best``: one already found).
 
     The mesh whose greedy layout is fastest goes first, and the step time of the best plan so far bounds
@@ -566,7 +559,7 @@ def _search(meshes: list[_Mesh], best, prep, cluster, budget, sharded_outputs, t
     """
     order = sorted(meshes, key=lambda m: (m.estimate, m.lower_bound, m.position))
     best_key = None if best is None else (best.step_time, -1)
-    tried, infeasible, t_eval, best_mesh = {}, [], 0.0, None
+    tried, infeasible, t_eval = {}, [], 0.0
     workers = max(1, min(SOLVER_THREADS, len(order)))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         while order:
@@ -584,8 +577,8 @@ def _search(meshes: list[_Mesh], best, prep, cluster, budget, sharded_outputs, t
                     continue
                 report(f"mesh {m.shape}: solving {len(m.prob.choices)} decisions, "
                        f"{len(m.prob.edges) + len(m.prob.shared)} edges")
-                wave.append((m, pool.submit(solve_under_budget, m.prob, m.memory, budget, time_limit=time_limit,
-                                            bound=bound)))
+                wave.append((m, pool.submit(solve_under_budget, m.prob, m.memory, memory_budget,
+                                            time_limit=time_limit, bound=bound)))
             for m, fut in wave:
                 sol = fut.result()
                 tried[m.position] = {"mesh": list(m.shape), "status": sol.status, "objective": sol.objective,
@@ -601,28 +594,20 @@ def _search(meshes: list[_Mesh], best, prep, cluster, budget, sharded_outputs, t
                     continue
                 report(f"mesh {m.shape}: evaluating")
                 t0 = time.perf_counter()
-                _restore_strategies(m.strategies)
-                p = evaluate(prep, m.idx, sol.assignment, m.cm, m.shape, m.names, cluster, budget, m.memory,
+                p = evaluate(prep, m.idx, sol.assignment, m.cm, m.shape, m.names, cluster, memory_budget, m.memory,
                              sharded_outputs)
-                if p.memory["peak"] > budget * (1 + 1e-9):
+                if p.memory["peak"] > memory_budget * (1 + 1e-9):
                     raise AutoparError(f"internal error: the plan for mesh {list(m.shape)} peaks at "
-                                       f"{p.memory['peak']:.0f} bytes, over its budget of {budget:.0f}; please "
+                                       f"{p.memory['peak']:.0f} bytes, over its budget of {memory_budget:.0f}; please "
                                        f"report this")
-                p.alternatives = alternatives(prep.gm, m.prob, m.idx, sol.assignment, m.cm, m.names)
+                p.alternatives = alternatives(m.prob, m.idx, sol.assignment, m.cm, m.names)
                 p.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
                                 constraints=sol.num_constraints, backend=sol.backend, gap=sol.gap)
                 if best is None or (p.step_time, m.position) < best_key:
-                    best, best_key, best_mesh = p, (p.step_time, m.position), m
+                    best, best_key = p, (p.step_time, m.position)
                 t_eval += time.perf_counter() - t0
-    if best_mesh is not None:          # the graph holds the returned plan's strategies
-        _restore_strategies(best_mesh.strategies)
     infeasible.sort(key=lambda item: [m.shape for m in meshes].index(item[0]))
     return best, [tried[k] for k in sorted(tried)], infeasible, t_eval
-
-
-def _restore_strategies(strategies: dict) -> None:
-    for n, sset in strategies.items():
-        set_meta(n, strategies=sset)
 
 
 def _with_mesh(cluster, mesh_shape, axis_names):
@@ -664,12 +649,9 @@ def _progress(enabled, total: int):
 
 
 def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_shape, axis_names,
-             cluster: ClusterSpec, budget: float, sm: StepMemory, sharded_outputs: bool = False) -> Plan:
+             cluster: ClusterSpec, memory_budget: float, sm: StepMemory, sharded_outputs: bool = False) -> Plan:
     gm, cap = prep.gm, prep.captured
-    chosen = {}
-    for n in gm.graph.nodes:
-        if n.op in ("placeholder", "call_function") and meta_of(n).strategies is not None:
-            chosen[n] = meta_of(n).strategies.strategies[idx.option_of(n, assignment)]
+    chosen = idx.chosen(assignment)
     low = plan_reshards(gm, chosen, cm.mesh_shape, sharded_outputs)
     colls = collectives(low, cm, axis_names)
     recompute = recomputed_layers(gm, idx.recompute_counts(assignment), idx.selective_counts(assignment),
@@ -707,7 +689,8 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
                 lay = s.outputs[0]
                 params[role.target] = format_layout(lay)
                 if s.zero is not None:
-                    zero[role.target] = {"stage": s.zero.stage, "axis": axis_names[s.zero.axis], "dim": s.zero.dim}
+                    zero[role.target] = {"stage": s.zero.stage, "axis": axis_names[s.zero.axis], "dim": s.zero.dim,
+                                         "bucket": sm.gather_bucket[n]}
                 if s.offload:
                     host = cm.host_bytes(n, lay)
                     freed = sum(cm.param_bytes(n, lay)) - sum(cm.param_bytes(n, lay, None, True))
@@ -726,7 +709,7 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
         a = cm.activation_bytes(n, s)
         compute += c
         tag = meta_of(n).layer
-        root = root_of(n)
+        root = idx.strategies.root_of(n)
         nodes.append({
             "name": n.name, "op": op_name(n),
             "inputs": [format_layout(l) for l in s.inputs], "outputs": [format_layout(l) for l in s.outputs],
@@ -743,7 +726,7 @@ def evaluate(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_
     mem.update(activations=timeline["end_of_forward"]["activations"], peak=peak_point.total,
                peak_point=timeline["peak_index"], peak_at={"phase": peak_point.phase, "node": peak_point.name,
                                                            **peak_point.bytes},
-               budget=budget, timeline=timeline["points"], by_param=param_bytes)
+               memory_budget=memory_budget, timeline=timeline["points"], by_param=param_bytes)
     step = compute + recompute_compute + sum(comm_axis.values()) + optim + offload_seconds
     return Plan(
         model={"class": cap.model_class, "fingerprint": prep.fingerprint,
@@ -847,7 +830,7 @@ def _timeline(walk) -> tuple[dict, object]:
     return {"points": points, "peak_index": k, "end_of_forward": (fwd[-1] if fwd else walk[0]).bytes}, walk[k]
 
 
-def _raise_infeasible(prep, infeasible, cluster, budget, offload=False):
+def _raise_infeasible(prep, infeasible, cluster, memory_budget):
     best = None
     for shape, names, prob, idx, cm, sm in infeasible:
         found = _smallest_valid_budget(prob, sm, above=None if best is None else best[0])
@@ -855,10 +838,10 @@ def _raise_infeasible(prep, infeasible, cluster, budget, offload=False):
             best = (*found, shape, names, idx, cm, sm)
     if best is None:
         raise InfeasiblePlanError(f"no valid plan exists on {cluster.name or cluster.num_devices} devices at any "
-                                  f"budget: the pinned layouts cannot be reached; relax the pins", budget=budget)
+                                  f"budget: the pinned layouts cannot be reached; relax the pins",
+                                  memory_budget=memory_budget)
     need, assignment, shape, names, idx, cm, sm = best
-    prep.runner.run(mesh_passes(shape, offload=offload), prep.gm, f"mesh {shape}")   # the graph holds the last mesh's
-    p = evaluate(prep, idx, assignment, cm, shape, names, cluster, budget, sm)
+    p = evaluate(prep, idx, assignment, cm, shape, names, cluster, memory_budget, sm)
     consumers = [(f"param {k} (+grad, optimizer)", v) for k, v in p.memory["by_param"].items()]
     consumers += [(f"activations of {n['name']}", n["activation_bytes"]) for n in p.nodes]
     consumers = sorted(consumers, key=lambda x: -x[1])[:5]
@@ -869,8 +852,8 @@ def _raise_infeasible(prep, infeasible, cluster, budget, offload=False):
                 f"node of host memory, more than the node's {cluster.host_memory / 1e9:.1f} GB (host_memory): the "
                 f"smallest budget within the host's memory is higher.")
     raise InfeasiblePlanError(
-        f"no plan fits {budget / 2**30:.3f} GiB per device on {cluster.name or cluster.num_devices} "
+        f"no plan fits {memory_budget / 2**30:.3f} GiB per device on {cluster.name or cluster.num_devices} "
         f"(meshes tried: {[list(s) for s, *_ in infeasible]}). The smallest feasible budget is "
         f"{need / 2**30:.3f} GiB ({need:.0f} bytes), on mesh {list(shape)}. Largest consumers there: {top}.{host} "
         f"Raise memory_budget, use more devices, or reduce the batch or sequence length.",
-        budget=budget, min_feasible_budget=need, largest_consumers=consumers)
+        memory_budget=memory_budget, min_feasible_budget=need, largest_consumers=consumers)

@@ -101,7 +101,7 @@ def summary(plan) -> str:
         lines.append(f"  ... {len(sharded) - 12} more")
     lines += offload_lines(plan)
     m = plan.memory
-    lines.append(f"\nmemory per device: peak {_b(m['peak'])} of budget {_b(m.get('budget', 0))} "
+    lines.append(f"\nmemory per device: peak {_b(m['peak'])} of budget {_b(m.get('memory_budget', 0))} "
                  f"(params {_b(m['params'])}, grads {_b(m['grads'])}, optimizer {_b(m['optimizer'])}, "
                  f"activations {_b(m['activations'])})"
                  + ("; nothing offloaded: host and device are one memory on CPU processes"

@@ -2,6 +2,7 @@
 
     python bench/megatron_grid.py              # tensor x data grids
     python bench/megatron_grid.py --pipeline   # pipeline grids for LLaMA-2-70B on 512 and 1024 H100s
+    python bench/megatron_grid.py --fused      # a wide GPT-2 (fused qkv) on 8 H100s: ring traffic
 
 For each model, the Megatron layout (tensor parallel inside a node: attention split by heads, MLP
 split column then row; data parallel across nodes) is forced with pins and priced by the same cost
@@ -76,12 +77,60 @@ def pipeline_grid():
                   f"{auto_seconds if label.startswith('autopar') else 0:>12.1f}", flush=True)
 
 
+# GPT-2's Megatron layout on one tensor-parallel axis: c_attn strided in q, k, v (S(1,3)), then the
+# row-split projection; the MLP column then row; the vocab-parallel embedding, tied to the LM head; the
+# position embedding replicated and looked up whole on every rank (its output, node embedding_1).
+GPT2_TP = {"*.attn.c_attn.weight": ["S(1,3)"], "*.attn.c_attn.bias": ["S(0,3)"], "*.attn.c_proj.weight": ["S(0)"],
+           "*.mlp.c_fc.weight": ["S(1)"], "*.mlp.c_fc.bias": ["S(0)"], "*.mlp.c_proj.weight": ["S(0)"],
+           "transformer.wte.weight": ["S(0)"], "transformer.wpe.weight": ["R"], "embedding_1": ["R"],
+           "input_ids": ["R"], "labels": ["R"]}
+
+
+def ring_traffic(plan, phase=None) -> float:
+    """Bytes a plan's collectives put on each device's ring link: an all-reduce moves its tensor twice
+    (a reduce-scatter and an all-gather), the others once; only ``phase`` (forward, backward) if given."""
+    return sum(c["bytes"] * (2 if c["kind"] == "all_reduce" else 1) for c in plan.collectives
+               if phase is None or c["phase"] == phase)
+
+
+def fused_projections():
+    """A wide GPT-2 (hidden 8192, 64 heads, 2 layers, batch 1 x 2048, bf16, vocabulary padded to
+    50304) planned offline for 8 H100s on one tensor-parallel axis: autopar, autopar without strided
+    layouts (its fused q, k, v split by a plain shard) and Megatron's layout, side by side."""
+    import time
+
+    make = zoo._gpt2(8192, 2, 64, vocab_size=50304, n_positions=2048)
+    with torch.device("meta"):
+        model = make().to(torch.bfloat16)
+    ids = torch.randint(0, 50304, (1, 2048), generator=torch.Generator().manual_seed(0)).to("meta")
+    cluster = autopar.ClusterSpec.preset("8xH100")
+    common = dict(mesh_shape=(8,), progress=False, sharded_outputs=True)
+    rows = []
+    for label, options in (("autopar", {}), ("autopar, no strided layouts", {"skip_passes": ("strided_hints_pass",)}),
+                           ("Megatron (pinned)", {"pins": GPT2_TP})):
+        t0 = time.perf_counter()
+        p = autopar.plan(model, cluster, (ids,), {"labels": ids.clone()}, **common, **options)
+        rows.append((label, p, time.perf_counter() - t0))
+    meg = rows[-1][1]
+    print(f"{'plan':<28} {'fwd MB':>8} {'fwd ratio':>10} {'step MB':>8} {'all-to-alls':>11} {'step (ms)':>10} "
+          f"{'c_attn.weight':>14} {'planning (s)':>12}")
+    for label, p, seconds in rows:
+        a2a = sum(c["kind"] == "all_to_all" for c in p.collectives)
+        print(f"{label:<28} {ring_traffic(p, 'forward') / 1e6:>8.1f} "
+              f"{ring_traffic(p, 'forward') / ring_traffic(meg, 'forward'):>9.3f}x {ring_traffic(p) / 1e6:>8.1f} "
+              f"{a2a:>11} {p.step_time * 1e3:>10.2f} {str(p.params['transformer.h.0.attn.c_attn.weight']):>14} "
+              f"{seconds:>12.1f}", flush=True)
+
+
 def main():
     import sys
 
     logging.getLogger("autopar.rules").setLevel(logging.ERROR)
     if "--pipeline" in sys.argv:
         pipeline_grid()
+        return
+    if "--fused" in sys.argv:
+        fused_projections()
         return
     print(f"{'model':<11} {'cluster':<9} {'plan':<22} {'mesh':<8} {'step (ms)':>10} {'peak GiB':>9} "
           f"{'recomputed':>10} {'step ratio':>11} {'memory ratio':>13}")

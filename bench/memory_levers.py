@@ -71,11 +71,16 @@ def levers(plan) -> str:
 
 
 def train_and_measure(module, opt, call, steps, inputs):
-    """(the slowest rank's median step seconds, the highest rank's peak live bytes)."""
+    """(the slowest rank's median step seconds, the highest rank's peak live bytes).
+
+    Each step holds the model's outputs (the loss and the logits) until it ends, as the memory model
+    assumes of the caller: a loop that keeps only the loss frees the logits after forward, and then
+    measures below the prediction by their bytes."""
     from tests.live_memory import step_peak
 
     def step():
-        call().backward()
+        out = call()
+        out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -100,7 +105,7 @@ def run_autopar(args, layers, cluster, budget):
     pm = autopar.compile(model, cluster, (ids,), {"labels": labels}, memory_budget=budget, progress=False)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
     held = [pm.local_tensor(f) for f in pm.plan.offload]
-    seconds, peak = train_and_measure(pm, opt, lambda: pm(ids, labels=labels).loss, args.steps, (ids, labels, held))
+    seconds, peak = train_and_measure(pm, opt, lambda: pm(ids, labels=labels), args.steps, (ids, labels, held))
     return pm.plan, seconds, peak
 
 
@@ -116,7 +121,7 @@ def run_fsdp2(args, layers, rank, world):
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     local = slice(rank * args.batch // world, (rank + 1) * args.batch // world)
-    return train_and_measure(model, opt, lambda: model(ids[local], labels=labels[local]).loss, args.steps,
+    return train_and_measure(model, opt, lambda: model(ids[local], labels=labels[local]), args.steps,
                              (ids, labels))
 
 

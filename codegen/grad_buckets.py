@@ -26,7 +26,7 @@ def grad_buckets_pass(gm: fx.GraphModule) -> fx.GraphModule:
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     # A ZeRO-2 gradient is reduce-scattered by the runtime once accumulated, an offloaded one copied to
     # host memory: its reductions stay in the program, so that it is complete by then.
-    scattered = {fqn for fqn, stage, _, _ in program_meta(gm).sharded_states if stage >= 2}
+    scattered = {fqn for fqn, stage, *_ in program_meta(gm).sharded_states if stage >= 2}
     scattered |= set(program_meta(gm).offloaded)
     for p, (kind, target) in zip(placeholders, program_meta(gm).placeholders):
         if kind != "param" or not p.users or target in scattered:

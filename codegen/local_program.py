@@ -123,12 +123,15 @@ def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str]
         for st in low.reshards[key]:
             fn = _STEP_FN[st.op]
             group = group_names[st.axis]
+            # A strided shard's groups are passed only where there are some: plain calls read as before.
+            strided = {"groups": st.groups} if st.groups > 1 else {}
             if st.op == "all_gather":
-                x = g.call_function(fn, (x, st.dim, group), {"grad": st.grad})
+                x = g.call_function(fn, (x, st.dim, group), {"grad": st.grad, **strided})
             elif st.op in ("reduce_scatter", "local_chunk"):
-                x = g.call_function(fn, (x, st.dim, group))
+                x = g.call_function(fn, (x, st.dim, group), strided)
             elif st.op == "all_to_all":
-                x = g.call_function(fn, (x, st.dim, st.dst_dim, group))
+                groups = {k: v for k, v in (("src_groups", st.groups), ("dst_groups", st.dst_groups)) if v > 1}
+                x = g.call_function(fn, (x, st.dim, st.dst_dim, group), groups)
             else:
                 x = g.call_function(fn, (x, group))
             set_meta(x, step=st, layer=current["layer"], reader=current["node"])
@@ -162,8 +165,9 @@ def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str]
                     outs.append(env[a] if isinstance(a, fx.Node) else a)
             g.output(pytree.tree_unflatten(outs, spec))
     local = fx.GraphModule(gm, g, class_name="LocalProgram")
-    zero = tuple((fqn, z["stage"], group_names[plan.axis_names.index(z["axis"])], z["dim"])
-                 for fqn, z in plan.zero.items())
+    # A plan without gather buckets (written before they existed) gathers each parameter alone.
+    zero = tuple((fqn, z["stage"], group_names[plan.axis_names.index(z["axis"])], z["dim"],
+                  z.get("bucket", f"own {fqn}")) for fqn, z in plan.zero.items())
     set_program_meta(local, placeholders=tuple(placeholders), output_layouts=tuple(output_layouts),
                      sharded_states=zero, offloaded=tuple(sorted(plan.offload)))
     return local

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.export.graph_signature import InputKind, OutputKind
 
 from autopar.errors import CaptureError
 from autopar.passes.meta import Role, set_meta
+from autopar.passes.unroll import unrolled_capture
 
 
 @dataclass
@@ -32,6 +35,7 @@ class CapturedProgram:
     constant_values: dict[str, torch.Tensor]
     model_class: str
     input_shapes: tuple           # shapes of the flattened user inputs (None for non-tensors)
+    unrolled: str | None = None   # the layer stack built from 2- and 3-layer exports (passes/unroll.py)
 
     def placeholder(self, name: str) -> fx.Node:
         for n in self.gm.graph.nodes:
@@ -44,8 +48,12 @@ def _model_device(model: torch.nn.Module) -> torch.device | None:
     return next((t.device for t in (*model.parameters(), *model.buffers())), None)
 
 
-def capture(model: torch.nn.Module, example_inputs=(), example_kwargs=None) -> CapturedProgram:
-    """Export ``model(*example_inputs, **example_kwargs)`` to an fx graph with fake values."""
+def capture(model: torch.nn.Module, example_inputs=(), example_kwargs=None, *, unroll: bool = True
+            ) -> CapturedProgram:
+    """Export ``model(*example_inputs, **example_kwargs)`` to an fx graph with fake values. With
+    ``unroll``, a model whose layers are a repeated stack is exported with 2 and 3 of its layers and
+    the program of all of them built from those (passes/unroll.py), the same program a whole export
+    gives; any other model, or one whose layers differ, is exported whole."""
     example_kwargs = dict(example_kwargs or {})
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
@@ -56,8 +64,16 @@ def capture(model: torch.nn.Module, example_inputs=(), example_kwargs=None) -> C
     if device is not None:
         example_inputs, example_kwargs = torch.utils._pytree.tree_map_only(
             torch.Tensor, lambda x: x.to(device), (tuple(example_inputs), example_kwargs))
+    export = partial(_export, example_inputs=tuple(example_inputs), example_kwargs=example_kwargs)
+    captured = (unroll and unrolled_capture(model, export)) or export(model)
+    _merge_tied_parameters(model, captured.gm.graph, captured.params)
+    return captured
+
+
+def _export(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict) -> CapturedProgram:
+    """torch.export of the model, its tied parameters not merged yet."""
     try:
-        ep = torch.export.export(model, tuple(example_inputs), example_kwargs, strict=False)
+        ep = torch.export.export(model, example_inputs, example_kwargs, strict=False)
     except Exception as e:
         hint = ""
         if "DynamicCache" in str(e) or "Cache" in type(e).__name__:
@@ -80,12 +96,11 @@ def capture(model: torch.nn.Module, example_inputs=(), example_kwargs=None) -> C
         else:
             inputs.append(node.name)
             set_meta(node, role=Role("input", node.name))
-    _merge_tied_parameters(model, ep.graph, params)
     for spec in sig.output_specs:
         if spec.kind != OutputKind.USER_OUTPUT:
             raise CaptureError(f"{type(model).__name__} mutates state in forward ({spec.kind.name} "
                                f"{spec.target}); autopar captures pure training steps only")
-    flat_inputs = torch.utils._pytree.tree_leaves((tuple(example_inputs), example_kwargs))
+    flat_inputs = torch.utils._pytree.tree_leaves((example_inputs, example_kwargs))
     return CapturedProgram(
         gm=ep.graph_module,
         in_spec=ep.call_spec.in_spec,
@@ -251,6 +266,7 @@ def _rebatched_module(base: fx.GraphModule, other: fx.GraphModule, b0: int, b1: 
         new.args, new.kwargs = same(n.args, o.args), same(n.kwargs, o.kwargs)
         env[n] = new
     graph._codegen = base.graph._codegen
-    gm = fx.GraphModule(attrs, graph, class_name=type(base).__name__)
+    # Lazy: the planner reads the graph and never runs it; the code is generated at the first call.
+    gm = _LazyGraphModule(attrs, graph, class_name=type(base).__name__)
     gm.meta.update(base.meta)
     return gm

@@ -81,6 +81,7 @@ class CostModel:
         self.links = [cluster.axis_link(self.mesh_shape, a) for a in range(len(self.mesh_shape))]
         self._compute_cache: dict = {}
         self._activation_cache: dict = {}
+        self._transition_cache: dict = {}     # a value's (layouts, shape, dtype, grad) -> seconds
 
     # --- compute -------------------------------------------------------------------------------
     def compute_seconds(self, node: fx.Node, s: Strategy) -> float:
@@ -189,10 +190,13 @@ class CostModel:
         """Seconds to bring ``value`` from ``src_layout`` to ``dst_layout``, reducing its gradient over
         ``partial_axes`` on the way back; INFEASIBLE when no resharding can."""
         info = value_info(value)
-        steps = _transition_cached(tuple(src_layout), tuple(dst_layout), info.shape, self.mesh_shape, partial_axes)
-        if steps is None:
-            return INFEASIBLE
-        return self.steps_seconds(steps, info.dtype.itemsize, requires_grad(value.node))
+        key = (tuple(src_layout), tuple(dst_layout), info.shape, info.dtype, requires_grad(value.node), partial_axes)
+        seconds = self._transition_cache.get(key)
+        if seconds is None:
+            steps = _transition_cached(*key[:3], self.mesh_shape, partial_axes)
+            seconds = INFEASIBLE if steps is None else self.steps_seconds(steps, info.dtype.itemsize, key[4])
+            self._transition_cache[key] = seconds
+        return seconds
 
     # --- parameters and memory -----------------------------------------------------------------
     def param_bytes(self, node: fx.Node, layout, zero=None, offload: bool = False) -> tuple[float, float, float]:

@@ -392,32 +392,27 @@ class StepMemory:
 
     # --- bytes of values under the decisions -------------------------------------------------------
     def _choice(self, node):
-        from autopar.passes.problem import key_of
-        from autopar.passes.strategies import root_of
+        from autopar.passes.ilp_build import key_of
 
-        if meta_of(node).strategies is None:
+        if node not in self.idx.strategies:
             return None
-        c = self.idx.choice_of_key[key_of(root_of(node))]
+        c = self.idx.choice_of_key[key_of(self.idx.strategies.root_of(node))]
         return c if self.num_options[c] > 1 else None
 
     def _options(self, c):
         return range(1 if c is None else self.num_options[c])
 
-    @staticmethod
-    def _strategy(node, o):
-        from autopar.passes.problem import strategy_of
+    def _strategy(self, node, o):
+        return self.idx.strategies.strategy_of(node, o) if node in self.idx.strategies else None
 
-        return None if meta_of(node).strategies is None else strategy_of(node, o)
-
-    @staticmethod
-    def _fold_key(v, node=None, k=None):
+    def _fold_key(self, v, node=None, k=None):
         """What the bytes of ``v`` (read by ``node`` as input ``k``) depend on: the value itself, or for
         values and readers inside repeated layers their position in the layer, which every instance of
         the layer shares with its decisions and strategies (passes.layers)."""
-        from autopar.passes.problem import key_of
+        from autopar.passes.ilp_build import key_of
         from autopar.passes.strategies import value_info
 
-        ka = key_of(v.node) if meta_of(v.node).strategies is not None else None
+        ka = key_of(v.node) if v.node in self.idx.strategies else None
         kb = None if node is None else key_of(node)
         if ka is None or ka[0] != "L" or (kb is not None and kb[0] != "L"):
             return (v, node, k)
@@ -523,14 +518,6 @@ class StepMemory:
         q, r = _one(c, table), _one(c, again)
         return (None, None) if q.zero() else (q, None if r.zero() else r)
 
-    def _contiguous_shard(self, node, s) -> bool:
-        """Whether a ZeRO shard is a contiguous block of the parameter's local tensor: no dim before
-        its own is larger than one."""
-        from autopar.layout import local_shape
-
-        shape = local_shape(tuple(node.meta["val"].shape), s.outputs[0], self.cm.mesh_shape)
-        return all(k == 1 for k in shape[:s.zero.dim])
-
     def _per_work(self, node, nbytes: float) -> Bytes:
         """Bytes private to an op (norm statistics, a log-softmax): they scale with its share of the
         work, not with its output (a loss over sharded tokens has a Partial scalar output)."""
@@ -625,11 +612,10 @@ class StepMemory:
                     scatter[n] = (_one(c, [k[1] if z else 0.0 for k, z in zip(kept, z2)]),
                                   _one(c, [f[1] if z else 0.0 for f, z in zip(full, z2)]))
                 if any(s.zero is not None for s in opts):
-                    # After the step the updated shards are all-gathered into a new tensor, then copied
-                    # into the parameter; a shard that is not a contiguous block is copied first.
-                    gathers[n] = _one(c, [0.0 if s.zero is None else
-                                          f[0] * (1 + (0 if self._contiguous_shard(n, s) else 1 / k))
-                                          for s, f, k in zip(opts, full, shards)])
+                    # After the step the updated shards of a bucket are copied into one flat buffer and
+                    # all-gathered into a new one, then copied into the parameters.
+                    gathers[n] = (_one(c, [0.0 if s.zero is None else f[0] * (1 + 1 / k)
+                                           for s, f, k in zip(opts, full, shards)]), max(f[0] for f in full))
             else:
                 add((_T, 1, Bytes(None, None, float(val.numel() * val.element_size()))))
 
@@ -900,10 +886,15 @@ class StepMemory:
                 previous = g
             if previous is not None:
                 add((_T, -1, previous))
-        for n, q in gathers.items():
-            add((_T, 1, q))
-            self.points.append((len(self.events), "optimizer", f"all_gather {meta_of(n).role.target}"))
-            add((_T, -1, q))
+        buckets = zero_gather_buckets([(n, whole) for n, (_, whole) in gathers.items()])
+        self.gather_bucket = {n: b for b, members in enumerate(buckets) for n in members}
+        for members in buckets:
+            for n in members:
+                add((_T, 1, gathers[n][0]))
+            self.points.append((len(self.events), "optimizer",
+                                f"all_gather {', '.join(meta_of(n).role.target for n in members)}"))
+            for n in members:
+                add((_T, -1, gathers[n][0]))
 
     # --- evaluation ---------------------------------------------------------------------------------
     def walk(self, assignment: Sequence[int]) -> list[StepPoint]:
@@ -928,7 +919,7 @@ class StepMemory:
         """Point ``k`` as a memory constraint of the solver: its live bytes as terms of the decisions."""
         return self.constraints([k])[0]
 
-    def host_constraint(self, budget: float):
+    def host_constraint(self, memory_budget: float):
         """Offloaded optimizer states within a device's share of its node's host memory, as a memory
         constraint of the solver: its bytes are scaled so that the share meets ``budget``, the limit
         every memory constraint shares. None when nothing can be offloaded."""
@@ -937,7 +928,7 @@ class StepMemory:
         if not self._host:
             return None
         c = self.cm.cluster
-        scale = budget / (c.host_memory / c.devices_per_node)
+        scale = memory_budget / (c.host_memory / c.devices_per_node)
         return MemoryConstraint("host memory of offloaded optimizer states",
                                 tuple((ch, tuple(v * scale for v in table)) for ch, table in self._host.items()))
 
@@ -975,6 +966,24 @@ class StepMemory:
             made[k] = MemoryConstraint(f"{phase} {name} (point {k})", tuple((c, tuple(v)) for c, v in terms.items()),
                                        constant, tuple((a, b, tuple(map(tuple, m))) for (a, b), m in pairs.items()))
         return [made[k] for k in ks]
+
+
+# The post-step all-gathers of ZeRO-1/2 parameters run a bucket at a time (DDP's bucket size).
+ZERO_GATHER_BUCKET_BYTES = 25 * 2**20
+
+
+def zero_gather_buckets(candidates) -> list[list]:
+    """Parameters that may be ZeRO-1/2-sharded, as (parameter, its largest local bytes), in order,
+    packed into buckets of about ``ZERO_GATHER_BUCKET_BYTES``. The buckets do not depend on which of them
+    the plan shards, so the memory each bucket's gather holds is a sum of one term per parameter."""
+    buckets, size = [], 0.0
+    for n, nbytes in candidates:
+        if not buckets or size >= ZERO_GATHER_BUCKET_BYTES:
+            buckets.append([])
+            size = 0.0
+        buckets[-1].append(n)
+        size += nbytes
+    return buckets
 
 
 def _memoized(f):
@@ -1054,7 +1063,7 @@ def _initial_points(sm: StepMemory, problem) -> list[int]:
         picks.add(fwd[-1])
     if bwd:
         picks.add(bwd[0])
-    free = dataclasses.replace(problem, memory=[], memory_limit=None)
+    free = dataclasses.replace(problem, memory=[], memory_budget=None)
     walk = sm.walk(greedy(free))
     picks.add(max(range(len(walk)), key=lambda k: walk[k].total))
     opt = [k for k, ph in enumerate(phases) if ph == "optimizer"]
@@ -1063,11 +1072,11 @@ def _initial_points(sm: StepMemory, problem) -> list[int]:
     return sorted(picks)
 
 
-def _over_budget(walk, budget: float, have: set) -> list[int]:
+def _over_budget(walk, memory_budget: float, have: set) -> list[int]:
     """The points to add to the solver's constraints after a solve whose step goes over ``budget``:
     the highest point of each stretch of consecutive points over it (one solve then learns every
     stretch at once; the rest of a stretch usually falls with its highest point), skipping those held."""
-    cap = budget * (1 + 1e-9)
+    cap = memory_budget * (1 + 1e-9)
     out, run = [], None
     for k, p in enumerate(walk):
         t = p.total
@@ -1082,7 +1091,7 @@ def _over_budget(walk, budget: float, have: set) -> list[int]:
     return [k for k in out if k not in have]
 
 
-def solve_under_budget(problem, sm: StepMemory, budget: float, *, time_limit: float = 60.0, bound=None,
+def solve_under_budget(problem, sm: StepMemory, memory_budget: float, *, time_limit: float = 60.0, bound=None,
                        node_limit: int | None = None):
     """The fastest assignment whose step peak (``sm.peak``) fits ``budget``: solve with the memory
     constraints of a few candidate points, walk the step, add the points over the budget (the highest
@@ -1092,10 +1101,10 @@ def solve_under_budget(problem, sm: StepMemory, budget: float, *, time_limit: fl
     from autopar.errors import AutoparError
     from autopar.solver import solve
 
-    problem.memory_limit = budget
+    problem.memory_budget = memory_budget
     have = set(_initial_points(sm, problem))
     problem.memory = sm.constraints(sorted(have))
-    host = sm.host_constraint(budget)
+    host = sm.host_constraint(memory_budget)
     if host is not None:
         problem.memory.append(host)
     for _ in range(_MAX_ROUNDS):
@@ -1104,17 +1113,17 @@ def solve_under_budget(problem, sm: StepMemory, budget: float, *, time_limit: fl
             return sol
         walk = sm.walk(sol.assignment)
         k = max(range(len(walk)), key=lambda i: walk[i].total)
-        if walk[k].total <= budget * (1 + 1e-9):
+        if walk[k].total <= memory_budget * (1 + 1e-9):
             return sol
-        add = _over_budget(walk, budget, have)
+        add = _over_budget(walk, memory_budget, have)
         if k in have or not add:
             raise AutoparError(f"memory point {sm.points[k][1]} {sm.points[k][2]!r} is over the budget although "
-                               f"the solver was held to it ({walk[k].total:.0f} > {budget:.0f} bytes); please "
+                               f"the solver was held to it ({walk[k].total:.0f} > {memory_budget:.0f} bytes); please "
                                f"report this")
-        log.debug("step peak %.0f over the budget %.0f: memory points %s join", walk[k].total, budget, add)
+        log.debug("step peak %.0f over the budget %.0f: memory points %s join", walk[k].total, memory_budget, add)
         have.update(add)
         problem.memory.extend(sm.constraints(add))
-    raise AutoparError(f"no layout within {budget:.0f} bytes was proven after {_MAX_ROUNDS} rounds of memory "
+    raise AutoparError(f"no layout within {memory_budget:.0f} bytes was proven after {_MAX_ROUNDS} rounds of memory "
                        f"points; raise the budget")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch.fx as fx
 
@@ -60,8 +60,9 @@ class AutoparMeta:
     requires_grad: bool = False           # whether a gradient flows through this value
     copies: bool = False                  # a view op (reshape of a non-contiguous tensor) that copies
     signature: tuple | None = None        # what strategies and costs depend on (passes.strategies)
-    strategies: Any = None                # passes.strategies.StrategySet under the current mesh
     refused: tuple[str, ...] = ()         # why rule options were refused here (named in pin errors)
+    strided: tuple[tuple[int, int], ...] = ()   # (output dim, groups): strided shards a consumer can
+                                          # use (passes/strided.py)
     # In a rank's local program (codegen):
     source: str | None = None             # the planned node this node computes
     step: Any = None                      # the resharding step (passes.resharding.Step) it runs
@@ -71,7 +72,8 @@ class AutoparMeta:
 
 @dataclass(frozen=True)
 class ProgramMeta:
-    """What codegen records on a rank's local program, under ``gm.meta["autopar"]``."""
+    """What codegen records on a rank's local program, under ``gm.meta["autopar"]``, and the planner's
+    per-mesh strategies on the graph it plans."""
 
     placeholders: tuple = ()              # (kind, target) per placeholder, in call order
     output_layouts: tuple = ()            # per returned tensor: its layout (all-R unless kept sharded)
@@ -79,10 +81,13 @@ class ProgramMeta:
     grad_reductions: tuple = ()           # (parameter, group name, uses) whose gradient the runtime
                                           # reduces in buckets (codegen/grad_buckets.py), in backward
                                           # order, in place of one reduction per use
-    sharded_states: tuple = ()            # (parameter, ZeRO stage, group name, dim) of every parameter
-                                          # whose optimizer state the runtime shards (runtime/zero.py)
+    sharded_states: tuple = ()            # (parameter, ZeRO stage, group name, dim, gather bucket) of every
+                                          # parameter whose optimizer state the runtime shards (runtime/zero.py)
     offloaded: tuple = ()                 # parameters whose gradient the runtime copies to host memory
                                           # once complete (runtime/offload.py)
+    # On the graph the planner searches: mesh shape -> passes.strategies.MeshStrategies, one per
+    # candidate mesh strategies_pass ran for
+    strategies: Mapping[tuple, Any] = dataclasses.field(default_factory=dict)
 
 
 _EMPTY = AutoparMeta()

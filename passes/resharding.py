@@ -31,6 +31,8 @@ class Step:
     grad: str = "none"            # all_gather only: "reduce_scatter" or "slice"
     in_shape: tuple = ()          # local shape before the step
     out_shape: tuple = ()         # local shape after the step
+    groups: int = 1               # a strided shard's groups along ``dim`` (S(dim,groups))
+    dst_groups: int = 1           # all_to_all only: the groups along ``dst_dim``
 
     def collectives(self, itemsize: int, needs_grad: bool) -> list[tuple[str, str, int]]:
         """(kind, phase, bytes per device) this step runs. Bytes follow REFERENCES.md: the gathered
@@ -57,7 +59,7 @@ def transition(src: Sequence[Placement], dst: Sequence[Placement], local_src_sha
     shape = list(local_src_shape)
     steps: list[Step] = []
 
-    def emit(op, axis, dim=None, dst_dim=None):
+    def emit(op, axis, dim=None, dst_dim=None, groups=1, dst_groups=1):
         nonlocal shape
         before = tuple(shape)
         n = mesh_shape[axis]
@@ -68,18 +70,20 @@ def transition(src: Sequence[Placement], dst: Sequence[Placement], local_src_sha
         elif op == "all_to_all":
             shape[dim] *= n
             shape[dst_dim] //= n
-        steps.append(Step(op, axis, dim, dst_dim, in_shape=before, out_shape=tuple(shape)))
+        steps.append(Step(op, axis, dim, dst_dim, in_shape=before, out_shape=tuple(shape), groups=groups,
+                          dst_groups=dst_groups))
 
     for a, (s, d) in enumerate(zip(src, dst)):
         if d.is_partial and not s.is_partial:
             return None
-    # 1. Remove shards and reductions that the target does not keep.
+    # 1. Remove shards and reductions that the target does not keep; a shard that the target keeps on
+    # its dim with other groups is gathered and cut again (step 3).
     for a, (s, d) in enumerate(zip(src, dst)):
         if s == d:
             continue
-        if s.is_shard and d.is_replicate:
-            emit("all_gather", a, s.dim)
-            cur[a] = d
+        if s.is_shard and (d.is_replicate or (d.is_shard and d.dim == s.dim)):
+            emit("all_gather", a, s.dim, groups=s.groups)
+            cur[a] = Placement("R")
         elif s.is_partial and d.is_replicate:
             emit("all_reduce", a)
             cur[a] = d
@@ -87,19 +91,19 @@ def transition(src: Sequence[Placement], dst: Sequence[Placement], local_src_sha
     for a, (s, d) in enumerate(zip(src, dst)):
         if s.is_shard and d.is_shard and s.dim != d.dim:
             if any(p.is_shard and p.dim == d.dim for b, p in enumerate(cur) if b != a):
-                emit("all_gather", a, s.dim)
+                emit("all_gather", a, s.dim, groups=s.groups)
                 cur[a] = Placement("R")
             else:
-                emit("all_to_all", a, s.dim, d.dim)
+                emit("all_to_all", a, s.dim, d.dim, s.groups, d.groups)
                 cur[a] = d
     # 3. Add shards: a free local slice of a replicated value, or a reduce-scatter of a partial one.
     for a, d in enumerate(dst):
         if cur[a] == d:
             continue
         if cur[a].is_replicate and d.is_shard:
-            emit("local_chunk", a, d.dim)
+            emit("local_chunk", a, d.dim, groups=d.groups)
         elif cur[a].is_partial and d.is_shard:
-            emit("reduce_scatter", a, d.dim)
+            emit("reduce_scatter", a, d.dim, groups=d.groups)
         else:
             raise AssertionError(f"unhandled resharding {cur[a]} -> {d} on axis {a}")
         cur[a] = d

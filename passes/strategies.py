@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from autopar.layout import R, S, divides, format_layout, local_shape
-from autopar.passes.meta import meta_of, set_meta
+from autopar.passes.meta import meta_of, program_meta, set_meta, set_program_meta
 from autopar.passes.rules import (AxisOption, TensorInfo, axis_options, context_for, output_infos)
 from autopar.passes.runner import requires
 
@@ -58,9 +58,72 @@ class Strategy:
 
 @dataclass(frozen=True)
 class StrategySet:
-    strategies: tuple[Strategy, ...]
+    """A node's candidate strategies, indexed by strategy index (``sset[i]``, ``len(sset)``)."""
+
+    candidates: tuple[Strategy, ...]
     follows: fx.Node | None = None           # the node whose choice fixes this one's
     follow_map: tuple[int, ...] = ()         # producer strategy index -> own strategy index
+
+    def __getitem__(self, index: int) -> Strategy:
+        return self.candidates[index]
+
+    def __len__(self) -> int:
+        return len(self.candidates)
+
+    def __iter__(self):
+        return iter(self.candidates)
+
+
+@dataclass(frozen=True)
+class MeshStrategies:
+    """The ``StrategySet`` of every placeholder and call_function node on one mesh, in graph order: a
+    value ``strategies_pass`` makes per candidate mesh (``strategies_on``), so no mesh's overwrite
+    another's."""
+
+    mesh_shape: tuple
+    sets: dict                               # node -> its StrategySet
+
+    def __getitem__(self, node: fx.Node) -> StrategySet:
+        return self.sets[node]
+
+    def __contains__(self, node) -> bool:
+        return node in self.sets
+
+    def __iter__(self):
+        return iter(self.sets)
+
+    def root_of(self, node: fx.Node) -> fx.Node:
+        """The node whose decision fixes ``node``'s strategy (``node`` itself unless it follows one)."""
+        while self.sets[node].follows is not None:
+            node = self.sets[node].follows
+        return node
+
+    def strategy_under_root(self, node: fx.Node, root_option: int) -> int:
+        """The strategy index ``node`` takes when its root's decision takes option ``root_option``."""
+        chain = []
+        while self.sets[node].follows is not None:
+            chain.append(node)
+            node = self.sets[node].follows
+        idx = root_option
+        for n in reversed(chain):
+            idx = self.sets[n].follow_map[idx]
+        return idx
+
+    def strategy_of(self, node: fx.Node, root_option: int) -> Strategy:
+        """The strategy ``node`` takes when its root's decision takes option ``root_option``."""
+        return self.sets[node][self.strategy_under_root(node, root_option)]
+
+
+def strategies_on(gm: fx.GraphModule, mesh_shape) -> MeshStrategies:
+    """The strategies ``strategies_pass`` made for ``mesh_shape`` on ``gm``."""
+    found = program_meta(gm).strategies.get(tuple(mesh_shape))
+    if found is None:
+        from autopar.errors import AutoparError
+
+        raise AutoparError(f"no strategies for mesh {tuple(mesh_shape)} on this graph (meshes with strategies: "
+                           f"{sorted(program_meta(gm).strategies)}); run strategies_pass for it first, and do not "
+                           f"skip it")
+    return found
 
 
 @dataclass(frozen=True)
@@ -137,7 +200,9 @@ def _placeholder_strategies(node: fx.Node, mesh_shape, zero: bool = False, offlo
     if role is None or role.kind in ("buffer", "constant"):
         per_axis = [[R]]
     else:
-        per_axis = [[R] + [S(d) for d in range(len(shape)) if shape[d] > 1]]
+        # A weight a fused projection reads strided (passes/strided.py) may also be laid out so.
+        per_axis = [[R] + [S(d) for d in range(len(shape)) if shape[d] > 1]
+                    + [S(d, groups) for d, groups in meta_of(node).strided if shape[d] > 1]]
     out = []
     for combo in itertools.product(*[per_axis[0] if n > 1 else [R] for n in mesh_shape]):
         if _distinct_dims(combo) and divides(shape, combo, mesh_shape):
@@ -200,7 +265,7 @@ def signature(node: fx.Node) -> tuple:
 
         role = meta_of(node).role
         sig = (node.op, str(node.target), arg(node.args), tuple((k, arg(v)) for k, v in node.kwargs.items()),
-               role.kind if role else None, _val_sig(node.meta.get("val")))
+               role.kind if role else None, _val_sig(node.meta.get("val")), meta_of(node).strided)
         set_meta(node, signature=sig)
     return sig
 
@@ -246,7 +311,7 @@ def _node_strategies(node: fx.Node, mesh_shape, zero: bool = False, offload: boo
 def _getitem_strategies(node: fx.Node, producer: StrategySet) -> StrategySet:
     idx = node.args[1]
     strategies, follow = [], []
-    for s in producer.strategies:
+    for s in producer:
         lay = s.outputs[idx]
         st = Strategy((lay,), (lay,), (False,) * len(lay))
         if st not in strategies:
@@ -257,7 +322,7 @@ def _getitem_strategies(node: fx.Node, producer: StrategySet) -> StrategySet:
 
 def _try_follow(node: fx.Node, own: list[Strategy], producer_set: StrategySet, v: Value):
     follow = []
-    for s in producer_set.strategies:
+    for s in producer_set:
         lay = s.outputs[v.index] if s.outputs else None
         match = next((j for j, t in enumerate(own) if t.inputs[0] == lay), None)
         if match is None:
@@ -268,10 +333,11 @@ def _try_follow(node: fx.Node, own: list[Strategy], producer_set: StrategySet, v
 
 @requires("mark_requires_grad_pass")
 def strategies_pass(gm: fx.GraphModule, mesh_shape, zero: bool = True, offload: bool = False) -> fx.GraphModule:
-    """Write a ``StrategySet`` on every placeholder and call_function node. With ``zero``, a parameter
-    replicated along an axis may also shard its optimizer state there (ZeRO-1) and its gradient
-    (ZeRO-2): one more option per stage and axis (``ZeroState``). With ``offload``, a parameter may
-    also keep its optimizer state in host memory: one more option per layout.
+    """Make the ``StrategySet`` of every placeholder and call_function node on mesh ``mesh_shape``, kept
+    under that mesh in the graph's program meta (``strategies_on``) beside other meshes'. With ``zero``,
+    a parameter replicated along an axis may also shard its optimizer state there (ZeRO-1) and its
+    gradient (ZeRO-2): one more option per stage and axis (``ZeroState``). With ``offload``, a parameter
+    may also keep its optimizer state in host memory: one more option per layout.
 
     The copies of a repeated layer share one decision per position, so they must offer the same
     strategies. They can differ where a strategy is reachable from one copy's outside input and not
@@ -280,41 +346,45 @@ def strategies_pass(gm: fx.GraphModule, mesh_shape, zero: bool = True, offload: 
     mesh_shape = tuple(mesh_shape)
     drop: dict = {}
     while True:
-        _assign_strategies(gm, mesh_shape, drop, zero, offload)
-        extra = _disagreeing_copies(gm)
+        sets = _assign_strategies(gm, mesh_shape, drop, zero, offload)
+        extra = _disagreeing_copies(gm, sets)
         if not extra:
+            set_program_meta(gm, strategies={**program_meta(gm).strategies,
+                                             mesh_shape: MeshStrategies(mesh_shape, sets)})
             return gm
         for key, bad in extra.items():
             drop.setdefault(key, set()).update(bad)
 
 
-def _assign_strategies(gm, mesh_shape, drop: dict, zero: bool, offload: bool = False) -> None:
+def _assign_strategies(gm, mesh_shape, drop: dict, zero: bool, offload: bool = False) -> dict:
     cache: dict = {}
+    sets: dict = {}
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", "call_function"):
             continue
         if node.target is operator.getitem:
-            set_meta(node, strategies=_getitem_strategies(node, meta_of(node.args[0]).strategies))
+            sets[node] = _getitem_strategies(node, sets[node.args[0]])
             continue
         ins = input_values(node) if node.op == "call_function" else []
-        own = _reachable(node_strategies(node, mesh_shape, cache, zero, offload), ins)
+        own = _reachable(node_strategies(node, mesh_shape, cache, zero, offload), ins, sets)
         tag = meta_of(node).layer
         bad = drop.get((tag.cls, tag.index)) if tag is not None else None
         if bad:
             own = [s for s in own if s not in bad]
         sset = None
         if len(ins) == 1 and ins[0].node.op != "placeholder" and _same_layer(node, ins[0].node):
-            sset = _try_follow(node, own, meta_of(ins[0].node).strategies, ins[0])
-        set_meta(node, strategies=sset or StrategySet(tuple(own)))
+            sset = _try_follow(node, own, sets[ins[0].node], ins[0])
+        sets[node] = sset or StrategySet(tuple(own))
+    return sets
 
 
-def _disagreeing_copies(gm) -> dict:
+def _disagreeing_copies(gm, sets: dict) -> dict:
     """(layer class, position) -> the strategies some copies offer there and others do not."""
     offered: dict = {}
-    for node in gm.graph.nodes:
-        tag = meta_of(node).layer if node.op in ("placeholder", "call_function") else None
-        if tag is not None and meta_of(node).strategies is not None:
-            offered.setdefault((tag.cls, tag.index), []).append(meta_of(node).strategies.strategies)
+    for node, sset in sets.items():
+        tag = meta_of(node).layer
+        if tag is not None:
+            offered.setdefault((tag.cls, tag.index), []).append(sset.candidates)
     out = {}
     for key, lists in offered.items():
         if any(lst != lists[0] for lst in lists):
@@ -330,30 +400,12 @@ def _same_layer(a: fx.Node, b: fx.Node) -> bool:
     return (ta.layer if ta else None) == (tb.layer if tb else None)
 
 
-def _reachable(strategies: list[Strategy], ins: list[Value]) -> list[Strategy]:
+def _reachable(strategies: list[Strategy], ins: list[Value], sets: dict) -> list[Strategy]:
     """Drop strategies that need a Partial input its producer can never give: no resharding makes a
     Partial out of anything else."""
     partial_ok = []
     for v in ins:
-        sset = meta_of(v.node).strategies
-        partial_ok.append({a for s in sset.strategies for a, p in enumerate(s.outputs[v.index]) if p.is_partial})
+        sset = sets[v.node]
+        partial_ok.append({a for s in sset for a, p in enumerate(s.outputs[v.index]) if p.is_partial})
     return [s for s in strategies
             if all(not p.is_partial or a in partial_ok[k] for k, lay in enumerate(s.inputs) for a, p in enumerate(lay))]
-
-
-def root_of(node: fx.Node) -> fx.Node:
-    while meta_of(node).strategies.follows is not None:
-        node = meta_of(node).strategies.follows
-    return node
-
-
-def strategy_under_root(node: fx.Node, root_option: int) -> int:
-    """The strategy index ``node`` takes when its root decision takes ``root_option``."""
-    chain = []
-    while meta_of(node).strategies.follows is not None:
-        chain.append(node)
-        node = meta_of(node).strategies.follows
-    idx = root_option
-    for n in reversed(chain):
-        idx = meta_of(n).strategies.follow_map[idx]
-    return idx

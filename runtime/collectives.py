@@ -10,6 +10,8 @@ defines the backward from the gradient convention:
 - the gradient of a Partial value is replicated (each partial term gets the full gradient).
 
 Shards are equal, contiguous blocks in rank order, so a sharded dim must divide by the group size.
+A strided shard (``groups=k``, autopar.layout's ``S(d,k)``) cuts the dim into ``k`` equal groups first:
+a rank's shard is its block of every group, the groups one after another.
 The group is resolved on every call rather than cached: the lookup costs about a microsecond, and
 c10d reuses group names after ``destroy_process_group``, so a cache keyed by name could go stale.
 """
@@ -61,24 +63,35 @@ def _dim(x: torch.Tensor, dim: int) -> int:
     return dim % x.dim()
 
 
-def _check_divisible(op: str, x: torch.Tensor, dim: int, size: int, name: str) -> None:
-    if x.size(dim) % size:
+def _check_divisible(op: str, x: torch.Tensor, dim: int, size: int, name: str, groups: int = 1) -> None:
+    if x.size(dim) % (size * groups):
+        strided = f" in {groups} groups" if groups > 1 else ""
         raise IndivisibleDimError(
             f"{op}: dim {dim} of a tensor of shape {tuple(x.shape)} has size {x.size(dim)}, "
-            f"which does not divide by the group size {size} (group {name!r}); "
+            f"which does not divide by the group size {size}{strided} (group {name!r}); "
             f"pad that dim or choose a layout that does not shard it"
         )
 
 
-def _blocks(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+def _check_groups(op: str, groups: int) -> None:
+    if not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"{op}: groups={groups!r}; a strided shard has a positive int number of groups")
+
+
+def _blocks(x: torch.Tensor, dim: int, size: int, groups: int = 1) -> torch.Tensor:
     """``x`` split along ``dim`` into ``size`` blocks stacked on a new, contiguous dim 0:
-    the layout in which the c10d ops send block r to rank r."""
-    return x.unflatten(dim, (size, -1)).movedim(dim, 0).contiguous()
+    the layout in which the c10d ops send block r to rank r. With ``groups`` block r is the r-th
+    block of each of the dim's ``groups`` groups, in group order (a strided shard)."""
+    if groups == 1:
+        return x.unflatten(dim, (size, -1)).movedim(dim, 0).contiguous()
+    return x.unflatten(dim, (groups, size, -1)).movedim(dim + 1, 0).flatten(dim + 1, dim + 2).contiguous()
 
 
-def _unblocks(y: torch.Tensor, dim: int) -> torch.Tensor:
+def _unblocks(y: torch.Tensor, dim: int, groups: int = 1) -> torch.Tensor:
     """Inverse of ``_blocks``: concatenate the blocks on dim 0 of ``y`` along ``dim``."""
-    return y.movedim(0, dim).flatten(dim, dim + 1)
+    if groups == 1:
+        return y.movedim(0, dim).flatten(dim, dim + 1)
+    return y.unflatten(dim + 1, (groups, -1)).movedim(0, dim + 1).flatten(dim, dim + 2)
 
 
 def _start_gather(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
@@ -86,29 +99,29 @@ def _start_gather(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
     return _ops.all_gather_into_tensor(x.contiguous(), size, name)
 
 
-def _start_reduce_scatter(x: torch.Tensor, dim: int, size: int, name: str) -> torch.Tensor:
+def _start_reduce_scatter(x: torch.Tensor, dim: int, size: int, name: str, *, groups: int = 1) -> torch.Tensor:
     """Issue a sum reduce-scatter of ``x``'s blocks along ``dim``; the result has a leading dim of 1."""
-    return _ops.reduce_scatter_tensor(_blocks(x, dim, size), "sum", size, name)
+    return _ops.reduce_scatter_tensor(_blocks(x, dim, size, groups), "sum", size, name)
 
 
 def _start_all_reduce(x: torch.Tensor, name: str, *, op: str = "sum") -> torch.Tensor:
     return _ops.all_reduce(x.contiguous(), op, name)
 
 
-def _start_all_to_all(x: torch.Tensor, dst_dim: int, size: int, name: str) -> torch.Tensor:
+def _start_all_to_all(x: torch.Tensor, dst_dim: int, size: int, name: str, *, dst_groups: int = 1) -> torch.Tensor:
     """Issue an all-to-all sending block r of ``x`` along ``dst_dim`` to rank r; the result stacks the
     received blocks on a new dim 0."""
     splits = [1] * size
-    return _ops.all_to_all_single(_blocks(x, dst_dim, size), splits, splits, name)
+    return _ops.all_to_all_single(_blocks(x, dst_dim, size, dst_groups), splits, splits, name)
 
 
-def _gather(x: torch.Tensor, dim: int, size: int, name: str) -> torch.Tensor:
+def _gather(x: torch.Tensor, dim: int, size: int, name: str, groups: int = 1) -> torch.Tensor:
     y = _ops.wait_tensor(_start_gather(x, size, name))
-    return y if dim == 0 else _unblocks(y.view(size, *x.shape), dim)
+    return y if dim == 0 and groups == 1 else _unblocks(y.view(size, *x.shape), dim, groups)
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, size: int, name: str) -> torch.Tensor:
-    return _ops.wait_tensor(_start_reduce_scatter(x, dim, size, name)).squeeze(0)
+def _reduce_scatter(x: torch.Tensor, dim: int, size: int, name: str, groups: int = 1) -> torch.Tensor:
+    return _ops.wait_tensor(_start_reduce_scatter(x, dim, size, name, groups=groups)).squeeze(0)
 
 
 def _all_reduce(x: torch.Tensor, name: str, *, op: str = "sum") -> torch.Tensor:
@@ -133,43 +146,48 @@ def _released(y: torch.Tensor) -> torch.Tensor:
     return y.new_empty(0).set_(y)
 
 
-def _chunk(x: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
-    n = x.size(dim) // size
-    return x.narrow(dim, rank * n, n)
+def _chunk(x: torch.Tensor, dim: int, rank: int, size: int, groups: int = 1) -> torch.Tensor:
+    """This rank's block of ``x`` along ``dim``: a view, or with ``groups`` its blocks of every group
+    (a copy)."""
+    if groups == 1:
+        n = x.size(dim) // size
+        return x.narrow(dim, rank * n, n)
+    return x.unflatten(dim, (groups, size, -1)).select(dim + 1, rank).flatten(dim, dim + 1)
 
 
-def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, size: int, name: str) -> torch.Tensor:
+def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, size: int, name: str, src_groups: int = 1,
+                dst_groups: int = 1) -> torch.Tensor:
     # Block r of the result is rank r's src_dim shard of this rank's dst_dim block.
-    return _unblocks(_ops.wait_tensor(_start_all_to_all(x, dst_dim, size, name)), src_dim)
+    return _unblocks(_ops.wait_tensor(_start_all_to_all(x, dst_dim, size, name, dst_groups=dst_groups)), src_dim, src_groups)
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, name, grad):
+    def forward(ctx, x, dim, name, grad, groups):
         rank, size = _group(name)
-        ctx.args = dim, name, grad, rank, size
-        return _released(_gather(x, dim, size, name))
+        ctx.args = dim, name, grad, rank, size, groups
+        return _released(_gather(x, dim, size, name, groups))
 
     @staticmethod
     def backward(ctx, g):
-        dim, name, grad, rank, size = ctx.args
+        dim, name, grad, rank, size, groups = ctx.args
         if grad == "slice":
-            return _chunk(g, dim, rank, size), None, None, None
-        return _reduce_scatter(g, dim, size, name), None, None, None
+            return _chunk(g, dim, rank, size, groups), None, None, None, None
+        return _reduce_scatter(g, dim, size, name, groups), None, None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, name):
+    def forward(ctx, x, dim, name, groups):
         _, size = _group(name)
-        _check_divisible("reduce_scatter", x, dim, size, name)
-        ctx.args = dim, name, size
-        return _reduce_scatter(x, dim, size, name)
+        _check_divisible("reduce_scatter", x, dim, size, name, groups)
+        ctx.args = dim, name, size, groups
+        return _reduce_scatter(x, dim, size, name, groups)
 
     @staticmethod
     def backward(ctx, g):
-        dim, name, size = ctx.args
-        return _gather(g, dim, size, name), None, None
+        dim, name, size, groups = ctx.args
+        return _gather(g, dim, size, name, groups), None, None, None
 
 
 class _AllReduce(torch.autograd.Function):
@@ -195,34 +213,35 @@ class _GradAllReduce(torch.autograd.Function):
 
 class _LocalChunk(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, name):
+    def forward(ctx, x, dim, name, groups):
         rank, size = _group(name)
-        _check_divisible("local_chunk", x, dim, size, name)
-        ctx.args = dim, name, size
-        return _chunk(x, dim, rank, size)
+        _check_divisible("local_chunk", x, dim, size, name, groups)
+        ctx.args = dim, name, size, groups
+        return _chunk(x, dim, rank, size, groups)
 
     @staticmethod
     def backward(ctx, g):
-        dim, name, size = ctx.args
-        return _gather(g, dim, size, name), None, None
+        dim, name, size, groups = ctx.args
+        return _gather(g, dim, size, name, groups), None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, src_dim, dst_dim, name):
+    def forward(ctx, x, src_dim, dst_dim, name, src_groups, dst_groups):
         _, size = _group(name)
-        _check_divisible("all_to_all", x, dst_dim, size, name)
-        ctx.args = src_dim, dst_dim, name, size
-        return _released(_all_to_all(x, src_dim, dst_dim, size, name))
+        _check_divisible("all_to_all", x, dst_dim, size, name, dst_groups)
+        ctx.args = src_dim, dst_dim, name, size, src_groups, dst_groups
+        return _released(_all_to_all(x, src_dim, dst_dim, size, name, src_groups, dst_groups))
 
     @staticmethod
     def backward(ctx, g):
-        src_dim, dst_dim, name, size = ctx.args
-        return _all_to_all(g, dst_dim, src_dim, size, name), None, None, None
+        src_dim, dst_dim, name, size, src_groups, dst_groups = ctx.args
+        return _all_to_all(g, dst_dim, src_dim, size, name, dst_groups, src_groups), None, None, None, None, None
 
 
-def all_gather(x: torch.Tensor, dim: int, group_name: str, grad: str = "reduce_scatter") -> torch.Tensor:
-    """S(dim) -> R: concatenate every rank's ``x`` along ``dim`` in rank order.
+def all_gather(x: torch.Tensor, dim: int, group_name: str, grad: str = "reduce_scatter", groups: int = 1) -> torch.Tensor:
+    """S(dim) -> R: concatenate every rank's ``x`` along ``dim`` in rank order (S(dim,groups) -> R:
+    interleave the ranks' blocks of each group).
 
     ``grad`` says what the incoming gradient is. ``"reduce_scatter"``: partial over the group (its
     sum over ranks is the true gradient), so the backward reduce-scatters it (the Megatron
@@ -231,12 +250,15 @@ def all_gather(x: torch.Tensor, dim: int, group_name: str, grad: str = "reduce_s
     """
     if grad not in ("reduce_scatter", "slice"):
         raise ValueError(f"all_gather: grad={grad!r}; use 'reduce_scatter' or 'slice'")
-    return _AllGather.apply(x, _dim(x, dim), group_name, grad)
+    _check_groups("all_gather", groups)
+    return _AllGather.apply(x, _dim(x, dim), group_name, grad, groups)
 
 
-def reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-    """P -> S(dim): sum over the group, keep this rank's chunk along ``dim``. Backward: all-gather."""
-    return _ReduceScatter.apply(x, _dim(x, dim), group_name)
+def reduce_scatter(x: torch.Tensor, dim: int, group_name: str, groups: int = 1) -> torch.Tensor:
+    """P -> S(dim) (or S(dim,groups)): sum over the group, keep this rank's chunk along ``dim``.
+    Backward: all-gather."""
+    _check_groups("reduce_scatter", groups)
+    return _ReduceScatter.apply(x, _dim(x, dim), group_name, groups)
 
 
 def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -252,23 +274,29 @@ def grad_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return _GradAllReduce.apply(x, group_name)
 
 
-def local_chunk(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-    """R -> S(dim) with no communication: a view of this rank's chunk along ``dim``.
+def local_chunk(x: torch.Tensor, dim: int, group_name: str, groups: int = 1) -> torch.Tensor:
+    """R -> S(dim) with no communication: a view of this rank's chunk along ``dim`` (R -> S(dim,groups):
+    a copy of its block of every group).
 
     Backward: all-gather, since the incoming gradient is one shard of a replicated gradient.
     """
-    return _LocalChunk.apply(x, _dim(x, dim), group_name)
+    _check_groups("local_chunk", groups)
+    return _LocalChunk.apply(x, _dim(x, dim), group_name, groups)
 
 
-def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group_name: str) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group_name: str, src_groups: int = 1,
+               dst_groups: int = 1) -> torch.Tensor:
     """S(src_dim) -> S(dst_dim): gather ``src_dim``, split ``dst_dim``. Backward: the inverse.
+    ``src_groups``/``dst_groups`` make either side a strided shard.
 
     Uses c10d's native all-to-all on every backend; gloo has one (checked on torch 2.13).
     """
     src_dim, dst_dim = _dim(x, src_dim), _dim(x, dst_dim)
     if src_dim == dst_dim:
         raise ValueError(f"all_to_all: src_dim and dst_dim are both {src_dim}; S(d) -> S(d) needs no collective")
-    return _AllToAll.apply(x, src_dim, dst_dim, group_name)
+    _check_groups("all_to_all", src_groups)
+    _check_groups("all_to_all", dst_groups)
+    return _AllToAll.apply(x, src_dim, dst_dim, group_name, src_groups, dst_groups)
 
 
 # Split collectives, for overlap (codegen/overlap.py): ``*_start`` issues the collective and returns
@@ -294,7 +322,8 @@ class _AllGatherStart(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        # ``g`` is in the raw layout: every rank's block stacked along dim 0.
+        # ``g`` is in the raw layout: every rank's block stacked along dim 0 (the wait interleaves a
+        # strided shard's groups, and its backward undoes that).
         name, grad, rank, size = ctx.args
         if grad == "slice":
             return _chunk(g, 0, rank, size), None, None
@@ -303,16 +332,16 @@ class _AllGatherStart(torch.autograd.Function):
 
 class _ReduceScatterStart(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, name):
+    def forward(ctx, x, dim, name, groups):
         _, size = _group(name)
-        _check_divisible("reduce_scatter", x, dim, size, name)
-        ctx.args = dim, name, size
-        return _start_reduce_scatter(x, dim, size, name)
+        _check_divisible("reduce_scatter", x, dim, size, name, groups)
+        ctx.args = dim, name, size, groups
+        return _start_reduce_scatter(x, dim, size, name, groups=groups)
 
     @staticmethod
     def backward(ctx, g):
-        dim, name, size = ctx.args
-        return _gather(g.squeeze(0), dim, size, name), None, None
+        dim, name, size, groups = ctx.args
+        return _gather(g.squeeze(0), dim, size, name, groups), None, None, None
 
 
 class _AllReduceStart(torch.autograd.Function):
@@ -327,39 +356,43 @@ class _AllReduceStart(torch.autograd.Function):
 
 class _AllToAllStart(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, src_dim, dst_dim, name):
+    def forward(ctx, x, src_dim, dst_dim, name, src_groups, dst_groups):
         _, size = _group(name)
-        _check_divisible("all_to_all", x, dst_dim, size, name)
-        ctx.args = src_dim, dst_dim, name, size
-        return _start_all_to_all(x, dst_dim, size, name)
+        _check_divisible("all_to_all", x, dst_dim, size, name, dst_groups)
+        ctx.args = src_dim, dst_dim, name, size, src_groups, dst_groups
+        return _start_all_to_all(x, dst_dim, size, name, dst_groups=dst_groups)
 
     @staticmethod
     def backward(ctx, g):
-        src_dim, dst_dim, name, size = ctx.args
-        return _all_to_all(_unblocks(g, src_dim), dst_dim, src_dim, size, name), None, None, None
+        src_dim, dst_dim, name, size, src_groups, dst_groups = ctx.args
+        return (_all_to_all(_unblocks(g, src_dim, src_groups), dst_dim, src_dim, size, name, dst_groups, src_groups),
+                None, None, None, None, None)
 
 
-def all_gather_start(x: torch.Tensor, dim: int, group_name: str, grad: str = "reduce_scatter") -> torch.Tensor:
-    """Issue ``all_gather(x, dim, group_name, grad)``; ``all_gather_wait`` gives its result."""
+def all_gather_start(x: torch.Tensor, dim: int, group_name: str, grad: str = "reduce_scatter",
+                     groups: int = 1) -> torch.Tensor:
+    """Issue ``all_gather(x, dim, group_name, grad, groups)``; ``all_gather_wait`` gives its result."""
     if grad not in ("reduce_scatter", "slice"):
         raise ValueError(f"all_gather: grad={grad!r}; use 'reduce_scatter' or 'slice'")
+    _check_groups("all_gather", groups)
     _dim(x, dim)
     return _AllGatherStart.apply(x, group_name, grad)
 
 
-def all_gather_wait(y: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+def all_gather_wait(y: torch.Tensor, dim: int, group_name: str, groups: int = 1) -> torch.Tensor:
     """Wait for ``all_gather_start``'s ``y`` and concatenate the ranks' blocks along ``dim``."""
     y = _Wait.apply(y)
-    if dim == 0:
+    if dim == 0 and groups == 1:
         return y
     _, size = _group(group_name)
     blocks = y.unflatten(0, (size, -1))
-    return _unblocks(blocks, dim % (blocks.dim() - 1))
+    return _unblocks(blocks, dim % (blocks.dim() - 1), groups)
 
 
-def reduce_scatter_start(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-    """Issue ``reduce_scatter(x, dim, group_name)``; ``reduce_scatter_wait`` gives its result."""
-    return _ReduceScatterStart.apply(x, _dim(x, dim), group_name)
+def reduce_scatter_start(x: torch.Tensor, dim: int, group_name: str, groups: int = 1) -> torch.Tensor:
+    """Issue ``reduce_scatter(x, dim, group_name, groups)``; ``reduce_scatter_wait`` gives its result."""
+    _check_groups("reduce_scatter", groups)
+    return _ReduceScatterStart.apply(x, _dim(x, dim), group_name, groups)
 
 
 def reduce_scatter_wait(y: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -375,24 +408,36 @@ def all_reduce_wait(y: torch.Tensor, group_name: str) -> torch.Tensor:
     return _Wait.apply(y)
 
 
-def all_to_all_start(x: torch.Tensor, src_dim: int, dst_dim: int, group_name: str) -> torch.Tensor:
-    """Issue ``all_to_all(x, src_dim, dst_dim, group_name)``; ``all_to_all_wait`` gives its result."""
+def all_to_all_start(x: torch.Tensor, src_dim: int, dst_dim: int, group_name: str, src_groups: int = 1,
+                     dst_groups: int = 1) -> torch.Tensor:
+    """Issue ``all_to_all(x, src_dim, dst_dim, group_name, src_groups, dst_groups)``; ``all_to_all_wait``
+    gives its result."""
     src_dim, dst_dim = _dim(x, src_dim), _dim(x, dst_dim)
     if src_dim == dst_dim:
         raise ValueError(f"all_to_all: src_dim and dst_dim are both {src_dim}; S(d) -> S(d) needs no collective")
-    return _AllToAllStart.apply(x, src_dim, dst_dim, group_name)
+    _check_groups("all_to_all", src_groups)
+    _check_groups("all_to_all", dst_groups)
+    return _AllToAllStart.apply(x, src_dim, dst_dim, group_name, src_groups, dst_groups)
 
 
-def all_to_all_wait(y: torch.Tensor, src_dim: int, group_name: str) -> torch.Tensor:
-    return _unblocks(_Wait.apply(y), src_dim % (y.dim() - 1))
+def all_to_all_wait(y: torch.Tensor, src_dim: int, group_name: str, src_groups: int = 1) -> torch.Tensor:
+    return _unblocks(_Wait.apply(y), src_dim % (y.dim() - 1), src_groups)
+
+
+def _strided(groups: int) -> tuple:
+    """A strided shard's groups as a trailing argument; none for a plain shard (the printed call stays short)."""
+    return (groups,) if groups > 1 else ()
 
 
 # The one-call form of each split collective: (start, wait, arguments of the wait taken from the call).
 SPLIT = {
-    all_gather: (all_gather_start, all_gather_wait, lambda x, dim, group_name, grad="reduce_scatter": (dim, group_name)),
-    reduce_scatter: (reduce_scatter_start, reduce_scatter_wait, lambda x, dim, group_name: (group_name,)),
+    all_gather: (all_gather_start, all_gather_wait,
+                 lambda x, dim, group_name, grad="reduce_scatter", groups=1: (dim, group_name, *_strided(groups))),
+    reduce_scatter: (reduce_scatter_start, reduce_scatter_wait, lambda x, dim, group_name, groups=1: (group_name,)),
     all_reduce: (all_reduce_start, all_reduce_wait, lambda x, group_name: (group_name,)),
-    all_to_all: (all_to_all_start, all_to_all_wait, lambda x, src_dim, dst_dim, group_name: (src_dim, group_name)),
+    all_to_all: (all_to_all_start, all_to_all_wait,
+                 lambda x, src_dim, dst_dim, group_name, src_groups=1, dst_groups=1:
+                 (src_dim, group_name, *_strided(src_groups))),
 }
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from autopar.errors import AutoparError, ShapeMismatchError
-from autopar.layout import global_shape, parse_layout
+from autopar.layout import block_runs, global_shape, parse_layout
 from autopar.plan import Plan
 from autopar.runtime.program import Program
 
@@ -24,12 +24,13 @@ log = logging.getLogger("autopar")
 
 
 def shard_of(full: torch.Tensor, layout, mesh_shape, coords) -> torch.Tensor:
-    """This rank's block of ``full`` under ``layout`` (a view where possible)."""
+    """This rank's block of ``full`` under ``layout`` (a view, except for a strided shard's blocks of
+    its groups, which are copied together)."""
     x = full
     for p, n, c in zip(layout, mesh_shape, coords):
         if p.is_shard:
-            size = x.shape[p.dim] // n
-            x = x.narrow(p.dim, c * size, size)
+            runs = [x.narrow(p.dim, start, length) for start, length in block_runs(x.shape[p.dim], p, n, c)]
+            x = runs[0] if len(runs) == 1 else torch.cat(runs, p.dim)
     return x
 
 
@@ -47,7 +48,7 @@ class ParallelModule(nn.Module):
         self.shards = nn.ParameterDict()
         # ZeRO-1/2 parameters: the program reads the whole local tensor, the optimizer steps this rank's
         # block of it (runtime/zero.py).
-        self._zero_of = {fqn: (stage, group, dim) for fqn, stage, group, dim in program.sharded_states}
+        self._zero_of = {fqn: rest for fqn, *rest in program.sharded_states}
         # Offloaded parameters: the program reads a device tensor, the optimizer steps its copy in host
         # memory (runtime/offload.py).
         self._offloaded = set(plan.offload)
@@ -81,7 +82,7 @@ class ParallelModule(nn.Module):
         if fqn in self._zero_of:
             from autopar.runtime.zero import split
 
-            _stage, group, dim = self._zero_of[fqn]
+            _stage, group, dim, _bucket = self._zero_of[fqn]
             self._whole[fqn], self.shards[key] = split(local, group, dim, requires_grad)
         elif fqn in self._offloaded:
             from autopar.runtime.offload import split as to_host
@@ -94,8 +95,8 @@ class ParallelModule(nn.Module):
         from autopar.runtime.zero import ShardedState, ShardedStates
 
         self._sharded_states = ShardedStates([ShardedState(fqn, self._whole[fqn], self.local_parameter(fqn), stage,
-                                                           group, dim)
-                                              for fqn, (stage, group, dim) in self._zero_of.items()])
+                                                           group, dim, bucket)
+                                              for fqn, (stage, group, dim, bucket) in self._zero_of.items()])
 
     def _make_host_states(self) -> None:
         from autopar.runtime.offload import HostState, HostStates

@@ -27,8 +27,8 @@ class Program:
     grad_reductions: tuple = ()   # (parameter, group name, uses) per gradient to all-reduce in buckets
                                   # during backward, in the order the gradients become ready
     bucket_bytes: int = 25 * 2**20  # bucket size of those reductions (DDP's default)
-    sharded_states: tuple = ()    # (parameter, ZeRO stage, group name, dim) per parameter whose optimizer
-                                  # state, and gradient at stage 2, is sharded along the group
+    sharded_states: tuple = ()    # (parameter, ZeRO stage, group name, dim, gather bucket) per parameter whose
+                                  # optimizer state, and gradient at stage 2, is sharded along the group
     stages: tuple = ()            # pipeline plans: this rank's StagePrograms (gm is then the whole
                                   # microbatch program the stages were cut from)
 

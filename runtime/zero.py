@@ -13,7 +13,10 @@ updates the block in place, inside the whole tensor.
   into the parameter's ``.grad``, and the whole gradient is freed.
 
 After the optimizer steps (a global optimizer step hook, and before any forward whose parameters
-changed since the last gather), every rank's updated blocks are all-gathered into the whole tensor.
+changed since the last gather), every rank's updated blocks are all-gathered into the whole tensors,
+one collective per bucket of the plan (``plan.zero[fqn]["bucket"]``, split by group and dtype): the
+blocks are copied into one flat buffer, gathered, and copied out of the result, which moves the same
+bytes as one all-gather per parameter.
 """
 from __future__ import annotations
 
@@ -51,6 +54,7 @@ class ShardedState:
     stage: int
     group: str
     dim: int
+    bucket: object              # the parameters of one bucket are gathered together
 
 
 def split(full: torch.Tensor, group: str, dim: int, requires_grad: bool) -> tuple[torch.Tensor, nn.Parameter]:
@@ -105,15 +109,31 @@ class ShardedStates:
                 s.full.grad = None
         self.sync()
 
+    def buckets(self) -> dict:
+        """(bucket, group name, dtype) -> the states gathered by one collective, in a fixed order."""
+        out: dict = {}
+        for s in self.states:
+            out.setdefault((s.bucket, s.group, s.full.dtype), []).append(s)
+        return out
+
     def gather(self) -> None:
-        """All-gather every rank's updated block into the whole local tensors."""
+        """All-gather every rank's updated blocks into the whole local tensors, a bucket at a time."""
         with torch.no_grad():
-            for s in self.states:
-                n = dist.get_world_size(_resolve_process_group(s.group))
-                block = s.shard.detach()
-                got = torch.ops._c10d_functional.wait_tensor(C._start_gather(block, n, s.group))
-                whole = s.full.detach()
-                whole.unflatten(s.dim, (n, -1)).movedim(s.dim, 0).copy_(got.view(n, *block.shape))
+            for (_, group, dtype), members in self.buckets().items():
+                n = dist.get_world_size(_resolve_process_group(group))
+                flat = torch.empty(sum(s.shard.numel() for s in members), dtype=dtype, device=members[0].full.device)
+                offset = 0
+                for s in members:
+                    flat[offset:offset + s.shard.numel()].view(s.shard.shape).copy_(s.shard.detach())
+                    offset += s.shard.numel()
+                got = torch.ops._c10d_functional.wait_tensor(C._start_gather(flat, n, group)).view(n, -1)
+                del flat
+                offset = 0
+                for s in members:
+                    k = s.shard.numel()
+                    s.full.detach().unflatten(s.dim, (n, -1)).movedim(s.dim, 0).copy_(
+                        got[:, offset:offset + k].view(n, *s.shard.shape))
+                    offset += k
         self.mark_gathered()
 
     def sync(self) -> None:

@@ -2,7 +2,7 @@
 from .brute_force import brute_force
 from .greedy import greedy
 from .ilp import GAP, solve
-from .memory import NODE_LIMIT, minimum_feasible_budget
+from .memory_bound import NODE_LIMIT, minimum_feasible_budget
 from .problem import Choice, Edge, MemoryConstraint, Problem, SharedEdge, Solution
 
 __all__ = ["GAP", "Problem", "Choice", "Edge", "SharedEdge", "MemoryConstraint", "Solution", "solve", "greedy", "brute_force",

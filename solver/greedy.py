@@ -50,7 +50,7 @@ def greedy(problem: Problem) -> tuple[int, ...]:
 
     # Memory bookkeeping: per-choice bytes of each constraint (terms of one choice summed), and the pair
     # terms each choice is part of.
-    limit = problem.memory_limit
+    limit = problem.memory_budget
     members: list[dict[int, list[float]]] = [{} for _ in problem.memory]   # constraint -> choice -> bytes
     pairs_of: list[dict[int, list]] = [{} for _ in problem.memory]         # constraint -> choice -> pairs
     for k, m in enumerate(problem.memory):

@@ -295,7 +295,7 @@ def _pair_matrices(problem: Problem, x, residual: dict, memory) -> dict:
     mats: dict = defaultdict(list)
     for key, r in residual.items():
         mats[key].append(r)
-    if problem.memory_limit is not None:
+    if problem.memory_budget is not None:
         chosen = problem.memory if memory is None else [problem.memory[k] for k in sorted(memory)]
         for mc in chosen:
             for a, b, per in mc.pairs:
@@ -361,11 +361,11 @@ def formulate(problem: Problem, memory=None) -> tuple[Formulation, float, float]
     for k, c in coef.items():
         m.cost[k] = c / scale
     m.offset = constant / scale
-    if problem.memory_limit is not None:
+    if problem.memory_budget is not None:
         for constant_bytes, row in f.memory_rows(memory):
-            rhs = problem.memory_limit - constant_bytes
+            rhs = problem.memory_budget - constant_bytes
             if not row:   # nothing to decide: the Problem.feasible test settles it
-                f.impossible |= constant_bytes > problem.memory_limit * (1 + 1e-9)
+                f.impossible |= constant_bytes > problem.memory_budget * (1 + 1e-9)
                 continue
             s = max([abs(rhs), *map(abs, row.values())]) or 1.0   # bytes are ~1e10: scale rows to O(1)
             m.row(list(row), [b / s for b in row.values()], hi=rhs / s)
@@ -377,7 +377,7 @@ def solve(problem: Problem, *, time_limit: float = 60.0, backend: str = "auto", 
           bound: float | None = None, node_limit: int | None = None) -> Solution:
     """The assignment of least Problem.objective within the memory limit, to a relative ``gap``.
 
-    Status "infeasible" (no assignment fits memory_limit) returns the greedy assignment instead of
+    Status "infeasible" (no assignment fits memory_budget) returns the greedy assignment instead of
     raising; the caller turns it into the user-facing error. With ``bound`` (seconds), the solver may
     stop once it proves that no assignment within the memory limit costs less than the bound: status
     "bounded", whose assignment is not an answer. Raises AutoparError only when the time limit passes before any assignment
@@ -452,9 +452,9 @@ def solve(problem: Problem, *, time_limit: float = 60.0, backend: str = "auto", 
 
 def _over(problem: Problem, assignment) -> set[int]:
     """The memory constraints ``assignment`` breaks, by index."""
-    if problem.memory_limit is None:
+    if problem.memory_budget is None:
         return set()
-    cap = problem.memory_limit * (1 + 1e-9)
+    cap = problem.memory_budget * (1 + 1e-9)
     usage = problem.memory_usage(assignment)
     return {k for k, m in enumerate(problem.memory) if usage[m.name] > cap}
 
@@ -463,10 +463,10 @@ def _binding(problem: Problem) -> set[int]:
     """The memory constraints to start with: those that the layout chosen for time alone breaks or
     comes within ``_NEAR`` of (the optimum will likely break them too, and a second solve costs more
     than starting with them)."""
-    if problem.memory_limit is None or not problem.memory:
+    if problem.memory_budget is None or not problem.memory:
         return set()
-    usage = problem.memory_usage(greedy(dataclasses.replace(problem, memory_limit=None)))
-    return {k for k, m in enumerate(problem.memory) if usage[m.name] > _NEAR * problem.memory_limit}
+    usage = problem.memory_usage(greedy(dataclasses.replace(problem, memory_budget=None)))
+    return {k for k, m in enumerate(problem.memory) if usage[m.name] > _NEAR * problem.memory_budget}
 
 
 def run(model: Model, backend: str, **kwargs) -> milp.Result:

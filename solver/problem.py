@@ -5,7 +5,7 @@ decision: the caller folds them together and sets ``count`` to the number of cop
 size does not grow with depth. An ``Edge`` charges ``cost[i][j]`` seconds when its source takes option
 ``i`` and its destination option ``j`` (resharding), times ``count``. A ``MemoryConstraint`` is one
 moment of the training step: ``constant + sum(terms[d][choice_d]) + sum(pairs[a, b][choice_a][choice_b])
-<= limit`` bytes per device; a pair term is memory that depends on two decisions at once (how many
+<= memory_budget`` bytes per device; a pair term is memory that depends on two decisions at once (how many
 copies of a layer recompute their activations, and the layout that sizes them).
 A ``SharedEdge`` is one value read by several decisions: each reader's option names the *request*
 it makes of the value (a target layout), and every distinct request is paid once, whatever the number
@@ -78,7 +78,7 @@ class Problem:
     edges: list[Edge] = field(default_factory=list)
     shared: list[SharedEdge] = field(default_factory=list)
     memory: list[MemoryConstraint] = field(default_factory=list)
-    memory_limit: float | None = None          # bytes per device; None: unconstrained
+    memory_budget: float | None = None          # bytes per device; None: unconstrained
 
     def add_choice(self, choice: Choice) -> int:
         self.choices.append(choice)
@@ -148,9 +148,9 @@ class Problem:
                 + sum(per[assignment[a]][assignment[b]] for a, b, per in m.pairs) for m in self.memory}
 
     def feasible(self, assignment: Sequence[int]) -> bool:
-        if self.memory_limit is None:
+        if self.memory_budget is None:
             return True
-        return all(v <= self.memory_limit * (1 + 1e-9) for v in self.memory_usage(assignment).values())
+        return all(v <= self.memory_budget * (1 + 1e-9) for v in self.memory_usage(assignment).values())
 
 
 @dataclass(frozen=True)

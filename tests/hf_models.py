@@ -35,9 +35,11 @@ def batch(seed: int = 0):
 
 # Megatron column -> row tensor parallelism, per architecture, on one mesh axis. nn.Linear keeps weights
 # as [out, in] (column = S(0), row = S(1)); GPT-2's Conv1D as [in, out]. GPT-2 fuses q, k and v in one
-# matrix that is split after the matmul, so only its MLP can be split by columns.
+# matrix that is split after the matmul: its columns are strided in 3 groups (S(1,3)), so that every
+# rank holds its heads of each of q, k and v.
 MEGATRON = {
-    "gpt2": {"*.mlp.c_fc.weight": "S(1)", "*.mlp.c_fc.bias": "S(0)", "*.mlp.c_proj.weight": "S(0)"},
+    "gpt2": {"*.attn.c_attn.weight": "S(1,3)", "*.attn.c_attn.bias": "S(0,3)", "*.attn.c_proj.weight": "S(0)",
+             "*.mlp.c_fc.weight": "S(1)", "*.mlp.c_fc.bias": "S(0)", "*.mlp.c_proj.weight": "S(0)"},
     "llama": {"*.q_proj.weight": "S(0)", "*.k_proj.weight": "S(0)", "*.v_proj.weight": "S(0)",
               "*.o_proj.weight": "S(1)", "*.gate_proj.weight": "S(0)", "*.up_proj.weight": "S(0)",
               "*.down_proj.weight": "S(1)"},

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from autopar.layout import local_shape
+from autopar.layout import block_runs, local_shape
 from autopar.codegen.local_program import resolve_function
 from autopar.passes.rules import context_for, rule_for
 
@@ -44,8 +44,8 @@ def _local_input(full, layout, mesh_shape, coord, noise_seed):
     x = full
     for a, (p, n) in enumerate(zip(layout, mesh_shape)):
         if p.is_shard:
-            size = x.shape[p.dim] // n
-            x = x.narrow(p.dim, coord[a] * size, size)
+            x = torch.cat([x.narrow(p.dim, start, length) for start, length in
+                           block_runs(x.shape[p.dim], p, n, coord[a])], p.dim)
         elif p.is_partial:
             # Random terms that sum to x over this axis; the same terms whatever the other coordinates.
             gen = torch.Generator().manual_seed(noise_seed * 31 + a)
@@ -163,15 +163,17 @@ def run_strategy(node: fx.Node, strategy, mesh_shape):
                 base = tuple(0 if a in rep_axes else c for a, c in enumerate(coord))
                 torch.testing.assert_close(local, results[base][k], msg=f"replicated output {k} differs at {coord}")
                 continue
-            index = [slice(None)] * len(info.shape)
-            starts, sizes = [0] * len(info.shape), list(info.shape)
+            # Each dim's indices this coordinate holds (a strided shard holds a run in every group).
+            index = [torch.arange(size) for size in info.shape]
             for a, p in enumerate(lay):
                 if p.is_shard:
-                    sizes[p.dim] //= mesh_shape[a]
-                    starts[p.dim] += coord[a] * sizes[p.dim]
-            for d in range(len(info.shape)):
-                index[d] = slice(starts[d], starts[d] + sizes[d])
+                    runs = block_runs(len(index[p.dim]), p, mesh_shape[a], coord[a])
+                    index[p.dim] = torch.cat([index[p.dim][start:start + length] for start, length in runs])
+            sizes = [len(i) for i in index]
             assert tuple(local.shape) == tuple(sizes), f"output {k}: local shape {tuple(local.shape)} != {sizes}"
-            full[tuple(index)] += local.to(torch.float64)
+            if index:
+                full[tuple(torch.meshgrid(*index, indexing="ij"))] += local.to(torch.float64)
+            else:
+                full += local.to(torch.float64)
         assembled.append(full)
     return assembled

@@ -122,6 +122,11 @@ def check_collectives(pm, ids, labels):
     if pm._grad_buckets is not None:
         for group in pm._grad_buckets.groups:
             planned[("all_reduce", axis_of[group], "backward")] += 1
+    # ZeRO-1/2 parameters' updated shards gathered in buckets (runtime/zero.py): one all-gather per
+    # bucket in place of one per parameter.
+    if pm._sharded_states is not None:
+        for (_, group, _), members in pm._sharded_states.buckets().items():
+            planned[("all_gather", axis_of[group], "optimizer")] -= len(members) - 1
     forward_planned = collections.Counter({k: v for k, v in planned.items() if k[2] == "forward"})
     assert _graph_forward_counts(pm) == forward_planned
     assert _count_executed(pm, ids, labels) == planned

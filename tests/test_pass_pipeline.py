@@ -29,10 +29,10 @@ def _plan(**options):
 def test_every_pass_runs_through_the_runner_in_pipeline_order():
     p = _plan()
     ran = [r["name"] for r in p.solver["passes"]]
-    assert ran[:6] == list(PASS_NAMES[:6])                    # front end, then analysis
-    assert set(ran[6:]) == {"strategies_pass"}                # then one per candidate mesh
+    assert ran[:7] == list(PASS_NAMES[:7])                    # front end, then analysis
+    assert set(ran[7:]) == {"strategies_pass"}                # then one per candidate mesh
     assert all(r["seconds"] >= 0 and not r["skipped"] for r in p.solver["passes"])
-    assert {r["stage"] for r in p.solver["passes"][:4]} == {"front end"}
+    assert {r["stage"] for r in p.solver["passes"][:5]} == {"front end"}
 
 
 def test_a_skipped_pass_is_recorded_and_a_required_one_gives_a_clear_error():
@@ -87,6 +87,28 @@ def test_debug_mode_writes_each_passs_graph(tmp_path, monkeypatch):
                          "04_mark_requires_grad_pass.py"]
     assert "strategies_pass" in files[-1]
     assert "torch.ops.aten.add.Tensor" in (tmp_path / "02_normalize_pass.py").read_text()
+
+
+def test_strategies_are_kept_per_mesh():
+    """strategies_pass keeps each mesh's strategies beside the others', so a problem built for an
+    earlier mesh after a later one's pass reads its own mesh's layouts."""
+    from autopar.passes.costs import CostModel
+    from autopar.passes.ilp_build import build_problem
+    from autopar.passes.strategies import strategies_on, strategies_pass
+    from autopar.planner import prepare
+
+    cluster = autopar.ClusterSpec.local_cpu(4)
+    prep = prepare(MLP(), (torch.randn(8, 16),), None, cluster)
+    for shape in ((4,), (2, 2)):
+        strategies_pass(prep.gm, shape)
+    for shape in ((4,), (2, 2)):
+        kept = strategies_on(prep.gm, shape)
+        assert kept.mesh_shape == shape
+        assert {len(lay) for n in kept for s in kept[n] for lay in s.outputs} == {len(shape)}
+        _, idx = build_problem(prep.gm, CostModel(cluster, shape), None)
+        assert idx.strategies is kept
+    with pytest.raises(autopar.AutoparError, match=r"no strategies for mesh \(8,\)"):
+        strategies_on(prep.gm, (8,))
 
 
 def test_partial_binds_options_and_keeps_the_name():

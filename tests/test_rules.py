@@ -7,6 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from autopar.layout import S
 from autopar.passes.rules import axis_options, context_for
 from autopar.passes.strategies import node_strategies
 from tests.reference_executor import run_strategy, single_op_node
@@ -74,6 +75,8 @@ CASES = {
     "slice": lambda m, k, n, b: (aten.slice.Tensor, (rand(b, m, k + 1), 2, 1, k + 1), {}),
     "select": lambda m, k, n, b: (aten.select.int, (rand(b, m, k), 1, 0), {}),
     "split": lambda m, k, n, b: (aten.split.Tensor, (rand(b, 2 * m, k), m, 1), {}),
+    "split_with_sizes": lambda m, k, n, b: (aten.split_with_sizes.default, (rand(3 * m, k), [m, m, m]), {}),
+    "chunk": lambda m, k, n, b: (aten.chunk.default, (rand(b, k, 3 * m), 3, -1), {}),
     "cat": lambda m, k, n, b: (aten.cat.default, ([rand(b, m), rand(b, k)], 1), {}),
     "pad": lambda m, k, n, b: (aten.pad.default, (rand(b, m, k), [0, 1]), {}),
     "cumsum": lambda m, k, n, b: (aten.cumsum.default, (rand(b, m), 1), {}),
@@ -118,6 +121,46 @@ def test_every_strategy_reassembles(case, m, k, n, b, mesh):
     op, args, kwargs = CASES[case](m, k, n, b)
     node = single_op_node(op, args, kwargs)
     _check_all(node, mesh)
+
+
+# Ops that produce a fused projection's output, asked for a strided output dim (output dim, groups)
+# by a split after them (passes/strided.py): each case is (op, args, kwargs, hint).
+STRIDED_CASES = {
+    "mm": lambda m, k, n, b: (aten.mm.default, (rand(m, k), rand(k, 3 * n)), {}, (1, 3)),
+    "linear": lambda m, k, n, b: (aten.linear.default, (rand(b, m, k), rand(2 * n, k)), {}, (2, 2)),
+    "linear_bias": lambda m, k, n, b: (aten.linear.default, (rand(m, k), rand(2 * n, k), rand(2 * n)), {}, (1, 2)),
+    "bias_add": lambda m, k, n, b: (aten.add.Tensor, (rand(m, 3 * n), rand(3 * n)), {}, (1, 3)),
+    "gelu": lambda m, k, n, b: (aten.gelu.default, (rand(b, 2 * n),), {}, (1, 2)),
+    "view_split": lambda m, k, n, b: (aten.view.default, (rand(b * m, 3 * n), [b, m, 3 * n]), {}, (2, 3)),
+    "view_merge": lambda m, k, n, b: (aten.view.default, (rand(b, m, 3 * n), [b * m, 3 * n]), {}, (1, 3)),
+    "transpose": lambda m, k, n, b: (aten.transpose.int, (rand(b, 2 * n, m), 1, 2), {}, (2, 2)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STRIDED_CASES))
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(m=dims, k=dims, n=dims, b=dims, mesh=st.sampled_from(MESHES))
+def test_strided_strategies_reassemble(case, m, k, n, b, mesh):
+    """Asked for a strided output, the rule offers it (where the groups divide by an axis), and every
+    strategy, strided ones included, reassembles to the unsharded result."""
+    from autopar.passes.meta import set_meta
+
+    op, args, kwargs, (dim, groups) = STRIDED_CASES[case](m, k, n, b)
+    node = single_op_node(op, args, kwargs)
+    set_meta(node, strided=((dim, groups),))
+    strategies = _check_all(node, mesh)
+    wanted = S(dim, groups)
+    if any(a > 1 and n_ % a == 0 for a in mesh for n_ in [node.meta["val"].shape[dim] // groups]):
+        assert any(wanted in s.outputs[0] for s in strategies), f"{case}: no {wanted} output on mesh {mesh}"
+
+
+def test_split_into_equal_parts_reads_a_strided_input():
+    """A strided shard of the split dim is a plain shard of each part; unequal parts take none."""
+    node = single_op_node(aten.split.Tensor, (rand(4, 12), 4, 1))
+    opts = {(str(o.inputs[0]), tuple(map(str, o.outputs))) for o in axis_options(context_for(node))}
+    assert ("S(1,3)", ("S(1)",) * 3) in opts
+    uneven = single_op_node(aten.split.Tensor, (rand(4, 10), 4, 1))
+    assert not any(o.inputs[0].is_strided for o in axis_options(context_for(uneven)))
 
 
 def test_contracted_dim_gives_partial():

@@ -138,6 +138,26 @@ def _train_and_compare(pm, ref, ids, labels, where):
     return opt
 
 
+def _gathers_in_buckets_as_one_by_one(pm, model, cluster, ids, labels, mesh, where):
+    """The plan's parameters after two steps are bitwise those of the same plan gathering each
+    parameter alone after the optimizer step."""
+    assert len({z["bucket"] for z in pm.plan.zero.values()}) < len(pm.plan.zero), f"{where}: no bucket holds two"
+    alone = pm.plan.to_dict()
+    for i, z in enumerate(alone["zero"].values()):
+        z["bucket"] = i
+    runs = []
+    for plan in (pm.plan, autopar.Plan.from_dict(alone)):
+        pm_run = autopar.compile(model, cluster, (ids,), {"labels": labels}, mesh_shape=mesh, plan=plan)
+        opt = torch.optim.AdamW(pm_run.parameters(), lr=LR)
+        for _ in range(2):
+            pm_run(ids, labels=labels).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append({fqn: pm_run.local_tensor(fqn) for fqn in plan.params})
+    for fqn, t in runs[0].items():
+        assert torch.equal(t, runs[1][fqn]), f"{where}: {fqn} gathered in buckets differs from gathered alone"
+
+
 def _check_sharded_states(rank, world, mesh, checkpoint_dir):
     from tests.hf_models import MEGATRON, batch, build
     from tests.live_memory import step_peak_over_ranks
@@ -168,6 +188,8 @@ def _check_sharded_states(rank, world, mesh, checkpoint_dir):
         peak = step_peak_over_ranks(pm, opt, step, inputs=(ids, labels))
         predicted = pm.plan.memory["peak"]
         assert abs(peak / predicted - 1) <= 0.10, f"{where}: measured {peak} vs predicted {predicted}"
+        if stage == 2:
+            _gathers_in_buckets_as_one_by_one(pm, model, cluster, ids, labels, mesh, where)
 
     # A checkpoint of the ZeRO-2 run resumes under ZeRO-1 with the losses the ZeRO-2 run goes on with.
     if checkpoint_dir is not None:

@@ -56,7 +56,7 @@ def _summary_html(plan) -> str:
     total_comm = sum(comm.values())
     exposed = max(plan.step_time - bd["compute"] - bd["optimizer"] - bd.get("bubble", 0.0), 0.0)
     m = plan.memory
-    budget = m.get("budget") or 0.0
+    budget = m.get("memory_budget") or 0.0
     frac = m["peak"] / budget if budget else 0.0
     mem_parts = [(f"{k} {_b(m[k])}", m[k], _MEM_COLORS[k]) for k in ("params", "grads", "optimizer", "activations")]
     mesh = " &times; ".join(f"{_e(a)}={s}" for a, s in zip(plan.axis_names, plan.mesh_shape))
@@ -241,7 +241,7 @@ def _memory_svg(plan) -> str:
     W, H, L, T, B = 820, 280, 80, 12, 34
     pw, ph = W - L - 12, H - T - B
     totals = [sum(p[k] for k in keys) for p in tl]
-    peak, budget = max(max(totals), plan.memory["peak"]), plan.memory.get("budget") or 0.0
+    peak, budget = max(max(totals), plan.memory["peak"]), plan.memory.get("memory_budget") or 0.0
     # A budget far above the peak would flatten the stack; then the budget is named, not drawn to scale.
     ymax = budget * 1.05 if budget and budget <= 4 * peak else peak * 1.15
     n = len(tl)

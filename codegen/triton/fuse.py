@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from autopar.codegen.graph_order import stable_toposort
 from autopar.codegen.triton.kernel import kernel_for
-from autopar.codegen.triton.ops import FLOAT_DTYPES, ROW_KINDS, Lowered, lower
+from autopar.codegen.triton.ops import FLOAT_DTYPES, ROW_KINDS, FusedOp, fused_op
 from autopar.codegen.triton.source import Input, Op, Output, RegionSpec
 from autopar.passes.meta import program_meta, set_meta, set_program_meta
 
@@ -160,13 +160,13 @@ class Region:
     row: bool            # holds a reduction along the last dim
 
 
-def _fusible(node: fx.Node) -> Lowered | None:
+def _fusible(node: fx.Node) -> FusedOp | None:
     if node.op != "call_function":
         return None
     out = _val(node)
     if out is None or out.dtype not in FLOAT_DTYPES:
         return None
-    low = lower(node)
+    low = fused_op(node)
     if low is None:
         return None
     for i, a in enumerate(low.operands):
@@ -183,7 +183,7 @@ def _fusible(node: fx.Node) -> Lowered | None:
     return low
 
 
-def _shape_of(node, low: Lowered) -> tuple[tuple, bool]:
+def _shape_of(node, low: FusedOp) -> tuple[tuple, bool]:
     """The (iteration shape, row) of a region holding only ``node``."""
     if low.kind in ROW_KINDS:
         return tuple(_val(low.operands[0]).shape), True
@@ -262,7 +262,7 @@ def region_spec(region: Region):
     inputs: dict = {}
     specs, ops = [], []
     for n in region.nodes:
-        low = lower(n)           # read afresh: an earlier region's call may now feed this one
+        low = fused_op(n)           # read afresh: an earlier region's call may now feed this one
         args = []
         for a in low.operands:
             if not isinstance(a, fx.Node):

@@ -25,7 +25,7 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
 @dataclass(frozen=True)
-class Lowered:
+class FusedOp:
     """A node read as a fused op: ``operands`` are fx nodes or Python numbers, in template order."""
 
     kind: str
@@ -58,51 +58,51 @@ REDUCTION_KINDS = frozenset(("sum", "mean", "amax"))
 ROW_KINDS = REDUCTION_KINDS | {"softmax", "log_softmax"}   # need a whole row in one program
 
 
-def lower(node: fx.Node) -> Lowered | None:
+def fused_op(node: fx.Node) -> FusedOp | None:
     """How a generated kernel computes ``node``, or None when it cannot."""
     t, args, kw = node.target, node.args, node.kwargs
     if t in _UNARY:
-        return Lowered(_UNARY[t], (args[0],))
+        return FusedOp(_UNARY[t], (args[0],))
     if t in _BINARY:
         if t is aten.div.Tensor and kw.get("rounding_mode") is not None:
             return None
-        return Lowered(_BINARY[t], (args[0], args[1]))
+        return FusedOp(_BINARY[t], (args[0], args[1]))
     if t in _ADDITIVE:
-        return Lowered(_ADDITIVE[t], (args[0], args[1]), (kw.get("alpha", args[2] if len(args) > 2 else 1),))
+        return FusedOp(_ADDITIVE[t], (args[0], args[1]), (kw.get("alpha", args[2] if len(args) > 2 else 1),))
     if t in (aten.rsub.Scalar, aten.rsub.Tensor):              # other - alpha * self
-        return Lowered("sub", (args[1], args[0]), (kw.get("alpha", args[2] if len(args) > 2 else 1),))
+        return FusedOp("sub", (args[1], args[0]), (kw.get("alpha", args[2] if len(args) > 2 else 1),))
     if t is aten.pow.Tensor_Scalar and isinstance(args[1], (int, float)) and args[1] != 0:
-        return Lowered("pow", (args[0],), (float(args[1]),))
+        return FusedOp("pow", (args[0],), (float(args[1]),))
     if t is aten.gelu.default:
         approximate = kw.get("approximate", args[1] if len(args) > 1 else "none")
-        return Lowered("gelu", (args[0],), (approximate,)) if approximate in ("none", "tanh") else None
+        return FusedOp("gelu", (args[0],), (approximate,)) if approximate in ("none", "tanh") else None
     if t is aten.clamp.default:
         lo = kw.get("min", args[1] if len(args) > 1 else None)
         hi = kw.get("max", args[2] if len(args) > 2 else None)
         if lo is None and hi is None or any(not isinstance(v, (int, float, type(None))) for v in (lo, hi)):
             return None
-        return Lowered("clamp", (args[0],), (lo, hi))
+        return FusedOp("clamp", (args[0],), (lo, hi))
     if t in (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf):
         cond = args[0]
         if not (isinstance(cond, fx.Node) and _val(cond) is not None and _val(cond).dtype == torch.bool):
             return None
-        return Lowered("where", (cond, args[1], args[2]))
+        return FusedOp("where", (cond, args[1], args[2]))
     if t in _CASTS:
         if set(kw) - {"dtype", "memory_format", "layout", "device"} or len(args) > (2 if t is aten.to.dtype else 1):
             return None
-        return Lowered("cast", (args[0],), (_val(node).dtype,))
+        return FusedOp("cast", (args[0],), (_val(node).dtype,))
     if t in _REDUCTIONS:
         dims = args[1] if len(args) > 1 else kw.get("dim")
         keepdim = kw.get("keepdim", args[2] if len(args) > 2 else False)
         if kw.get("dtype") is not None or not _last_dim_only(node, dims):
             return None
-        return Lowered(_REDUCTIONS[t], (args[0],), (bool(keepdim),))
+        return FusedOp(_REDUCTIONS[t], (args[0],), (bool(keepdim),))
     if t in _SOFTMAX:
         dim = args[1]
         extra = args[2] if len(args) > 2 else kw.get("dtype")
         if extra not in (None, False) or not _last_dim_only(node, [dim]):
             return None
-        return Lowered(_SOFTMAX[t], (args[0],))
+        return FusedOp(_SOFTMAX[t], (args[0],))
     return None
 
 

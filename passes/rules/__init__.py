@@ -12,11 +12,17 @@ Register a rule next to its op::
         return einsum_options(ctx, "mk,kn->mn")
 
 An op with no rule is replicated, with one warning naming it; the compiler never crashes on it.
+
+Strided shards (``S(d,k)``, autopar.layout) are offered only where they can pay: a rule that reads
+one without being asked (``reads_strided``: split and chunk, which turn it into a plain shard of each
+part) seeds a hint, and ``passes.strided.strided_hints_pass`` carries hints back to the producers,
+which see them as ``ctx.strided`` (output dim -> groups) and offer the strided option there.
 """
 from __future__ import annotations
 
 import logging
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -25,6 +31,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from autopar.layout import P, Placement, R, S
+from autopar.passes.meta import meta_of
 
 log = logging.getLogger("autopar.rules")
 
@@ -81,6 +88,11 @@ class OpContext:
     def kwargs(self):
         return self.node.kwargs
 
+    @property
+    def strided(self) -> dict[int, int]:
+        """Output dim -> groups of the strided shards a consumer can use here (passes/strided.py)."""
+        return dict(meta_of(self.node).strided)
+
     def arg(self, index: int, name: str, default=None):
         if len(self.node.args) > index:
             return self.node.args[index]
@@ -123,6 +135,9 @@ class OpRule:
     # returns, (ctx, input layouts, mesh shape) -> bytes, or None where the ATen op's measured figure
     # (SavedForBackward.backward) holds.
     backward_workspace: Callable | None = None
+    # Whether the rule offers strided inputs without a hint on its output (split and chunk): the seeds
+    # of passes.strided.strided_hints_pass.
+    reads_strided: bool = False
 
 
 @dataclass(frozen=True)
@@ -146,10 +161,11 @@ _warned: set = set()
 
 
 def register_rule(*targets, flops=None, local_args=None, saved_on_gpu=None, collectives=None, local_call=None,
-                  saved_sharded=None, workspace=None, backward_workspace=None):
+                  saved_sharded=None, workspace=None, backward_workspace=None, reads_strided=False):
     def deco(fn):
         rule = OpRule(fn, flops, local_args, saved_on_gpu, collectives=collectives, local_call=local_call,
-                      saved_sharded=saved_sharded, workspace=workspace, backward_workspace=backward_workspace)
+                      saved_sharded=saved_sharded, workspace=workspace, backward_workspace=backward_workspace,
+                      reads_strided=reads_strided)
         for t in targets:
             _RULES[t] = rule
         return fn
@@ -191,8 +207,17 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
 
 def output_infos(node: fx.Node) -> list[TensorInfo]:
     val = node.meta.get("val")
-    leaves = pytree.tree_leaves(val)
-    return [TensorInfo(tuple(int(s) for s in v.shape), v.dtype) for v in leaves if isinstance(v, torch.Tensor)]
+    seen = _OUTPUT_INFOS.get(node)
+    if seen is not None and seen[0] is val:        # a pass that changes a value stores a new one
+        return list(seen[1])
+    infos = [TensorInfo(tuple(int(s) for s in v.shape), v.dtype) for v in pytree.tree_leaves(val)
+             if isinstance(v, torch.Tensor)]
+    _OUTPUT_INFOS[node] = (val, infos)
+    return list(infos)
+
+
+# node -> (its value, output_infos of it): planning asks for the same node's infos many times.
+_OUTPUT_INFOS: "weakref.WeakKeyDictionary[fx.Node, tuple]" = weakref.WeakKeyDictionary()
 
 
 def context_for(node: fx.Node) -> OpContext:

@@ -12,7 +12,8 @@ def einsum_options(ctx: OpContext, spec: str, *, linear: Iterable[int] = ()) -> 
 
     A letter kept in the output shards that dim everywhere it appears; a contracted letter shards it in
     the inputs and leaves the output ``Partial``. ``linear`` lists inputs the op is linear in: a
-    ``Partial`` there, with the others replicated, gives a ``Partial`` output.
+    ``Partial`` there, with the others replicated, gives a ``Partial`` output. A kept letter whose
+    output dim a consumer reads strided (``ctx.strided``) is also offered strided everywhere.
     """
     lhs, out = spec.split("->")
     operands = lhs.split(",")
@@ -31,6 +32,9 @@ def einsum_options(ctx: OpContext, spec: str, *, linear: Iterable[int] = ()) -> 
             if ctx.outs[0].shape[pos] <= 1:
                 continue
             options.append(ctx.option(ins, S(pos)))
+            groups = ctx.strided.get(pos)
+            if groups:
+                options.append(ctx.option([S(p.dim, groups) if p.is_shard else p for p in ins], S(pos, groups)))
         else:
             options.append(ctx.option(ins, P))
     options += linear_options(ctx, linear)
@@ -47,18 +51,21 @@ def letters(n: int, start: int = 0) -> str:
 
 def broadcast_options(ctx: OpContext, *, linear: Iterable[int] = (), all_partial: bool = False) -> list[AxisOption]:
     """Pointwise ops with numpy broadcasting: an output dim is sharded in every input that has it at
-    full size; inputs that broadcast along it stay replicated."""
+    full size; inputs that broadcast along it stay replicated. A dim a consumer reads strided is also
+    offered strided."""
     out_shape = ctx.outs[0].shape
     nd = len(out_shape)
+    strided = ctx.strided
     options = []
     for d in range(nd):
         if out_shape[d] <= 1:
             continue
-        ins = []
-        for info in ctx.ins:
-            k = d - (nd - info.ndim)
-            ins.append(S(k) if k >= 0 and info.shape[k] == out_shape[d] else R)
-        options.append(ctx.option(ins, S(d)))
+        for groups in (1, strided.get(d)) if d in strided else (1,):
+            ins = []
+            for info in ctx.ins:
+                k = d - (nd - info.ndim)
+                ins.append(S(k, groups) if k >= 0 and info.shape[k] == out_shape[d] else R)
+            options.append(ctx.option(ins, S(d, groups)))
     options += linear_options(ctx, linear)
     if all_partial and ctx.ins:
         options.append(ctx.option([P] * len(ctx.ins), P))
@@ -66,13 +73,17 @@ def broadcast_options(ctx: OpContext, *, linear: Iterable[int] = (), all_partial
 
 
 def dim_map_options(ctx: OpContext, mapping: Callable[[int], int | None], *, input_index: int = 0,
-                    partial: bool = True) -> list[AxisOption]:
+                    partial: bool = True, strided_mapping: Callable[[int], int | None] | None = None
+                    ) -> list[AxisOption]:
     """Ops whose output dims are a relabelling of one input's dims (transpose, squeeze, slice, ...).
 
     ``mapping(in_dim)`` gives the output dim, or None where that dim cannot be sharded. Other tensor
     inputs stay replicated. With ``partial`` a ``Partial`` input passes through (the op is linear).
+    An output dim a consumer reads strided is also offered strided where ``strided_mapping`` (by
+    default ``mapping``) carries the whole input dim to it, so its groups stay whole.
     """
     info = ctx.ins[input_index]
+    strided, strided_mapping = ctx.strided, strided_mapping or mapping
     options = []
     for d in range(info.ndim):
         o = mapping(d)
@@ -81,6 +92,9 @@ def dim_map_options(ctx: OpContext, mapping: Callable[[int], int | None], *, inp
         ins = [R] * len(ctx.ins)
         ins[input_index] = S(d)
         options.append(ctx.option(ins, S(o)))
+        if o in strided and strided_mapping(d) == o:
+            ins[input_index] = S(d, strided[o])
+            options.append(ctx.option(ins, S(o, strided[o])))
     if partial and len(ctx.ins) == 1:
         options.append(ctx.option([P], P))
     return options
@@ -106,6 +120,18 @@ def view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[int],
             raise ValueError(f"cannot pair view shapes {tuple(src)} -> {tuple(dst)}")
         groups.append((gi, gj))
     return groups
+
+
+def whole_dim_mapping(src: Sequence[int], dst: Sequence[int]) -> dict[int, int]:
+    """Source dim -> target dim for the dims a view keeps whole (the only non-unit dim of its group on
+    both sides): the dims along which a strided shard's groups survive the view."""
+    out = {}
+    for gi, gj in view_groups(src, dst):
+        si = [d for d in gi if src[d] > 1]
+        sj = [d for d in gj if dst[d] > 1]
+        if len(si) == 1 and len(sj) == 1:
+            out[si[0]] = sj[0]
+    return out
 
 
 def view_mapping(src: Sequence[int], dst: Sequence[int]) -> dict[int, int]:

@@ -8,7 +8,7 @@ import torch
 
 from autopar.layout import P, S
 from autopar.passes.rules import register_rule
-from autopar.passes.rules.helpers import dim_map_options, norm_dim, view_mapping
+from autopar.passes.rules.helpers import dim_map_options, norm_dim, view_mapping, whole_dim_mapping
 
 aten = torch.ops.aten
 
@@ -21,8 +21,8 @@ def _local_size_arg(ctx, args, kwargs, local_ins, local_outs):
 @register_rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
                local_args=_local_size_arg)
 def view_rule(ctx):
-    mapping = view_mapping(ctx.ins[0].shape, ctx.outs[0].shape)
-    return dim_map_options(ctx, mapping.get)
+    src, dst = ctx.ins[0].shape, ctx.outs[0].shape
+    return dim_map_options(ctx, view_mapping(src, dst).get, strided_mapping=whole_dim_mapping(src, dst).get)
 
 
 # flatten takes dims, not sizes: no rewrite.
@@ -95,12 +95,33 @@ def select_rule(ctx):
     return _other_dims(ctx, 1, "dim", drop=True)
 
 
+@register_rule(aten.unbind.int)
+def unbind_rule(ctx):
+    return _other_dims(ctx, 1, "dim", drop=True)
+
+
+def _local_split_sizes(ctx, args, kwargs, local_ins, local_outs):
+    """split(x, size, dim) and split_with_sizes(x, sizes, dim): the parts' local sizes along the dim
+    (a strided input's parts are split along it). chunk takes a count, which stays."""
+    if ctx.node.target is aten.chunk.default:
+        return args, kwargs
+    dim = norm_dim(ctx.arg(2, "dim", 0), ctx.ins[0].ndim)
+    sizes = [o[dim] for o in local_outs]
+    size = sizes if ctx.node.target is aten.split_with_sizes.default else sizes[0]
+    return (args[0], size) + tuple(args[2:]), kwargs
+
+
 @register_rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
-               aten.unbind.int)
+               local_args=_local_split_sizes, reads_strided=True)
 def split_rule(ctx):
-    if ctx.node.target is aten.unbind.int:
-        return _other_dims(ctx, 1, "dim", drop=True)
-    return _other_dims(ctx, 2, "dim")
+    """Not along a sharded dim; but a dim cut into equal parts may be strided in as many groups
+    (S(dim,parts)), which makes every part a plain shard S(dim): Megatron's fused projections."""
+    options = _other_dims(ctx, 2, "dim")
+    dim = norm_dim(ctx.arg(2, "dim", 0), ctx.ins[0].ndim)
+    parts = len(ctx.outs)
+    if parts > 1 and all(o.shape[dim] * parts == ctx.ins[0].shape[dim] for o in ctx.outs):
+        options.append(ctx.option([S(dim, parts)], S(dim)))
+    return options
 
 
 @register_rule(aten.cat.default)

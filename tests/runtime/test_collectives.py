@@ -33,6 +33,7 @@ from autopar.runtime.collectives import (
 from tests.distributed_utils import run_distributed
 
 SHAPE = (4, 8, 12)  # every dim divides by 2 and by 4
+STRIDED = ((1, 2), (2, 3))  # (dim, groups) of strided shards: every group divides by 2 and by 4
 
 
 def _rand(shape, *seed):
@@ -73,6 +74,10 @@ def _check_all(name, salt):
     def chunk(t, d):
         return t.chunk(n, d)[r]
 
+    def strided(t, d, groups):
+        """This rank's block of every one of ``groups`` groups of dim ``d``: S(d,groups)."""
+        return torch.cat([chunk(g, d) for g in t.chunk(groups, d)], d)
+
     full = _rand(SHAPE, salt, "full")  # a replicated value, or the full value of a sharded one
     partial = [_rand(SHAPE, salt, "partial", q) for q in range(n)]  # rank q's term of a Partial
     weight = _rand(SHAPE, salt, "weight")  # loss weight with a replicated gradient
@@ -86,14 +91,27 @@ def _check_all(name, salt):
             _check(lambda x: gather(x, d, name), chunk(full, d), weights[r], full, chunk(sum(weights), d))
             # P -> S(d): the input gradient is replicated.
             _check(lambda x: scatter(x, d, name), partial[r], chunk(weight, d), chunk(sum(partial), d), weight)
+        for d, k in STRIDED:
+            _check(lambda x: gather(x, d, name, grad="slice", groups=k), strided(full, d, k), weight, full,
+                   strided(weight, d, k))
+            _check(lambda x: gather(x, d, name, groups=k), strided(full, d, k), weights[r], full,
+                   strided(sum(weights), d, k))
+            _check(lambda x: scatter(x, d, name, groups=k), partial[r], strided(weight, d, k),
+                   strided(sum(partial), d, k), weight)
         _check(lambda x: reduce(x, name), partial[r], weight, sum(partial), weight)
         # gloo has a native all-to-all (torch 2.13), so this runs the same path as nccl.
         for s, d in itertools.permutations(range(3), 2):
             _check(lambda x: a2a(x, s, d, name), chunk(full, s), chunk(weight, d), chunk(full, d),
                    chunk(weight, s))
+        # Strided on either side: S(1,2) -> S(2,3), S(2,3) -> S(0), S(0) -> S(1,2).
+        for (s, ks), (d, kd) in (((1, 2), (2, 3)), ((2, 3), (0, 1)), ((0, 1), (1, 2))):
+            _check(lambda x: a2a(x, s, d, name, src_groups=ks, dst_groups=kd), strided(full, s, ks),
+                   strided(weight, d, kd), strided(full, d, kd), strided(weight, s, ks))
     for d in range(3):
         # R -> S(d) without communication; the backward assembles the replicated gradient.
         _check(lambda x: local_chunk(x, d, name), full, chunk(weight, d), chunk(full, d), weight)
+    for d, k in STRIDED:
+        _check(lambda x: local_chunk(x, d, name, groups=k), full, strided(weight, d, k), strided(full, d, k), weight)
     _check(lambda x: grad_all_reduce(x, name), full, weights[r], full, sum(weights))
     # Negative dims name the same dims.
     assert_close(all_to_all(chunk(full, 0), -3, -1, name), chunk(full, 2))

@@ -61,7 +61,7 @@ def problems(draw, max_choices=8, memory=None):
                  for m in p.memory)
         hi = max(m.constant + sum(max(per) for _, per in m.terms) + sum(max(map(max, per)) for *_, per in m.pairs)
                  for m in p.memory)
-        p.memory_limit = MB * draw(st.integers(int(lo / MB), int(hi / MB)))
+        p.memory_budget = MB * draw(st.integers(int(lo / MB), int(hi / MB)))
     return p
 
 

@@ -12,9 +12,9 @@ def test_refuses_more_than_a_million_assignments():
 def test_cheapest_feasible_then_cheapest_overall():
     p = Problem(choices=[Choice("a", (1.0, 2.0)), Choice("b", (1.0, 1.0))],
                 edges=[Edge(0, 1, ((5.0, 0.0), (0.0, 5.0)))],
-                memory=[MemoryConstraint("peak", ((0, (3.0, 1.0)),))], memory_limit=2.0)
+                memory=[MemoryConstraint("peak", ((0, (3.0, 1.0)),))], memory_budget=2.0)
     s = brute_force(p)
     assert (s.assignment, s.objective, s.status) == ((1, 0), 3.0, "optimal")
-    p.memory_limit = 0.5   # nothing fits: the cheapest assignment, flagged
+    p.memory_budget = 0.5   # nothing fits: the cheapest assignment, flagged
     s = brute_force(p)
     assert (s.assignment, s.objective, s.status) == ((0, 1), 2.0, "infeasible")

@@ -47,7 +47,7 @@ def test_repair_takes_the_cheapest_bytes():
     # saves 10 bytes for 5 s, shrinking "c" saves 20 bytes for 100 s: repair shrinks a, then b.
     p = Problem(choices=[Choice("a", (1.0, 2.0)), Choice("b", (1.0, 6.0)), Choice("c", (1.0, 101.0))],
                 memory=[MemoryConstraint("peak", ((0, (10.0, 0.0)), (1, (10.0, 0.0)), (2, (10.0, -10.0))))],
-                memory_limit=10.0)
+                memory_budget=10.0)
     a = greedy(p)
     assert p.feasible(a)
     assert a == (1, 1, 0)
@@ -60,5 +60,5 @@ def test_descent_stays_within_memory():
                 edges=[Edge(0, 1, ((2.0, 2.0), (0.0, 0.0)))],
                 memory=[MemoryConstraint("peak", ((0, (0.0, 10.0)),))])
     assert greedy(p) == (1, 0)
-    p.memory_limit = 5.0
+    p.memory_budget = 5.0
     assert greedy(p) == (0, 0)

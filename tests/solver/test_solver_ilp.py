@@ -74,9 +74,9 @@ def test_single_option_choices_are_fixed():
     assert (s.assignment, s.status, s.num_variables) == ((0, 0), "optimal", 0)
     assert s.objective == pytest.approx(3 * 2.0 + 1.0 + 0.5)
     p.memory = [MemoryConstraint("peak", ((0, (10.0,)),), constant=5.0)]
-    p.memory_limit = 14.0
+    p.memory_budget = 14.0
     assert solve(p).status == "infeasible"
-    p.memory_limit = 15.0
+    p.memory_budget = 15.0
     assert solve(p).status == "optimal"
 
 
@@ -89,11 +89,11 @@ def test_empty_problem():
 
 def test_infeasible_returns_greedy_without_raising():
     p = Problem(choices=[Choice("a", (1.0, 2.0)), Choice("b", (1.0, 3.0))],
-                memory=[MemoryConstraint("peak", ((0, (6.0, 4.0)), (1, (6.0, 5.0))))], memory_limit=8.0)
+                memory=[MemoryConstraint("peak", ((0, (6.0, 4.0)), (1, (6.0, 5.0))))], memory_budget=8.0)
     s = solve(p)
     assert s.status == "infeasible"
     assert s.assignment == greedy(p)
-    p.memory_limit = 9.0                   # now only (1, 1) fits, the most expensive assignment
+    p.memory_budget = 9.0                   # now only (1, 1) fits, the most expensive assignment
     s = solve(p)
     assert (s.status, s.assignment) == ("optimal", (1, 1))
 
@@ -146,7 +146,7 @@ def test_progress_stages():
 def test_timeout_without_any_fitting_layout_raises(monkeypatch):
     # A solver that stops with no incumbent on a budget the greedy misses must not claim infeasibility.
     p = Problem(choices=[Choice("a", (1.0, 2.0)), Choice("b", (1.0, 3.0))],
-                memory=[MemoryConstraint("peak", ((0, (6.0, 4.0)), (1, (6.0, 5.0))))], memory_limit=9.0)
+                memory=[MemoryConstraint("peak", ((0, (6.0, 4.0)), (1, (6.0, 5.0))))], memory_budget=9.0)
     monkeypatch.setattr(ilp, "greedy", lambda problem: (0, 0))
     monkeypatch.setattr(ilp, "run", lambda model, backend, **kw: milp.Result(None, None, None))
     with pytest.raises(AutoparError, match="time limit"):
@@ -193,14 +193,14 @@ def test_memory_constraints_join_when_the_answer_breaks_them(caplog):
     # time, (1, 1), breaks the budget, so the constraint joins the model after the first solve.
     p = Problem(choices=[Choice("a", (1.0, 1.1)), Choice("b", (1.0, 0.0))],
                 edges=[Edge(0, 1, ((0.0, 5.0), (5.0, 0.0)))],
-                memory=[MemoryConstraint("peak", ((0, (0.0, 10.0)),))], memory_limit=9.0)
+                memory=[MemoryConstraint("peak", ((0, (0.0, 10.0)),))], memory_budget=9.0)
     assert greedy(p) == (0, 0)
     with caplog.at_level(logging.DEBUG, logger="autopar.solver.ilp"):
         s = solve(p)
     assert (s.status, s.assignment) == ("optimal", (0, 0))
     assert s.assignment == brute_force(p).assignment
     assert any("join the model" in r.message for r in caplog.records)
-    p.memory_limit = 10.0
+    p.memory_budget = 10.0
     assert solve(p).assignment == (1, 1)
 
 
@@ -216,7 +216,7 @@ def test_gap_holds_against_an_exact_solve_beyond_brute_force(seed):
                          tuple(tuple(rng.random() for _ in range(k)) for _ in range(3))) for i in range(0, n - 2, 3)]
     mem = [MemoryConstraint(f"m{j}", tuple((i, tuple(rng.random() for _ in range(k))) for i in range(n)))
            for j in range(3)]
-    p = Problem(choices=choices, edges=edges, shared=shared, memory=mem, memory_limit=0.4 * n)
+    p = Problem(choices=choices, edges=edges, shared=shared, memory=mem, memory_budget=0.4 * n)
     exact = ilp.run(ilp.formulate(p)[0].model, "highs", time_limit=600.0, gap=0.0)
     assert exact.status == "optimal"
     s = solve(p)

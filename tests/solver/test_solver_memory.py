@@ -19,9 +19,9 @@ def test_matches_brute_force(backend, p):
     assert budget == pytest.approx(brute_force_budget(p), rel=1e-9)
     assert budget == max(p.memory_usage(a).values())
     # The budget is tight: solve fits within it and not within one byte-unit less.
-    p.memory_limit = budget
+    p.memory_budget = budget
     assert solve(p, backend=backend).status == "optimal"
-    p.memory_limit = budget - MB / 2
+    p.memory_budget = budget - MB / 2
     assert solve(p, backend=backend).status == "infeasible"
 
 
@@ -30,7 +30,7 @@ def test_ignores_time_and_limit():
     p = Problem(choices=[Choice("a", (1.0, 9.0)), Choice("b", (1.0, 9.0, 5.0))],
                 memory=[MemoryConstraint("fwd", ((0, (8.0, 3.0)), (1, (1.0, 4.0, 2.0))), constant=1.0),
                         MemoryConstraint("bwd", ((1, (9.0, 1.0, 2.0)),), constant=4.0)],
-                memory_limit=1.0)
+                memory_budget=1.0)
     budget, a = minimum_feasible_budget(p)
     assert budget == brute_force_budget(p) == 6.0
     assert a == (1, 2)

@@ -4,8 +4,7 @@ import torch
 
 import autopar
 from autopar.passes.costs import CostModel
-from autopar.passes.meta import meta_of
-from autopar.passes.strategies import strategies_pass
+from autopar.passes.strategies import strategies_on, strategies_pass
 from autopar.planner import prepare
 
 
@@ -24,14 +23,14 @@ class MLP(torch.nn.Module):
 def test_fused_costs_less_for_a_pointwise_chain_and_the_same_for_matmuls():
     cluster = autopar.ClusterSpec.preset("8xH100")
     prep = prepare(MLP(), (torch.randn(4, 512, 1024),), None, cluster)
-    strategies_pass(prep.gm, (8,))
+    strategies = strategies_on(strategies_pass(prep.gm, (8,)), (8,))
     plain, fused = CostModel(cluster, (8,)), CostModel(cluster, (8,), fused=True)
     pointwise = {"plain": 0.0, "fused": 0.0}
     matmuls = 0
     for n in prep.gm.graph.nodes:
         if n.op != "call_function":
             continue
-        s = meta_of(n).strategies.strategies[0]
+        s = strategies[n][0]
         a, b = plain.compute_seconds(n, s), fused.compute_seconds(n, s)
         if torch.Tag.pointwise in getattr(n.target, "tags", ()):
             pointwise["plain"] += a

@@ -15,7 +15,7 @@ import torch.fx as fx
 from autopar.layout import R
 from autopar.passes.costs import INFEASIBLE, CostModel
 from autopar.passes.meta import meta_of
-from autopar.passes.strategies import Value, input_values, requires_grad, root_of, strategy_under_root
+from autopar.passes.strategies import MeshStrategies, Value, input_values, requires_grad, strategies_on
 from autopar.solver import Choice, Edge, Problem, SharedEdge
 
 
@@ -24,19 +24,11 @@ def key_of(node: fx.Node):
     return ("L", tag.cls, tag.index) if tag is not None else ("N", node.name)
 
 
-def strategy_of(node: fx.Node, option: int):
-    sset = meta_of(node).strategies
-    return sset.strategies[strategy_under_root(node, option)]
-
-
-def output_layout(v: Value, option_of_root: int):
-    return strategy_of(v.node, option_of_root).outputs[v.index]
-
-
 @dataclass
 class ProblemIndex:
-    """How the abstract problem's choices map back to the graph."""
+    """How the abstract problem's choices map back to the graph, on the mesh of ``strategies``."""
 
+    strategies: MeshStrategies
     choice_of_key: dict = field(default_factory=dict)
     keys: list = field(default_factory=list)
     # layer class -> (choice index, per option: how many instances recompute whole, how many of the
@@ -59,15 +51,14 @@ class ProblemIndex:
         activations in host memory between forward and backward."""
         return {cls: off[assignment[ci]] for cls, (ci, _, _, off) in self.recompute.items()}
 
-    def option_of(self, node: fx.Node, assignment) -> int:
+    def strategy_index(self, node: fx.Node, assignment) -> int:
         """The strategy index ``node`` takes under an assignment of the problem's choices."""
-        root = root_of(node)
-        return strategy_under_root(node, assignment[self.choice_of_key[key_of(root)]])
+        root = self.strategies.root_of(node)
+        return self.strategies.strategy_under_root(node, assignment[self.choice_of_key[key_of(root)]])
 
-
-def _decided_nodes(gm):
-    return [n for n in gm.graph.nodes if n.op in ("placeholder", "call_function")
-            and meta_of(n).strategies is not None]
+    def chosen(self, assignment) -> dict:
+        """Every decided node -> the strategy it takes under an assignment, in graph order."""
+        return {n: self.strategies[n][self.strategy_index(n, assignment)] for n in self.strategies}
 
 
 def decision_name(node: fx.Node) -> str:
@@ -76,7 +67,7 @@ def decision_name(node: fx.Node) -> str:
     return role.target if node.op == "placeholder" and role is not None else node.name
 
 
-def _pinned_options(rep: fx.Node, pins: dict, mesh_axes: int):
+def _pinned_options(rep: fx.Node, opts, pins: dict, mesh_axes: int):
     """Options of ``rep`` allowed by the first matching pin, or None when no pin names it.
 
     A pin is the output layout (``["R", "S(1)"]``), or ``{"output": layout, "inputs": [layout per
@@ -112,7 +103,6 @@ def _pinned_options(rep: fx.Node, pins: dict, mesh_axes: int):
             if len(lay) != mesh_axes:
                 raise ShardingError(f"pin {pattern!r} -> {lay} gives {len(lay)} placements for a "
                                     f"{mesh_axes}-axis mesh")
-        opts = meta_of(rep).strategies.strategies
         allowed = {o for o, s in enumerate(opts)
                    if (out is None or (s.outputs and format_layout(s.outputs[0]) == out))
                    and (ins is None or [format_layout(l) for l in s.inputs] == ins)
@@ -154,29 +144,32 @@ def unmatched_pin_error(pattern: str, names):
                          f"(plan.nodes, python -m autopar explain)")
 
 
-def _unmatched(pattern, decided_names, nodes):
+def _unmatched(pattern, decided_names, strategies: MeshStrategies):
     """A pin that names only nodes without a decision of their own says which decision they follow."""
-    followers = [n for n in nodes if n.op == "call_function" and root_of(n) is not n
+    followers = [n for n in strategies if n.op == "call_function" and strategies.root_of(n) is not n
                  and fnmatch.fnmatchcase(n.name, pattern)]
     if followers:
         from autopar.errors import ShardingError
 
-        f = followers[0]
-        return ShardingError(f"pin {pattern!r} names {f.name}, whose layout follows {decision_name(root_of(f))}'s "
-                             f"decision; pin {decision_name(root_of(f))!r} instead")
+        root = decision_name(strategies.root_of(followers[0]))
+        return ShardingError(f"pin {pattern!r} names {followers[0].name}, whose layout follows {root}'s "
+                             f"decision; pin {root!r} instead")
     return unmatched_pin_error(pattern, decided_names)
 
 
-def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
+def build_problem(gm: fx.GraphModule, cm: CostModel, memory_budget: float | None,
                   pins: dict | None = None, sharded_outputs: bool = False,
                   recompute: bool | dict = True) -> tuple[Problem, ProblemIndex]:
     """``pins`` maps a glob over decision names (parameter FQNs, input names, node names) to a layout
     that decision must take. A pin on one copy of a repeated layer applies to every copy. With
     ``sharded_outputs`` only scalar user outputs are priced as gathered (passes.reshard_plan). With
     ``recompute``, each layer class gets a decision of how many of its instances recompute their
-    activations in backward (``_recompute_choices``); a dict fixes it for the classes it names."""
-    nodes = _decided_nodes(gm)
-    idx = ProblemIndex()
+    activations in backward (``_recompute_choices``); a dict fixes it for the classes it names. The
+    strategies are those ``strategies_pass`` made for the cost model's mesh."""
+    strategies = strategies_on(gm, cm.mesh_shape)
+    nodes = list(strategies)
+    root_of = strategies.root_of
+    idx = ProblemIndex(strategies)
     members = defaultdict(list)
     for n in nodes:
         root = root_of(n)
@@ -184,7 +177,7 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
         if root is n:
             idx.roots_of_key[key_of(n)].append(n)
 
-    prob = Problem(memory_limit=memory_limit)
+    prob = Problem(memory_budget=memory_budget)
     forward = {}         # choice -> forward seconds of one copy, per option (what recomputing costs)
     saved = {}           # choice -> bytes one copy saves for backward, per option (what offloading moves)
     core_forward = {}    # choice -> the part of it in the layer's attention cores
@@ -192,12 +185,12 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
     decided_names = set()
     for key, roots in idx.roots_of_key.items():
         rep = roots[0]
-        opts = meta_of(rep).strategies.strategies
+        opts = strategies[rep]
         costs, fwd, core, kept = [], [], [], []
         for o in range(len(opts)):
             c, f, fc, a = 0.0, 0.0, 0.0, 0.0
             for m in members[rep]:
-                s = strategy_of(m, o)
+                s = strategies.strategy_of(m, o)
                 c += cm.compute_seconds(m, s) + cm.op_comm_seconds(m, s)
                 f += cm.forward_seconds(m, s)
                 a += cm.activation_bytes(m, s)
@@ -213,7 +206,7 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
         allowed = None
         decided_names.update(decision_name(r) for r in roots)
         for r in roots:
-            allowed = _pinned_options(r, pins or {}, len(cm.mesh_shape))
+            allowed = _pinned_options(r, opts, pins or {}, len(cm.mesh_shape))
             if allowed is not None:
                 break
         if allowed is not None:
@@ -227,7 +220,7 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_limit: float | None,
         saved[ci] = tuple(kept)
     for pattern in pins or {}:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in decided_names):
-            raise _unmatched(pattern, decided_names, nodes)
+            raise _unmatched(pattern, decided_names, strategies)
     if recompute:
         _recompute_choices(gm, prob, idx, forward, core_forward, recompute, saved, cm.cluster)
 
@@ -363,8 +356,9 @@ def _recompute_choices(gm, prob: Problem, idx: ProblemIndex, forward: dict, core
 def _shared_edge(v: Value, rs, count: int, idx: ProblemIndex, cm: CostModel) -> SharedEdge:
     from autopar.passes.resharding import grad_partial_axes
 
-    rp = root_of(v.node)
-    n_src = len(meta_of(rp).strategies.strategies)
+    strategies = idx.strategies
+    rp = strategies.root_of(v.node)
+    n_src = len(strategies[rp])
     grad = requires_grad(v.node)
     requests: dict = {}
 
@@ -377,14 +371,14 @@ def _shared_edge(v: Value, rs, count: int, idx: ProblemIndex, cm: CostModel) -> 
             always.add(request(tuple(R for _ in cm.mesh_shape), frozenset()))
             continue
         row = []
-        for j in range(len(meta_of(rc).strategies.strategies)):
-            st = strategy_of(c, j)
+        for j in range(len(strategies[rc])):
+            st = strategies.strategy_of(c, j)
             dst = st.inputs[k]
             partial = grad_partial_axes(dst, st.splits_work, grad)
             row.append(request(dst, partial))
         reader_rows.append((idx.choice_of_key[key_of(rc)], tuple(row)))
-    cost = tuple(tuple(cm.param_transition_seconds(v, strategy_of(v.node, i), dst, partial) for i in range(n_src))
-                 for (dst, partial) in requests)
+    cost = tuple(tuple(cm.param_transition_seconds(v, strategies.strategy_of(v.node, i), dst, partial)
+                       for i in range(n_src)) for (dst, partial) in requests)
     return SharedEdge(idx.choice_of_key[key_of(rp)], tuple(reader_rows), cost, tuple(sorted(always)), count)
 
 

@@ -20,11 +20,11 @@ def minimum_feasible_budget(problem: Problem, *, time_limit: float = math.inf, b
                             cutoff: float | None = None) -> tuple[float, tuple[int, ...]]:
     """(L, assignment): L = min over assignments of the max over memory constraints of their bytes.
 
-    Solved as min t subject to every constraint's bytes <= t; ``problem.memory_limit`` is ignored.
-    If the time limit or ``NODE_LIMIT`` stops the solver early, L is the best found (an upper bound). Without memory
-    constraints any budget fits: returns 0.0 and the greedy assignment. ``start``: an assignment to
-    start from (the greedy one when it is better). ``cutoff``: only L below it is wanted; where HiGHS
-    proves that none is, it stops and returns (inf, the start).
+    Solved as min t subject to every constraint's bytes <= t; ``problem.memory_budget`` is ignored.
+    If the time limit or ``NODE_LIMIT`` stops the solver early, L is the best found (an upper bound).
+    Without memory constraints any budget fits: returns 0.0 and the greedy assignment. ``start``: an
+    assignment to start from (the greedy one when it is better). ``cutoff``: only L below it is
+    wanted; where HiGHS proves that none is, it stops and returns (inf, the start).
     """
     problem.validate()
 
