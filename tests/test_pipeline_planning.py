@@ -214,7 +214,7 @@ def test_wide_stack_pipeline_is_balanced_on_8_layers():
 
 
 def test_multi_node_clusters_try_pipeline_meshes():
-    from autopar.planner import pipeline_meshes
+    from autopar.pipeline_search import pipeline_meshes
 
     assert pipeline_meshes(autopar.ClusterSpec.preset("1024xH100")) == [
         ((4, 32, 8), ("pp", "dp", "tp")), ((8, 16, 8), ("pp", "dp", "tp"))]
