@@ -58,8 +58,9 @@ def _measure(rank, world, cases):
 
 @pytest.mark.parametrize("cases", [
     [("gpt2", "dp", None), ("llama", "megatron", None), ("bert", "zero3", None)],
-    [("gpt", "vocab", None), ("gpt2", "recompute", None), ("llama", "sharded-outputs", None)],
-    [("llama", "zero3", 1.05), ("gpt", "auto", 1.5), ("gpt2", "auto", 1.05)],
+    [("gpt", "vocab", None), ("gpt2", "recompute", None), ("llama", "sharded-outputs", None),
+     ("qwen2", "zero3", None)],
+    [("llama", "zero3", 1.05), ("gpt", "auto", 1.5), ("gpt2", "auto", 1.05), ("qwen2", "auto", 1.05)],
 ], ids=["no-budget-a", "no-budget-b", "tight-budget"])
 def test_predicted_peak_matches_measured_on_two_ranks(cases):
     run_distributed(_measure, 2, cases, timeout=600)
