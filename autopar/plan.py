@@ -299,7 +299,7 @@ def _schema(axes) -> dict:
     """The check of every top-level field, for a mesh of these axis names."""
     collective = _object({"kind": _one_of(KINDS), "axis": _one_of(axes), "phase": _one_of(PHASES),
                           "bytes": _number, "seconds": _number, "node": _string},
-                         {"value": _string, "step": _string, "recompute": _boolean})
+                         {"value": _string, "step": _string, "recompute": _boolean, "exposed": _number})
     alternative = _object({"layout": _string, "chosen": _boolean},
                           {"inputs": _list_of(_layout(axes)), "own_seconds": _cost, "resharding_seconds": _cost,
                            "total_seconds": _cost, "memory_bytes": _cost,
@@ -326,7 +326,8 @@ def _schema(axes) -> dict:
                            "peak_point": _integer(0), "peak_at": peak_at}),
         "step_time": _number,
         "breakdown": _object({"compute": _number, "communication": _dict_of(_number), "optimizer": _number},
-                             {"recompute": _number, "offload": _number}),
+                             {"recompute": _number, "offload": _number, "exposed": _number, "hidden": _number,
+                              "serial": _number}),
         "solver": _object({}, {"status": _string, "seconds": _number, "variables": _integer(0),
                                "constraints": _integer(0), "backend": _string, "planning_seconds": _number,
                                "candidates": _list_of(_object({"mesh": _list_of(_integer(1)), "status": _string},

@@ -112,6 +112,8 @@ def summary(plan) -> str:
                  + (f"recompute {_s(recompute)} + " if recompute else "")
                  + (f"activation offload {_s(plan.breakdown['offload'])} + " if plan.breakdown.get("offload") else "")
                  + " + ".join(f"comm[{a}] {_s(t)}" for a, t in comm.items())
+                 + (f" - comm hidden behind compute {_s(plan.breakdown['hidden'])}" if plan.breakdown.get("hidden")
+                    else "")
                  + f" + optimizer {_s(plan.breakdown['optimizer'])}"
                  + (f" + pipeline bubble {_s(plan.breakdown['bubble'])}" if plan.breakdown.get("bubble") else ""))
     if plan.pipeline:

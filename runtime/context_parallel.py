@@ -4,7 +4,8 @@ Each rank keeps its query rows. Key/value blocks travel around the ring (rank r 
 receives from r-1) while every rank attends to the block it holds; partial results merge exactly
 through their logsumexps, so the output equals unsplit attention up to rounding. The backward runs the
 ring again: key/value blocks circulate with their gradient accumulators, which arrive back at their
-owners after a full turn. Only the local q, k, v, output and logsumexp are kept for backward.
+owners after a full turn. Only the local q, k, v, mask, output and logsumexp are kept for backward; each
+block is freed as soon as its transfer completes (the rule's memory hooks count what the ring holds).
 
 Causal attention is load-balanced as in Llama 3's context parallel: the sequence is cut into 2n
 half-chunks and rank i works on half-chunks i and 2n-1-i, so every rank does the same work. The op
@@ -36,13 +37,12 @@ class _Ring:
         self.name = name
         self.rank, self.size = C._group(name)
 
-    def shift(self, x: torch.Tensor):
-        """Start sending ``x`` to the next rank and receiving the previous rank's into a new buffer.
-        Returns (buffer, requests); the buffer is valid once the requests are waited."""
-        x = x.contiguous()
-        buf = torch.empty_like(x)
-        reqs = C._p2p([((self.rank + 1) % self.size, x)], [((self.rank - 1) % self.size, buf)], self.name)
-        return buf, reqs
+    def shift(self, xs: list[torch.Tensor]):
+        """Start sending each of ``xs`` to the next rank and receiving the previous rank's into new
+        buffers. Returns (buffers, requests); the buffers are valid once ``_finish(requests)``."""
+        bufs = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
+        dest, src = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        return bufs, C._p2p([(dest, x) for x in xs], [(src, b) for b in bufs], self.name)
 
     def exchange(self, parts: dict, source_of, dest_of, wanted) -> list[torch.Tensor]:
         """Move half-chunks between ranks: ``parts`` maps the half-chunks this rank holds to their
@@ -52,9 +52,16 @@ class _Ring:
         got = {c: parts[c] if source_of(c) == self.rank else torch.empty_like(like) for c in wanted}
         recvs = [(source_of(c), got[c]) for c in wanted if source_of(c) != self.rank]
         sends = [(dest_of(c), x.contiguous()) for c, x in parts.items() if dest_of(c) != self.rank]
-        for r in C._p2p(sends, recvs, self.name):
-            r.wait()
+        _finish(C._p2p(sends, recvs, self.name))
         return [got[c] for c in wanted]
+
+
+def _finish(reqs: list) -> None:
+    """Wait for transfers and drop their requests: a send's request holds its tensor until dropped, so
+    a block already passed on is freed here rather than when the next step's requests replace it."""
+    for r in reqs:
+        r.wait()
+    reqs.clear()
 
 
 def _balanced_owner(c: int, n: int) -> int:
@@ -244,6 +251,34 @@ def _pairs(ring, src, length, causal, balanced):
                 yield (qo, ql), (kc * kl, ko, kl), kind
 
 
+def _attend(blocks, ring, qg, kv, gmask, out, lse, src, length, causal, balanced, scale):
+    """Attend this rank's query rows to the key/value block of rank ``src`` and merge the result into
+    ``out`` and ``lse`` in place."""
+    kb, vb = kv[0].unsqueeze(2), kv[1].unsqueeze(2)
+    for (qo, ql), (ks, ko, kl), kind in _pairs(ring, src, length, causal, balanced):
+        o, lo = blocks.forward(qg[..., qo:qo + ql, :], kb[..., ko:ko + kl, :], vb[..., ko:ko + kl, :],
+                               _mask_block(gmask, qo, ql, ks, kl), kind, scale)
+        rows = slice(qo, qo + ql)
+        out[..., rows, :], lse[..., rows] = _merge(out[..., rows, :], lse[..., rows], o.to(out.dtype), lo.to(lse.dtype))
+
+
+def _attend_backward(blocks, ring, saved, kv, dq, dkv, src, length, causal, balanced, scale):
+    """Add the gradients of rank ``src``'s key/value block (into ``dkv``) and of this rank's query rows
+    against it (into ``dq``). ``saved`` holds the grouped q, mask, output gradient, output, logsumexp
+    and delta."""
+    qg, gmask, dog, outg, lse, delta = saved
+    kb, vb = kv[0].unsqueeze(2), kv[1].unsqueeze(2)
+    for (qo, ql), (ks, ko, kl), kind in _pairs(ring, src, length, causal, balanced):
+        rows = slice(qo, qo + ql)
+        gq, gk, gv = blocks.backward(qg[..., rows, :], kb[..., ko:ko + kl, :], vb[..., ko:ko + kl, :],
+                                     _mask_block(gmask, qo, ql, ks, kl), kind, scale, dog[..., rows, :],
+                                     outg[..., rows, :], lse[..., rows], delta[..., rows])
+        dq[..., rows, :] += gq
+        dkv[0][..., ko:ko + kl, :] += gk.squeeze(2)
+        dkv[1][..., ko:ko + kl, :] += gv.squeeze(2)
+        del gq, gk, gv          # before the next block's gradients are made
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, causal, scale, name, blocks):
@@ -255,18 +290,13 @@ class _RingAttention(torch.autograd.Function):
         qg, gmask = _grouped(q, hkv), _grouped_mask(mask, hkv)
         out = torch.zeros(qg.shape, dtype=acc, device=q.device)
         lse = torch.full(qg.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-        kv = torch.stack([k, v])
+        kv = [k, v]
         for t in range(ring.size):
-            src = (ring.rank - t) % ring.size
+            # The next block arrives while this one is attended to.
             nxt, reqs = ring.shift(kv) if t < ring.size - 1 else (None, [])
-            kb, vb = kv[0].unsqueeze(2), kv[1].unsqueeze(2)
-            for (qo, ql), (ks, ko, kl), kind in _pairs(ring, src, length, causal, balanced):
-                o, lo = blocks.forward(qg[..., qo:qo + ql, :], kb[..., ko:ko + kl, :], vb[..., ko:ko + kl, :],
-                                       _mask_block(gmask, qo, ql, ks, kl), kind, scale)
-                rows = slice(qo, qo + ql)
-                out[..., rows, :], lse[..., rows] = _merge(out[..., rows, :], lse[..., rows], o.to(acc), lo.to(acc))
-            for r in reqs:
-                r.wait()
+            _attend(blocks, ring, qg, kv, gmask, out, lse, (ring.rank - t) % ring.size, length, causal, balanced,
+                    scale)
+            _finish(reqs)
             kv = nxt
         out = out.reshape(q.shape).to(q.dtype)
         ctx.save_for_backward(q, k, v, mask, out, lse)
@@ -283,34 +313,27 @@ class _RingAttention(torch.autograd.Function):
         if balanced:
             dout = _to_balanced(dout, ring)
         hkv, length, acc = k.shape[1], k.shape[2], _acc(q)
-        qg, gmask = _grouped(q, hkv), _grouped_mask(mask, hkv)
-        dog, outg = _grouped(dout.contiguous(), hkv), _grouped(out, hkv)
+        qg, dog, outg = _grouped(q, hkv), _grouped(dout.contiguous(), hkv), _grouped(out, hkv)
         delta = (dog.to(acc) * outg.to(acc)).sum(-1)
+        saved = qg, _grouped_mask(mask, hkv), dog, outg, lse, delta
         dq = torch.zeros(qg.shape, dtype=acc, device=q.device)
-        kv = torch.stack([k, v])
-        dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+        kv = [k, v]
+        dkv = [torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)]
         for t in range(ring.size):
-            src = (ring.rank - t) % ring.size
             nxt, reqs = ring.shift(kv) if t < ring.size - 1 else (None, [])
-            kb, vb = kv[0].unsqueeze(2), kv[1].unsqueeze(2)
-            for (qo, ql), (ks, ko, kl), kind in _pairs(ring, src, length, causal, balanced):
-                gq, gk, gv = blocks.backward(
-                    qg[..., qo:qo + ql, :], kb[..., ko:ko + kl, :], vb[..., ko:ko + kl, :],
-                    _mask_block(gmask, qo, ql, ks, kl), kind, scale, dog[..., qo:qo + ql, :],
-                    outg[..., qo:qo + ql, :], lse[..., qo:qo + ql], delta[..., qo:qo + ql])
-                dq[..., qo:qo + ql, :] += gq
-                dkv[0, ..., ko:ko + kl, :] += gk.squeeze(2)
-                dkv[1, ..., ko:ko + kl, :] += gv.squeeze(2)
+            _attend_backward(blocks, ring, saved, kv, dq, dkv, (ring.rank - t) % ring.size, length, causal,
+                             balanced, scale)
             # The block's gradient goes on with it; after the last step it reaches the block's owner.
             dnxt, dreqs = ring.shift(dkv) if ring.size > 1 else (dkv, [])
-            for r in reqs + dreqs:
-                r.wait()
+            _finish(reqs)
+            _finish(dreqs)
             kv, dkv = nxt, dnxt
-        dq = dq.reshape(q.shape).to(q.dtype)
-        dk, dv = dkv[0].to(k.dtype), dkv[1].to(v.dtype)
-        if balanced:
-            dq, dk, dv = (_from_balanced(x, ring) for x in (dq, dk, dv))
-        return dq, dk, dv, None, None, None, None, None
+        grads = [dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)]
+        del dq, dkv, saved, qg, dog, outg, delta, dout
+        if balanced:            # one at a time, each freed as its balanced copy is replaced
+            for i in range(3):
+                grads[i] = _from_balanced(grads[i], ring)
+        return (*grads, None, None, None, None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,

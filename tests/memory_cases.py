@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import torch
 
-ARCHS = ("gpt2", "llama", "bert", "gpt", "gpt-probe", "gpt-vocab")
+ARCHS = ("gpt2", "llama", "bert", "gpt", "gpt-probe", "gpt-vocab", "gpt-long")
 KINDS = ("auto", "dp", "megatron", "zero3", "vocab", "vocab-sharded-outputs", "vocab-sliced", "recompute",
-         "sharded-outputs", "2d")
+         "sharded-outputs", "2d", "ring")
+# (tokens, batch) of the long-sequence architectures, whatever the caller asks: one sequence long
+# enough, over a small vocabulary, that attention's buffers are most of the peak.
+LONG_SEQUENCE = {"gpt-long": (2048, 1)}
 
 
 def build(arch: str, seq: int, batch: int, device):
     """A small model of ``arch`` (random weights, on CPU: compile moves each rank's shards to its device)
     and its inputs (ids, labels) on ``device``."""
     vocab = 512
+    seq, batch = LONG_SEQUENCE.get(arch, (seq, batch))
     torch.manual_seed(0)
     if arch in ("gpt2", "llama", "bert"):
         import transformers as tf
@@ -27,6 +31,11 @@ def build(arch: str, seq: int, batch: int, device):
         model = tf.BertForMaskedLM(tf.BertConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
                                                  intermediate_size=256, vocab_size=vocab, max_position_embeddings=seq,
                                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    elif arch == "gpt-long":
+        from autopar.models import GPT, GPTConfig
+
+        vocab = 16
+        model = GPT(GPTConfig(vocab_size=vocab, n_layer=1, n_head=4, d_model=128, d_ff=256, max_seq=seq))
     elif arch == "gpt":
         from autopar.models import GPT, GPTConfig
 
@@ -44,7 +53,7 @@ def build(arch: str, seq: int, batch: int, device):
     else:
         raise SystemExit(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
-    if arch in ("gpt", "gpt-probe", "gpt-vocab"):
+    if arch.startswith("gpt") and arch != "gpt2":
         return model, (ids, ids.clone()), {}
     return model, (ids,), {"labels": ids.clone()}
 
@@ -85,4 +94,10 @@ def options(arch: str, kind: str, ranks: int, model) -> dict | None:
             return None
         pins = {k: ["R", v] for k, v in MEGATRON[key].items()}
         return {"mesh_shape": (2, 2), "axis_names": ("dp", "tp"), "pins": pins, "recompute": False}
+    if kind == "ring":      # every activation split along the sequence, attention as a ring
+        if arch not in LONG_SEQUENCE:
+            return None
+        pins = {"input_ids": ["S(1)"], "labels": ["S(1)"], **params_r,
+                "scaled_dot_product_attention*": {"inputs": [["S(2)"]] * 3}}
+        return {"mesh_shape": (ranks,), "pins": pins, "recompute": False}
     raise SystemExit(f"unknown plan kind {kind!r}; choose from {', '.join(KINDS)}")

@@ -31,13 +31,13 @@ class _Wide(nn.Module):
         return self.proj(x).float().square().mean()
 
 
-def _wide_plan(cluster, offload, **kw):
+def _wide_plan(cluster, offload, zero=0):
     with torch.device("meta"):
         model = _Wide()
     x = torch.empty(64, 8192, device="meta")
     return autopar.plan(model, cluster, (x,), mesh_shape=(cluster.num_devices,), memory_budget=1e15, progress=False,
                         optimizer=OptimizerSpec(8.0), recompute=False,
-                        pins={"proj.weight": {"output": ["R"], "offload": offload, "zero": 0}, "x": ["S(0)"],
+                        pins={"proj.weight": {"output": ["R"], "offload": offload, "zero": zero}, "x": ["S(0)"],
                               "linear": {"inputs": [["S(0)"], ["R"]]}})
 
 
@@ -77,6 +77,14 @@ def test_offload_request_without_host_figures_names_them():
         autopar.plan(gpt, cluster, (ids,), {"labels": ids.clone()}, recompute={"*": "offload"}, progress=False)
     # Without a request, such a cluster plans as before, offloading nothing.
     assert not _wide_plan(cluster, False).offload
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_offload_with_zero_1_or_2_is_refused_by_name(stage):
+    """An offloaded optimizer state is not also sharded by ZeRO-1/2 (docs/cost-model.md): a pin asking
+    for both names the parameter, the stage and what is not offered."""
+    with pytest.raises(autopar.errors.ShardingError, match=f"proj.weight.*ZeRO-{stage}.*not with ZeRO-1/2"):
+        _wide_plan(autopar.ClusterSpec.preset("8xH100"), True, zero=stage)
 
 
 def test_host_memory_bounds_the_offloaded_states():

@@ -77,7 +77,7 @@ def _selective_parity(rank, world):
     ids, labels = batch()
     pins = {k: [v] for k, v in MEGATRON["gpt2"].items()}
     pm = autopar.compile(model, autopar.ClusterSpec.local_cpu(world), (ids,), {"labels": labels}, pins=pins,
-                         recompute={"*": "attention"})
+                         mesh_shape=(world,), recompute={"*": "attention"})
     assert len(pm.plan.recompute["attention"]["regions"]) == 2 and not pm.plan.recompute["layers"]
     assert pm.code.count("checkpointed(") == 2
     check_collectives(pm, ids, labels)
@@ -104,5 +104,6 @@ def _selective_parity(rank, world):
     assert abs(peak / predicted - 1) <= 0.10, (peak, predicted)
 
 
-def test_selective_recompute_trains_like_eager_with_the_planned_collectives():
-    run_distributed(_selective_parity, 2, timeout=300)
+@pytest.mark.parametrize("world", [2, 4])
+def test_selective_recompute_trains_like_eager_with_the_planned_collectives(world):
+    run_distributed(_selective_parity, world, timeout=300)

@@ -133,8 +133,9 @@ def _node_lines(ix: PlanIndex, name: str) -> list[str]:
     lines.append(f"  here: compute {_s(n['compute_seconds'])}, communication {_s(n['comm_seconds'])}, "
                  f"saved activations {_b(n['activation_bytes'])}")
     for c in ix.colls_at.get(name, []):
+        hidden = c["seconds"] - c.get("exposed", c["seconds"])
         lines.append(f"    runs {c['kind']}({c['axis']}, {c['phase']}) {_b(c['bytes'])} {_s(c['seconds'])} "
-                     f"on {ix.value_name(c['value'])}")
+                     f"on {ix.value_name(c['value'])}" + (f", {_s(hidden)} of it hidden behind compute" if hidden > 0 else ""))
     key = ix.decision_of(name)
     if key != name:
         why = "follows " + n["follows"] + " (its layout is fixed by that decision)" if n["follows"] else \

@@ -49,12 +49,17 @@ def _summary_html(plan) -> str:
     bd = plan.breakdown
     comm = bd["communication"]
     parts = [(f"compute {_s(bd['compute'])}", bd["compute"], "#59a14f")]
-    parts += [(f"communication on {a} {_s(t)}", t, _PALETTE[i % len(_PALETTE)]) for i, (a, t) in enumerate(comm.items())]
+    # The bar adds up to the step: each axis's communication less what compute hides of it.
+    hidden = {a: 0.0 for a in comm}
+    for c in plan.collectives if bd.get("hidden") else ():
+        hidden[c["axis"]] = hidden.get(c["axis"], 0.0) + c["seconds"] - c.get("exposed", c["seconds"])
+    parts += [(f"exposed communication on {a} {_s(t - hidden.get(a, 0.0))}", max(t - hidden.get(a, 0.0), 0.0),
+               _PALETTE[i % len(_PALETTE)]) for i, (a, t) in enumerate(comm.items())]
     parts.append((f"optimizer {_s(bd['optimizer'])}", bd["optimizer"], "#9c755f"))
     if bd.get("bubble"):
         parts.append((f"pipeline bubble {_s(bd['bubble'])}", bd["bubble"], "#bab0ac"))
     total_comm = sum(comm.values())
-    exposed = max(plan.step_time - bd["compute"] - bd["optimizer"] - bd.get("bubble", 0.0), 0.0)
+    exposed = bd.get("exposed", total_comm)
     m = plan.memory
     budget = m.get("memory_budget") or 0.0
     frac = m["peak"] / budget if budget else 0.0
@@ -78,7 +83,7 @@ def _summary_html(plan) -> str:
 {_legend([(p[0], p[2]) for p in parts])}
 <p id="exposed">Communication {_s(total_comm)} in all
  ({", ".join(f"{_e(a)} {_s(t)}" for a, t in comm.items())}); exposed (not hidden behind compute):
- <b>{_s(exposed)}</b>{" &mdash; the cost model overlaps none of it" if exposed >= total_comm * 0.999 else ""}.</p>
+ <b>{_s(exposed)}</b>, hidden {_s(total_comm - exposed)}{" &mdash; none of it overlaps compute" if exposed >= total_comm * 0.999 else ""}.</p>
 <h3>Peak memory per device: {_b(m['peak'])} of {_b(budget)} budget ({100 * frac:.1f}%)</h3>
 {_stacked_bar(mem_parts + [("free", max(budget - m['peak'], 0.0), "#e8e8e8")], max(budget, m['peak']))}
 {_legend([(p[0], p[2]) for p in mem_parts])}

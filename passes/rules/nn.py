@@ -99,11 +99,12 @@ def _sdpa_flops(ctx):
 
 
 def _sdpa_saved_on_gpu(ctx):
-    """Flash attention keeps q, k, v, the output and an fp32 logsumexp; never the s x s scores."""
+    """Flash attention keeps q, k, v, an explicit mask (its backward applies it again), the output and
+    an fp32 logsumexp; never the s x s scores."""
     from autopar.passes.meta import SavedForBackward
 
     lse = math.prod(ctx.ins[0].shape[:-1]) * 4
-    return SavedForBackward(ctx.outs[0].nbytes, tuple(k < 3 for k in range(len(ctx.ins))), lse)
+    return SavedForBackward(ctx.outs[0].nbytes, (True,) * len(ctx.ins), lse)
 
 
 def _sdpa_collectives(ctx, in_layouts, mesh_shape):
@@ -143,20 +144,90 @@ def _sdpa_local_call(ctx, in_layouts, args, kwargs, group_names):
         args[0], args[1], args[2], mask, causal, kwargs.get("scale"), group_names[axis]), {}
 
 
-def _sdpa_workspace(ctx, in_layouts, mesh_shape):
-    """Ring attention's working set in backward, its larger phase: the key/value block and the next
-    one, their fp32 gradient accumulators and the next ones, the fp32 dq accumulator, the incoming
-    gradient and one block's gradients; a causal ring adds its load-balanced copies."""
-    if _sharding_axis(in_layouts[1], 2) is None:
-        return 0.0
+def _ring_peaks(ctx, in_layouts, mesh_shape):
+    """(forward, backward) bytes ring attention (``runtime.context_parallel``) holds at its highest point
+    beyond its inputs, what it keeps for backward and the incoming gradient; None where the strategy
+    is not a ring.
+
+    Forward: a causal ring's load-balanced q, k, v (each made from two contiguous halves and a received
+    one); the fp32 output and logsumexp accumulators; the key/value blocks in flight; one block's
+    attention (its output, the key/value heads repeated for their query heads under GQA, the block of
+    an explicit mask made additive, and the exact merge's three temporaries); and at the end, the
+    output moved back from the balanced layout. Backward: the output gradient made contiguous (or
+    balanced), the fp32 gradient accumulators of q and of the key/value block, the next block and the
+    previous one's accumulators in flight, one block's backward (the contiguous copies of its query
+    rows, output and output gradient, the gradients it returns at the query heads and their sums over
+    each group); and at the end each gradient cast to the input's dtype and moved back."""
+    axis = _sharding_axis(in_layouts[1], 2)
+    if axis is None:
+        return None
+    n = mesh_shape[axis]
     q, k = ctx.ins[0], ctx.ins[1]
-    qb = math.prod(local_shape(q.shape, in_layouts[0], mesh_shape)) * q.dtype.itemsize
-    kvb = 2 * math.prod(local_shape(k.shape, in_layouts[1], mesh_shape)) * k.dtype.itemsize
-    wide = max(1.0, 4 / q.dtype.itemsize)
-    total = 2 * kvb + 2 * kvb * wide + qb * wide + qb + (qb + kvb)
-    if ctx.arg(5, "is_causal", False):
-        total += qb + kvb
-    return total
+    lq = local_shape(q.shape, in_layouts[0], mesh_shape)
+    lk = local_shape(k.shape, in_layouts[1], mesh_shape)
+    item = q.dtype.itemsize
+    wide = max(item, 4) / item                          # accumulators are at least fp32
+    qb, kb = math.prod(lq) * item, math.prod(lk) * item
+    qa, ka, rows = qb * wide, kb * wide, math.prod(lq[:-1]) * 4.0
+    balanced = bool(ctx.arg(5, "is_causal", False)) and n > 1
+    piece = 0.5 if balanced else 1.0                     # a block works on half-chunks when balanced
+    groups = lq[1] // lk[1]
+
+    def moved(x, heads):
+        """A balanced move of x: its halves made contiguous (they are not where more than one row of
+        [B, H] precedes them), the half-chunks received (one on each end rank, two in the middle of
+        three or more) and their concatenation."""
+        return (x if lq[0] * heads > 1 else 0.0) + (x / 2 if n == 2 else x) + x
+
+    mask_block = mask_temp = 0.0
+    if len(ctx.ins) > 3 and ctx.ins[3] is not None and ctx.ins[3].ndim:
+        m = ctx.ins[3]
+        ls = local_shape(m.shape, in_layouts[3], mesh_shape)
+        elems = math.prod(ls[:-2]) * (lq[2] * piece if ls[-2] > 1 else 1) * (lk[2] * piece if ls[-1] > 1 else 1)
+        mask_block = 0.0 if m.dtype == q.dtype else elems * item     # made additive in q's dtype
+        mask_temp = elems                                             # a boolean over it (rows with no key)
+    repeated = 2 * piece * groups * kb if groups > 1 and lk[1] > 1 else 0.0    # MQA broadcasts without a copy
+    out_piece, lse_piece = piece * qb, piece * rows
+    balanced_qkv = qb + 2 * kb if balanced else 0.0
+    # Key/value blocks in flight: the next one, and the one attended to where it is a received buffer
+    # (from the second step of three or more) or the contiguous copy of an input sent first (a
+    # transposed projection is not contiguous unless it has one head).
+    in_flight = 2 * kb + (2 * kb if n > 2 or (not balanced and lk[1] > 1) else 0.0)
+
+    block_forward = max(mask_block + mask_temp + repeated + out_piece + lse_piece,
+                        out_piece + piece * qa * (3.0 + (1.0 if wide > 1 else 0.0)) + lse_piece)
+    forward = max(
+        (qb + kb + moved(kb, lk[1])) if balanced else 0.0,
+        balanced_qkv + qa + rows + in_flight + block_forward,
+        balanced_qkv + rows + max(qa + (qb if wide > 1 else 0.0), qb + moved(qb, lq[1]) if balanced else 0.0))
+    grads = piece * qb + 2 * piece * groups * kb
+    copies = piece * qb * (3 if lq[0] * lq[1] > 1 else 0) if balanced else qb    # q given with any strides
+    block_backward = mask_block + repeated + lse_piece + max(copies + grads, grads + 2 * piece * kb)
+    loop = qb + rows + qa + 2 * ka + in_flight + max(block_backward, 2 * ka)
+    tail = max(qb + rows + qa + 2 * ka + (qb + 2 * kb if wide > 1 else 0.0),
+               qb + 2 * kb + (moved(qb, lq[1]) if balanced else 0.0))
+    backward = max(moved(qb, lq[1]) if balanced else 0.0, loop, tail)
+    return forward, backward
+
+
+def _sdpa_workspace(ctx, in_layouts, mesh_shape):
+    """Ring attention's forward peak beyond the output and logsumexp the timeline counts there."""
+    peaks = _ring_peaks(ctx, in_layouts, mesh_shape)
+    if peaks is None:
+        return 0.0
+    lq = local_shape(ctx.ins[0].shape, in_layouts[0], mesh_shape)
+    return max(0.0, peaks[0] - math.prod(lq) * ctx.ins[0].dtype.itemsize - math.prod(lq[:-1]) * 4.0)
+
+
+def _sdpa_backward_workspace(ctx, in_layouts, mesh_shape):
+    """Ring attention's backward peak beyond the input gradients the timeline counts there; None for
+    the other forms (ATen's attention backward allocates nothing else the step sees)."""
+    peaks = _ring_peaks(ctx, in_layouts, mesh_shape)
+    if peaks is None:
+        return None
+    returned = sum(math.prod(local_shape(x.shape, lay, mesh_shape)) * x.dtype.itemsize
+                   for x, lay in zip(ctx.ins[:3], in_layouts[:3]))
+    return max(0.0, peaks[1] - returned)
 
 
 def _sdpa_saved_sharded(ctx, in_layouts):
@@ -166,7 +237,7 @@ def _sdpa_saved_sharded(ctx, in_layouts):
 
 @register_rule(aten.scaled_dot_product_attention.default, flops=_sdpa_flops, saved_on_gpu=_sdpa_saved_on_gpu,
                collectives=_sdpa_collectives, local_call=_sdpa_local_call, saved_sharded=_sdpa_saved_sharded,
-               workspace=_sdpa_workspace)
+               workspace=_sdpa_workspace, backward_workspace=_sdpa_backward_workspace)
 def sdpa_rule(ctx):
     """Batch, heads (Ulysses is a head split between sequence-split neighbors: the resharding is the
     all-to-all), query rows against whole keys (all-gathered keys and values), and ring attention."""

@@ -1,0 +1,75 @@
+"""The infeasibility report: when no plan fits the budget, the smallest budget that does and what uses
+the most memory there; and the check of offloaded states against the host's memory."""
+from __future__ import annotations
+
+from autopar.cluster import ClusterSpec
+from autopar.errors import AutoparError, InfeasiblePlanError
+from autopar.mesh_search import MeshCandidate
+from autopar.passes.costs import INFEASIBLE
+from autopar.passes.memory import StepMemory, minimum_budget, solve_under_budget
+from autopar.plan import Plan
+from autopar.plan_assembly import assemble_plan
+
+def check_host_memory(plan: Plan, cluster: ClusterSpec) -> None:
+    """The offloaded states of a node's devices must fit its host memory: a constraint of the ILP
+    (``StepMemory.host_constraint``), checked again on the plan."""
+    if not plan.offload or cluster.host_is_device:
+        return
+    need = plan.memory["host"] * cluster.devices_per_node
+    if need > cluster.host_memory:
+        raise InfeasiblePlanError(
+            f"the plan offloads {len(plan.offload)} parameters' optimizer states, {need / 1e9:.1f} GB per node of "
+            f"host memory, more than the node's {cluster.host_memory / 1e9:.1f} GB (host_memory); raise the device "
+            f"budget, add devices, or give the host's real memory", memory_budget=plan.memory.get("memory_budget"))
+
+
+def _smallest_valid_budget(prob, sm: StepMemory):
+    """The smallest budget with a valid plan, and that plan.
+
+    The memory-only minimum ignores seconds, so it may pick a resharding that cannot happen (priced
+    INFEASIBLE); starting from it, look for the least budget at which the time-aware solve avoids them.
+    """
+    lower_bound, least = minimum_budget(prob, sm)
+    if prob.objective(least) < INFEASIBLE:          # the least peak's own layout is a valid plan
+        return lower_bound, least
+    for factor in (1.0 + 1e-6, 1.01, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0, 100.0):
+        try:
+            sol = solve_under_budget(prob, sm, lower_bound * factor, time_limit=30.0)
+        except AutoparError:        # no layout found within the time limit at this budget: try a larger one
+            continue
+        if sol.status != "infeasible" and prob.objective(sol.assignment) < INFEASIBLE:
+            return sm.peak(sol.assignment)[1], sol.assignment
+    return None
+
+
+def raise_infeasible(prep, infeasible: list[MeshCandidate], cluster, memory_budget):
+    """Raise the InfeasiblePlanError of a search that found no plan within ``memory_budget``: the smallest
+    feasible budget over the ``infeasible`` meshes and what uses the most memory in its plan."""
+    best = None                 # (the smallest budget, its assignment, its mesh)
+    for mesh in infeasible:
+        found = _smallest_valid_budget(mesh.prob, mesh.memory)
+        if found is not None and (best is None or found[0] < best[0]):
+            best = (*found, mesh)
+    if best is None:
+        raise InfeasiblePlanError(f"no valid plan exists on {cluster.name or cluster.num_devices} devices at any "
+                                  f"budget: the pinned layouts cannot be reached; relax the pins",
+                                  memory_budget=memory_budget)
+    need, assignment, mesh = best
+    p = assemble_plan(prep, mesh.idx, assignment, mesh.cm, mesh.shape, mesh.names, cluster, memory_budget,
+                      mesh.memory)
+    consumers = [(f"param {k} (+grad, optimizer)", v) for k, v in p.memory["by_param"].items()]
+    consumers += [(f"activations of {n['name']}", n["activation_bytes"]) for n in p.nodes]
+    consumers = sorted(consumers, key=lambda x: -x[1])[:5]
+    top = ", ".join(f"{name} ({b / 2**20:.1f} MiB)" for name, b in consumers)
+    host = ""
+    if p.offload and not cluster.host_is_device and p.memory["host"] * cluster.devices_per_node > cluster.host_memory:
+        host = (f" That plan offloads optimizer states, {p.memory['host'] * cluster.devices_per_node / 1e9:.1f} GB per "
+                f"node of host memory, more than the node's {cluster.host_memory / 1e9:.1f} GB (host_memory): the "
+                f"smallest budget within the host's memory is higher.")
+    raise InfeasiblePlanError(
+        f"no plan fits {memory_budget / 2**30:.3f} GiB per device on {cluster.name or cluster.num_devices} "
+        f"(meshes tried: {[list(m.shape) for m in infeasible]}). The smallest feasible budget is "
+        f"{need / 2**30:.3f} GiB ({need:.0f} bytes), on mesh {list(mesh.shape)}. Largest consumers there: {top}.{host} "
+        f"Raise memory_budget, use more devices, or reduce the batch or sequence length.",
+        memory_budget=memory_budget, min_feasible_budget=need, largest_consumers=consumers)
+

@@ -1,0 +1,110 @@
+"""The mesh search: solve the candidate meshes, two at a time, and keep the fastest plan that fits."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from autopar.alternatives import alternatives
+from autopar.errors import AutoparError
+from autopar.passes.costs import INFEASIBLE, CostModel
+from autopar.passes.ilp_build import ProblemIndex
+from autopar.passes.memory import StepMemory, solve_under_budget
+from autopar.plan_assembly import assemble_plan, serial_seconds
+
+SOLVER_THREADS = 2   # candidate meshes solved at once
+
+
+@dataclass
+class MeshCandidate:
+    """One candidate mesh, its solver problem and what the search needs of it."""
+
+    position: int              # in the cluster's candidate order, which breaks ties between equal plans
+    shape: tuple
+    names: tuple
+    prob: object
+    idx: ProblemIndex
+    cm: CostModel
+    lower_bound: float         # no layout on this mesh is faster
+    estimate: float            # the greedy layout's step time (inf when it does not fit)
+    gm: fx.GraphModule
+    sharded_outputs: bool
+    _memory: StepMemory | None = None
+
+    @property
+    def memory(self) -> StepMemory:
+        """The step's memory on this mesh, made when first needed: a mesh cut off by its lower bound
+        never needs it."""
+        if self._memory is None:
+            self._memory = StepMemory(self.gm, self.cm, self.idx, [len(c.costs) for c in self.prob.choices],
+                                      sharded_outputs=self.sharded_outputs)
+        return self._memory
+
+
+def search(meshes: list[MeshCandidate], best, prep, cluster, memory_budget, sharded_outputs, time_limit,
+           report):
+    """Solve the candidate meshes and keep the plan of least step time (``best``: one already found).
+
+    Plans are compared by their serial step time (``serial_seconds``), which the solver minimizes. The
+    mesh whose greedy layout is fastest goes first, and the serial step time of the best plan so far
+    bounds the rest: a mesh whose lower bound is no better is not solved, and the solver stops a mesh
+    as soon as it proves it cannot beat it. A plan's serial step time is never below its problem's
+    objective (it adds the reshardings recomputed layers run again), so neither shortcut loses the best
+    plan. Two meshes are solved at a time (the solver runs outside Python's lock); the plans are evaluated here.
+    """
+    order = sorted(meshes, key=lambda m: (m.estimate, m.lower_bound, m.position))
+    best_key = None if best is None else (serial_seconds(best), -1)
+    tried, infeasible, t_eval = {}, [], 0.0
+    workers = max(1, min(SOLVER_THREADS, len(order)))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        running: dict = {}
+        while order or running:
+            while order and len(running) < workers:
+                m = order.pop(0)
+                bound = None if best is None else serial_seconds(best)
+                if bound is not None and m.lower_bound >= bound:
+                    tried[m.position] = {"mesh": list(m.shape), "status": "bounded", "objective": None,
+                                         "lower_bound": m.lower_bound, "seconds": 0.0, "variables": 0,
+                                         "constraints": 0, "gap": None}
+                    continue
+                report(f"mesh {m.shape}: solving {len(m.prob.choices)} decisions, "
+                       f"{len(m.prob.edges) + len(m.prob.shared)} edges")
+                running[pool.submit(solve_under_budget, m.prob, m.memory, memory_budget, time_limit=time_limit,
+                                    bound=bound)] = m
+            if not running:
+                break
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for fut in sorted(done, key=lambda f: running[f].position):
+                m = running.pop(fut)
+                sol = fut.result()
+                tried[m.position] = {"mesh": list(m.shape), "status": sol.status, "objective": sol.objective,
+                                     "lower_bound": m.lower_bound, "seconds": sol.seconds,
+                                     "variables": sol.num_variables, "constraints": sol.num_constraints,
+                                     "gap": sol.gap}
+                if sol.status == "bounded":
+                    continue
+                if sol.status != "infeasible" and m.prob.objective(sol.assignment) >= INFEASIBLE:
+                    sol = dataclasses.replace(sol, status="infeasible")      # only a broken pin satisfies it
+                if sol.status == "infeasible":
+                    infeasible.append(m)
+                    continue
+                report(f"mesh {m.shape}: evaluating")
+                t0 = time.perf_counter()
+                p = assemble_plan(prep, m.idx, sol.assignment, m.cm, m.shape, m.names, cluster, memory_budget, m.memory,
+                             sharded_outputs)
+                if p.memory["peak"] > memory_budget * (1 + 1e-9):
+                    raise AutoparError(f"internal error: the plan for mesh {list(m.shape)} peaks at "
+                                       f"{p.memory['peak']:.0f} bytes, over its budget of {memory_budget:.0f}; please "
+                                       f"report this")
+                p.alternatives = alternatives(m.prob, m.idx, sol.assignment, m.cm, m.names)
+                p.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
+                                constraints=sol.num_constraints, backend=sol.backend, gap=sol.gap)
+                if best is None or (serial_seconds(p), m.position) < best_key:
+                    best, best_key = p, (serial_seconds(p), m.position)
+                t_eval += time.perf_counter() - t0
+    infeasible.sort(key=lambda m: m.position)
+    return best, [tried[k] for k in sorted(tried)], infeasible, t_eval
+

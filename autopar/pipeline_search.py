@@ -1,0 +1,293 @@
+"""Pipeline meshes: the meshes the planner adds (Megatron-LM's rule), and the plan of one pipeline mesh:
+layouts solved per microbatch on the other axes, then stages, schedule and microbatch count chosen by
+predicted step time (autopar/pipelining.py, docs/pipeline.md)."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from autopar.cluster import ClusterSpec
+from autopar.errors import AutoparError
+from autopar.passes.costs import INFEASIBLE, CostModel
+from autopar.passes.layers import layer_instances
+from autopar.passes.memory import StepMemory, solve_under_budget
+from autopar.passes.meta import meta_of
+from autopar.passes.ilp_build import build_problem
+from autopar.pass_pipeline import mesh_passes
+from autopar.plan import Plan
+from autopar.plan_assembly import assemble_plan
+
+def pipeline_meshes(cluster: ClusterSpec) -> list:
+    """Pipeline meshes to try beside ``cluster.mesh_candidates()``, after Megatron-LM's rule: tensor
+    parallel inside a node, pipeline across nodes, data parallel over the rest. ``pp`` is 2, 4 or 8
+    ranks, whole nodes each; the two largest that fit are tried."""
+    k = cluster.devices_per_node
+    out = []
+    for p in (2, 4, 8):
+        if cluster.num_devices % (p * k) or cluster.num_devices < p * k:
+            continue
+        rest = cluster.num_devices // (p * k)
+        out.append(((p, rest, k), ("pp", "dp", "tp")) if rest > 1 else ((p, k), ("pp", "tp")))
+    return out[-2:]
+
+
+def plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, memory_budget, optimizer, fused, pins,
+                   sharded_outputs, recompute, time_limit, skip_passes, insert_passes, microbatches, schedule,
+                   tried, report, cost_model=CostModel, added=False, timings=None, precision=None,
+                   programs=None) -> Plan | None:
+    """The fastest pipeline plan on mesh ``shape`` (axis ``pp`` among ``names``), or None when none fits.
+    On a mesh the planner ``added`` itself, only the most microbatches that leave every data-parallel
+    rank a whole sample are tried (each count is one more solve, and a capture unless derived from
+    ``programs``, see ``prepare``). ``timings`` (capture, passes, build, solve, evaluate seconds)
+    accumulates this mesh's."""
+    import math
+
+    from autopar import pipelining as PL
+    from autopar.codegen.stages import loss_output
+    from autopar.planner import PLANNING_PHASES, prepare   # the planner imports this module
+
+    axis = names.index("pp")
+    p = shape[axis]
+    if axis != 0:
+        raise AutoparError(f"the pipeline axis 'pp' must be the mesh's first (outermost) axis, got axes {names}")
+    if schedule is not None and schedule not in PL.SCHEDULES:
+        raise AutoparError(f"unknown pipeline schedule {schedule!r}; choose one of {PL.SCHEDULES}")
+    batch = PL.batch_size(example_inputs, example_kwargs)
+    if microbatches is not None:
+        if batch % microbatches:
+            raise AutoparError(f"the batch of {batch} does not split into {microbatches} equal microbatches; "
+                               f"pick a count that divides {batch}")
+        counts = [microbatches]
+    else:
+        counts = sorted({k * p for k in (1, 2, 4, 8) if batch % (k * p) == 0} or {batch})
+        if added:
+            spread = math.prod(shape[1:-1]) if len(shape) > 2 else 1     # the data-parallel axis
+            whole = [c for c in counts if (batch // c) % spread == 0]
+            counts = whole[-1:] or counts[:1]
+    schedules = [schedule] if schedule else list(PL.SCHEDULES)
+    # Layouts are solved on the other axes; a pipeline axis alone leaves a mesh of one device.
+    sub_shape, sub_names = (tuple(shape[1:]), tuple(names[1:])) if len(shape) > 1 else ((1,), names)
+    sub_cluster = dataclasses.replace(cluster, num_devices=math.prod(sub_shape), mesh_shape=sub_shape,
+                                      axis_names=sub_names)
+    if len(shape) > 1:
+        pins = _drop_first_axis(pins)
+    link = cluster.axis_link(shape, axis)
+    best = None
+    timings = {k: 0.0 for k in PLANNING_PHASES} if timings is None else timings
+    for m in counts:
+        mb_args, mb_kwargs = PL.microbatch_inputs(example_inputs, example_kwargs, m)
+        report(f"mesh {shape}, {m} microbatches: capturing")
+        t0 = time.perf_counter()
+        prep = prepare(model, mb_args, mb_kwargs, sub_cluster, skip_passes=skip_passes, insert_passes=insert_passes,
+                       precision=precision, programs=programs)
+        front_passes = sum(r.seconds for r in prep.runner.records)
+        timings["capture"] += prep.capture_seconds
+        timings["passes"] += front_passes
+        timings["build"] += time.perf_counter() - t0 - prep.capture_seconds - front_passes
+        t0 = time.perf_counter()
+        PL.check_layers(prep.gm, p, schedule)
+        loss_output(prep.gm)          # the last stage hands the loss to the schedule
+        prep.runner.run(mesh_passes(sub_shape, zero=False), prep.gm, f"mesh {shape}")
+        cm = cost_model(sub_cluster, sub_shape, optimizer, fused=fused)
+        # The ILP prices one microbatch, with what runs once per step (gradient sync, optimizer) divided by
+        # m, and bounds the memory of 1F1B's first stage: a p-th of the parameters and states, and the
+        # activations of p microbatches through a p-th of the layers (one microbatch through all of
+        # them). Every rank is checked against the budget under each schedule below.
+        scaled = _per_microbatch(cost_model)(sub_cluster, sub_shape, optimizer, fused=fused)
+        scaled.microbatches, scaled.stages = m, p
+        prob, idx = build_problem(prep.gm, scaled, memory_budget, pins, sharded_outputs, False)
+        sm = StepMemory(prep.gm, scaled, idx, [len(c.costs) for c in prob.choices], sharded_outputs=sharded_outputs)
+        report(f"mesh {shape}, {m} microbatches: solving {len(prob.choices)} decisions")
+        timings["build"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        sol = solve_under_budget(prob, sm, memory_budget, time_limit=time_limit)
+        if sol.status == "infeasible" and recompute is not False and not added:
+            # Recomputing layers inside the stages (chosen per rank below) may fit what one microbatch's
+            # activations through every layer do not: the fastest layouts, with memory left to the stages.
+            # Only on a mesh the user asked for: for the meshes the planner adds, this second solve
+            # costs more than the search gains (llama2-70b on 1024xH100: 49 -> 74 s, the same plan).
+            sol = solve_under_budget(prob, sm, math.inf, time_limit=time_limit)
+        timings["solve"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        entry = {"mesh": list(shape), "status": sol.status, "objective": sol.objective, "seconds": sol.seconds,
+                 "variables": sol.num_variables, "constraints": sol.num_constraints, "gap": sol.gap,
+                 "pipeline": {"microbatches": m, "schedules": {}}}
+        tried.append(entry)
+        if sol.status == "infeasible" or prob.objective(sol.assignment) >= INFEASIBLE:
+            continue
+        t0 = time.perf_counter()
+        sub = assemble_plan(prep, idx, sol.assignment, cm, sub_shape, sub_names, sub_cluster, memory_budget, sm,
+                       sharded_outputs)
+        chosen = idx.chosen(sol.assignment)
+        instance_of = {n: meta_of(n).layer.layer for n in chosen if n.op == "call_function" and meta_of(n).layer}
+        costs = PL.LayerCosts(prep.gm, sub, _boundary_bytes(instance_of, chosen, cm),
+                              _recompute_seconds(instance_of, chosen, cm, sub.collectives),
+                              _forced_pipeline_recompute(prep.gm, recompute), recompute is not False)
+        for sched in schedules:
+            if sched != "GPipe" and sched != "1F1B" and m % p:
+                continue          # torch's interleaved schedules need whole rounds of p microbatches
+            found = PL.schedule_plan(costs, sched, p, m, memory_budget, link)
+            entry["pipeline"]["schedules"][sched] = None if found is None else found["step_time"]
+            if found is not None and (best is None or found["step_time"] < best[0]["step_time"]):
+                best = (found, sub, sol, {inst: cls for cls, insts in layer_instances(prep.gm).items()
+                                          for inst in insts})
+        timings["evaluate"] += time.perf_counter() - t0
+    if best is None:
+        return None
+    found, sub, sol, class_of = best
+    return _pipeline_plan(sub, found, shape, names, axis, cluster, memory_budget, sol, class_of)
+
+
+def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
+    """``cost_model`` for one of ``microbatches`` microbatches of a pipeline step of ``stages`` ranks: a
+    parameter's gradient all-reduce and the optimizer step run once per step, so each microbatch pays
+    1/m of them; a rank holds 1/stages of the parameters."""
+    from autopar.passes.costs import _transition_cached
+    from autopar.passes.strategies import requires_grad, value_info
+
+    class PerMicrobatch(cost_model):
+        microbatches = 1
+        stages = 1
+
+        def transition_seconds(self, value, src_layout, dst_layout, partial_axes):
+            role = meta_of(value.node).role
+            if value.node.op != "placeholder" or role is None or role.kind != "param":
+                return super().transition_seconds(value, src_layout, dst_layout, partial_axes)
+            info = value_info(value)
+            steps = _transition_cached(tuple(src_layout), tuple(dst_layout), info.shape, self.mesh_shape,
+                                       partial_axes)
+            if steps is None:
+                return INFEASIBLE
+            grad = requires_grad(value.node)
+            return sum(self.steps_seconds([st], info.dtype.itemsize, grad)
+                       / (self.microbatches if st.op == "grad_all_reduce" else 1) for st in steps)
+
+        def param_bytes(self, node, layout, zero=None, offload=False):
+            return tuple(x / self.stages for x in super().param_bytes(node, layout, zero, offload))
+
+        def optimizer_seconds(self, node, layout, zero=None, offload=False):   # of the whole parameter, once per step
+            return super().optimizer_seconds(node, layout, zero, offload) * self.stages / self.microbatches
+
+    return PerMicrobatch
+
+
+def _recompute_seconds(instance_of: dict, chosen: dict, cm: CostModel, collectives: list) -> dict:
+    """Per layer instance: the seconds of running its forward again in backward, its compute and the
+    forward collectives of its nodes."""
+    out: dict = {}
+    for n, inst in instance_of.items():
+        out[inst] = out.get(inst, 0.0) + cm.forward_compute_seconds(n, chosen[n])
+    inst_of_name = {n.name: inst for n, inst in instance_of.items()}
+    for c in collectives:
+        if c["phase"] == "forward" and c["node"] in inst_of_name:
+            inst = inst_of_name[c["node"]]
+            out[inst] += c["seconds"]
+    return out
+
+
+def _forced_pipeline_recompute(gm, recompute) -> frozenset:
+    """The layer instances a ``recompute`` dict makes every pipeline plan recompute (the first ``count``
+    of each class it names); a pipeline plan recomputes whole layers only."""
+    from autopar.passes.ilp_build import forced_recompute
+
+    out = set()
+    for cls, insts in layer_instances(gm).items():
+        forced = forced_recompute(cls, len(insts), recompute)
+        if forced in ("attention", "offload"):
+            raise AutoparError(f"recompute asks {cls} to {'recompute its attention cores only' if forced == 'attention' else 'offload its activations'}; "
+                               f"pipeline plans recompute whole layers: give 'all' or a count")
+        out.update(list(insts)[:forced or 0])
+    return frozenset(out)
+
+
+def _pipeline_plan(sub: Plan, found: dict, shape, names, axis, cluster, memory_budget, sol, class_of: dict) -> Plan:
+    """The sub-mesh plan of one microbatch, widened to the whole mesh, with its pipeline."""
+
+    def widen(lay):
+        return ["R", *lay] if len(shape) > 1 else ["R"]
+
+    sub.mesh = {"shape": list(shape), "axes": list(names)}
+    sub.cluster = cluster.to_dict()
+    sub.params = {k: widen(v) for k, v in sub.params.items()}
+    sub.inputs = {k: widen(v) for k, v in sub.inputs.items()}
+    for n in sub.nodes:
+        n["inputs"] = [widen(l) for l in n["inputs"]]
+        n["outputs"] = [widen(l) for l in n["outputs"]]
+    m = found["microbatches"]
+    worst = max(found["ranks"], key=lambda r: r["peak"])
+    scale = worst["static_bytes"] / max(sub.memory["params"] + sub.memory["grads"] + sub.memory["optimizer"], 1.0)
+    sub.memory.update(peak=found["peak"], memory_budget=memory_budget, activations=worst["activation_bytes"],
+                      params=sub.memory["params"] * scale, grads=sub.memory["grads"] * scale,
+                      optimizer=sub.memory["optimizer"] * scale)
+    slow = found["ranks"][found["slowest_rank"]]
+    comm = {a: m * slow["comm_seconds"].get(a, 0.0) for a in names}
+    comm["pp"] += m * slow["p2p_seconds"]
+    for a, t in found["ranks"][found["tail_rank"]]["grad_sync_seconds"].items():
+        comm[a] += t
+    # The slowest rank's microbatches, the pipeline's idle time, the slowest optimizer step: they add up
+    # to step_time.
+    sub.breakdown = {"compute": m * slow["compute_seconds"], "communication": comm,
+                     "optimizer": found["optimizer_seconds"], "recompute": m * slow["recompute_seconds"],
+                     "bubble": found["bubble_seconds"]}
+    sub.recompute = _pipeline_recompute(found["stages"], class_of)
+    sub.step_time = found["step_time"]
+    sub.pipeline = {"axis": "pp", "schedule": found["schedule"], "microbatches": m,
+                    "virtual_stages": found["virtual_stages"], "bubble_fraction": found["bubble_fraction"],
+                    "bubble_seconds": found["bubble_seconds"], "grad_sync_seconds": found["grad_sync_seconds"],
+                    "stages": found["stages"], "ranks": found["ranks"]}
+    sub.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
+                      constraints=sol.num_constraints, backend=sol.backend)
+    return sub
+
+
+def _pipeline_recompute(stages: list[dict], class_of: dict) -> dict:
+    """The plan's ``recompute`` entry for the layers the pipeline's ranks recompute (any instances, not
+    only a class's first ones: each rank recomputes what its own memory needs)."""
+    classes: dict = {}
+    for inst in (inst for st in stages for inst in st.get("recompute", [])):
+        cls = class_of[inst]
+        entry = classes.setdefault(cls, {"count": 0, "of": sum(c == cls for c in class_of.values()), "layers": []})
+        entry["count"] += 1
+        entry["layers"].append(inst)
+    return {"classes": classes, "layers": [inst for c in classes.values() for inst in c["layers"]]}
+
+
+def _drop_first_axis(pins):
+    """Pins written for the whole mesh, without their first (pipeline) axis's placement."""
+    if not pins:
+        return pins
+
+    def drop(v):
+        if isinstance(v, list) and v and all(isinstance(x, str) for x in v):
+            if v[0] != "R":
+                raise AutoparError(f"pin {v}: a pipeline plan replicates every layout along its first axis 'pp' "
+                                   f"(each rank holds whole stages); pin 'R' there")
+            return v[1:]
+        if isinstance(v, list):
+            return [drop(x) for x in v]
+        if isinstance(v, dict):
+            return {k: drop(x) for k, x in v.items()}
+        return v
+
+    return {k: drop(v) for k, v in pins.items()}
+
+
+def _boundary_bytes(instance_of: dict, chosen: dict, cm: CostModel) -> dict:
+    """Per layer instance: the bytes of the activations it reads from outside (each value counted once,
+    at the layout it is produced in): what a pipeline stage receives from the previous one."""
+    from autopar.layout import local_fraction
+    from autopar.passes.strategies import input_values, value_info
+
+    out, seen = {}, set()
+    for n, inst in instance_of.items():
+        for v in input_values(n):
+            role = meta_of(v.node).role
+            if v in seen or instance_of.get(v.node) == inst or (role is not None and role.kind != "input"):
+                continue
+            seen.add(v)
+            info = value_info(v)
+            if info.dtype.is_floating_point:
+                lay = chosen[v.node].outputs[v.index]
+                out[inst] = out.get(inst, 0.0) + info.nbytes * local_fraction(lay, cm.mesh_shape)
+    return out
+

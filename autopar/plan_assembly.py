@@ -1,0 +1,176 @@
+"""Plan assembly: the Plan of one solved mesh, with its collectives, recomputed layers, step time
+and the memory timeline of the step memory model (passes/memory.py)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from autopar.cluster import ClusterSpec
+from autopar.layout import format_layout
+from autopar.passes.costs import CostModel
+from autopar.passes.exposure import exposure
+from autopar.passes.ilp_build import ProblemIndex
+from autopar.passes.layers import layer_counts, layer_instances
+from autopar.passes.memory import StepMemory
+from autopar.passes.meta import meta_of, op_name
+from autopar.passes.reshard_plan import collectives, plan_reshards
+from autopar.plan import Plan
+
+if TYPE_CHECKING:
+    from autopar.planner import Prepared
+
+
+def serial_seconds(plan: Plan) -> float:
+    """The plan's step time with no communication hidden: what the solver minimizes, an upper bound
+    of ``plan.step_time`` (docs/cost-model.md). Pipeline plans price no overlap."""
+    return plan.breakdown.get("serial", plan.step_time)
+
+
+def assemble_plan(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_shape, axis_names,
+             cluster: ClusterSpec, memory_budget: float, sm: StepMemory, sharded_outputs: bool = False) -> Plan:
+    gm, cap = prep.gm, prep.captured
+    chosen = idx.chosen(assignment)
+    low = plan_reshards(gm, chosen, cm.mesh_shape, sharded_outputs)
+    colls = collectives(low, cm, axis_names)
+    recompute = recomputed_layers(gm, idx.recompute_counts(assignment), idx.selective_counts(assignment),
+                                  idx.offload_counts(assignment))
+    cores = {name for names in recompute.get("attention", {}).get("regions", {}).values() for name in names}
+    instance_of = {n: meta_of(n).layer.layer for n in chosen
+                   if n.op == "call_function" and meta_of(n).layer and (meta_of(n).layer.layer in recompute["layers"]
+                                                                        or n.name in cores)}
+    # Recomputed layers and attention cores run their forward again in backward, with the collectives
+    # they read through.
+    recomputed_nodes = {n.name for n in instance_of}
+    rerun = [{**c, "phase": "backward", "recompute": True} for c in colls
+             if c["phase"] == "forward" and c["node"] in recomputed_nodes]
+    recompute_compute = sum(cm.forward_compute_seconds(n, chosen[n]) for n in instance_of)
+    colls += rerun
+    serial_comm = sum(c["seconds"] for c in colls)
+    resharded_for: dict = {}
+    for (consumer, _), key in low.uses.items():
+        resharded_for.setdefault(key.value.node.name, set()).add(consumer.name)
+    ex = exposure(gm, chosen, colls, cm, axis_names, recomputed_nodes, resharded_for=resharded_for)
+    for c, seconds, exposed in zip(colls, ex.seconds, ex.exposed):
+        c.update(seconds=seconds, exposed=exposed)
+    # Offloaded layers' saved activations go to host memory in forward and come back in backward.
+    off_layers = set(recompute.get("offload", {}).get("layers", ()))
+    offload_seconds = 0.0
+    if off_layers:
+        saved = sum(cm.activation_bytes(n, chosen[n]) for n in chosen
+                    if n.op == "call_function" and meta_of(n).layer and meta_of(n).layer.layer in off_layers)
+        recompute["offload"]["bytes"] = saved
+        offload_seconds = 2 * saved / cluster.host_link_bandwidth
+    comm_by_node: dict = {}
+    for c in colls:
+        comm_by_node[c["node"]] = comm_by_node.get(c["node"], 0.0) + c["seconds"]
+
+    params, inputs, nodes, param_bytes, zero, offload = {}, {}, [], {}, {}, {}
+    mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "host": 0.0}
+    compute = optim = 0.0
+    for n, s in chosen.items():
+        role = meta_of(n).role
+        if n.op == "placeholder":
+            if role and role.kind == "param":
+                lay = s.outputs[0]
+                params[role.target] = format_layout(lay)
+                if s.zero is not None:
+                    zero[role.target] = {"stage": s.zero.stage, "axis": axis_names[s.zero.axis], "dim": s.zero.dim,
+                                         "bucket": sm.gather_bucket[n]}
+                if s.offload:
+                    host = cm.host_bytes(n, lay)
+                    freed = sum(cm.param_bytes(n, lay)) - sum(cm.param_bytes(n, lay, None, True))
+                    offload[role.target] = {"host_bytes": host, "device_bytes_freed": max(freed, 0.0)}
+                    mem["host"] += host
+                p, g, o = cm.param_bytes(n, lay, s.zero, s.offload)
+                mem["params"] += p
+                mem["grads"] += g
+                mem["optimizer"] += o
+                param_bytes[role.target] = p + g + o
+                optim += cm.optimizer_seconds(n, lay, s.zero, s.offload)
+            elif role and role.kind == "input" and s.outputs:
+                inputs[role.target] = format_layout(s.outputs[0])
+            continue
+        c = cm.compute_seconds(n, s)
+        a = cm.activation_bytes(n, s)
+        compute += c
+        tag = meta_of(n).layer
+        root = idx.strategies.root_of(n)
+        nodes.append({
+            "name": n.name, "op": op_name(n),
+            "inputs": [format_layout(l) for l in s.inputs], "outputs": [format_layout(l) for l in s.outputs],
+            "split_axes": [axis_names[a] for a, f in enumerate(s.splits_work) if f],
+            "compute_seconds": c, "comm_seconds": comm_by_node.get(n.name, 0.0), "activation_bytes": a,
+            "layer": tag.layer if tag else None, "layer_class": tag.cls if tag else None,
+            "follows": None if root is n else root.name,
+            "shape": list(n.meta["val"].shape) if isinstance(n.meta.get("val"), torch.Tensor) else None,
+        })
+    comm_axis = {name: 0.0 for name in axis_names}
+    for c in colls:
+        comm_axis[c["axis"]] += c["seconds"]
+    timeline, peak_point = memory_timeline(sm.walk(assignment))
+    mem.update(activations=timeline["end_of_forward"]["activations"], peak=peak_point.total,
+               peak_point=timeline["peak_index"], peak_at={"phase": peak_point.phase, "node": peak_point.name,
+                                                           **peak_point.bytes},
+               memory_budget=memory_budget, timeline=timeline["points"], by_param=param_bytes)
+    serial = compute + recompute_compute + serial_comm + optim + offload_seconds
+    step = compute + recompute_compute + sum(comm_axis.values()) - ex.hidden + optim + offload_seconds
+    return Plan(
+        model={"class": cap.model_class, "fingerprint": prep.fingerprint,
+               "num_params": sum(int(n.meta["val"].numel()) for n in gm.graph.nodes
+                                 if n.op == "placeholder" and meta_of(n).role and meta_of(n).role.kind == "param"),
+               "input_shapes": [list(s) if s is not None else None for s in cap.input_shapes],
+               "layers": layer_counts(gm)},
+        cluster=cluster.to_dict(),
+        mesh={"shape": list(mesh_shape), "axes": list(axis_names)},
+        params=params, inputs=inputs, nodes=nodes, collectives=colls, memory=mem, step_time=step,
+        breakdown={"compute": compute, "communication": comm_axis, "optimizer": optim,
+                   "recompute": recompute_compute, "exposed": sum(comm_axis.values()) - ex.hidden, "hidden": ex.hidden,
+                   "serial": serial, **({"offload": offload_seconds} if off_layers else {})},
+        solver={}, sharded_outputs=sharded_outputs, recompute=recompute, zero=zero, offload=offload,
+    )
+
+
+def recomputed_layers(gm, counts: dict, selective: dict | None = None, offloaded: dict | None = None) -> dict:
+    """The plan's ``recompute`` entry: per layer class, how many of its instances recompute (the first
+    ones, in execution order), and the instances by name; with ``selective`` (class -> how many of the
+    next instances recompute their attention cores only), ``attention`` lists those too, with each
+    core's nodes by region name."""
+    from autopar.passes.layers import attention_cores
+    from autopar.passes.memory import core_region
+
+    order = layer_instances(gm)
+    classes = {cls: {"count": r, "of": len(order[cls]), "layers": list(order[cls])[:r]}
+               for cls, r in counts.items() if r}
+    out = {"classes": classes, "layers": [inst for c in classes.values() for inst in c["layers"]]}
+    picked = {cls: list(order[cls])[counts.get(cls, 0):counts.get(cls, 0) + k]
+              for cls, k in (selective or {}).items() if k}
+    if picked:
+        regions = {core_region(inst, c): [n.name for n in core]
+                   for cls, insts in picked.items() for inst in insts
+                   for c, core in enumerate(attention_cores(order[cls][inst]))}
+        out["attention"] = {"classes": {cls: {"count": len(insts), "of": len(order[cls]), "layers": insts}
+                                        for cls, insts in picked.items()},
+                            "layers": [inst for insts in picked.values() for inst in insts], "regions": regions}
+    # With ``offloaded`` (class -> how many of the instances after those keep their saved activations in
+    # host memory), ``offload`` lists them.
+    moved = {cls: list(order[cls])[counts.get(cls, 0) + (selective or {}).get(cls, 0):][:f]
+             for cls, f in (offloaded or {}).items() if f}
+    if moved:
+        out["offload"] = {"classes": {cls: {"count": len(insts), "of": len(order[cls]), "layers": insts}
+                                      for cls, insts in moved.items()},
+                          "layers": [inst for insts in moved.values() for inst in insts]}
+    return out
+
+
+def memory_timeline(walk) -> tuple[dict, object]:
+    """The plan's memory timeline from the step's points: at most ~200 of them, always keeping the
+    highest of each window so that the peak stays visible."""
+    totals = [p.total for p in walk]
+    k = max(range(len(walk)), key=totals.__getitem__)
+    stride = max(1, len(walk) // 200)
+    keep = [max(range(i, min(i + stride, len(walk))), key=totals.__getitem__) for i in range(0, len(walk), stride)]
+    fwd = [p for p in walk if p.phase == "forward"]
+    points = [{"phase": walk[i].phase, "node": walk[i].name, **walk[i].bytes} for i in keep]
+    return {"points": points, "peak_index": k, "end_of_forward": (fwd[-1] if fwd else walk[0]).bytes}, walk[k]
+

@@ -1,0 +1,156 @@
+"""Which part of each collective the step's compute hides, as the generated program schedules it.
+
+The plan's collectives are priced one by one (passes/costs.py); this replays one training step on two
+streams, compute and communication, the way the generated program runs them:
+
+- **forward** (codegen/overlap.py): a top-level resharding's collective is issued as soon as its input
+  is computed and the previous such collective has been waited, and waited just before the first use
+  of its result; one is in flight at a time. It hides behind the compute between its issue and its
+  wait. Collectives inside recomputed layers and inside sharded ops (the vocab-parallel loss, ring
+  attention, priced with their own overlap) wait where they are issued.
+- **backward**: a parameter whose every use reduces its gradient over one mesh axis (plain data
+  parallelism; codegen/grad_buckets.py) has that reduction done once, on its accumulated gradient, in
+  DDP-style buckets of ``bucket_bytes`` (runtime/grad_buckets.py): a bucket's all-reduce starts when
+  its last gradient is accumulated (the backward of the parameter's first reader) and the previous
+  bucket has started, and runs on the communication stream while the rest of backward computes.
+  Every other backward collective (a forward collective's backward, Megatron's "f", recomputed
+  layers' collectives, ZeRO-2's reduce-scatter) waits where it is issued.
+- the optimizer step's collectives (ZeRO-1/2 gathers) wait where they are issued.
+
+``exposure`` returns, per collective, the seconds it runs for (a bucketed reduction: its share of its
+bucket's one all-reduce, by bytes) and the seconds of it that no compute hides.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+# DDP's default bucket size, and the default of ``autopar.compile(bucket_mb=25)``.
+GRAD_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True)
+class Exposure:
+    seconds: list[float]     # per collective: how long it runs (bucketed reductions re-priced per bucket)
+    exposed: list[float]     # per collective: the part no compute hides
+
+    @property
+    def hidden(self) -> float:
+        return sum(self.seconds) - sum(self.exposed)
+
+
+def bucketed_params(gm: fx.GraphModule, colls: list[dict], strategy: dict,
+                    resharded_for: dict[str, set[str]] | None = None) -> dict[str, str]:
+    """Parameter name -> mesh axis, for the parameters whose gradient the runtime reduces in buckets:
+    every use of it reads it through a backward all-reduce alone, on one axis (a ZeRO-2 parameter's
+    gradient is reduce-scattered instead, an offloaded one copied to the host). ``resharded_for``:
+    value name -> the consumers that read it through a resharding (a resharding several consumers
+    share is listed once in ``colls``, at its first); without it, those of ``colls``."""
+    by_value: dict[str, list[dict]] = {}
+    for c in colls:
+        by_value.setdefault(c["value"], []).append(c)
+    out = {}
+    for n in gm.graph.nodes:
+        if n.op != "placeholder" or n.name not in by_value or n not in strategy:
+            continue
+        s = strategy[n]
+        if (s.zero is not None and s.zero.stage >= 2) or s.offload:
+            continue
+        own = by_value[n.name]
+        axes = {c["axis"] for c in own}
+        readers = resharded_for.get(n.name, set()) if resharded_for is not None else {c["node"] for c in own}
+        if (len(axes) == 1 and all(c["kind"] == "all_reduce" and c["phase"] == "backward" and not c.get("recompute")
+                                   and c["node"] != c["value"] for c in own)
+                and readers >= {u.name for u in n.users}):
+            out[n.name] = axes.pop()
+    return out
+
+
+def exposure(gm: fx.GraphModule, strategy: dict, colls: list[dict], cm, axis_names, recomputed: set[str],
+             bucket_bytes: int = GRAD_BUCKET_BYTES, resharded_for: dict[str, set[str]] | None = None) -> Exposure:
+    """Replay the step on a compute and a communication stream (module docstring). ``strategy``: node ->
+    Strategy; ``colls``: the plan's collective entries; ``cm``: the CostModel; ``recomputed``: names of
+    the nodes inside recomputed layers or attention cores; ``resharded_for``: as ``bucketed_params``."""
+    order = [n for n in gm.graph.nodes if n.op in ("placeholder", "call_function", "output")]
+    position = {n.name: i for i, n in enumerate(order)}
+    ops = [n for n in order if n.op == "call_function" and n in strategy]
+    forward = dict.fromkeys(position, 0.0) | {n.name: cm.forward_compute_seconds(n, strategy[n]) for n in ops}
+    backward = dict.fromkeys(position, 0.0) | {n.name: cm.compute_seconds(n, strategy[n]) - forward[n.name]
+                                               for n in ops}
+    for name in recomputed:          # the forward again, at the layer's backward
+        backward[name] += forward[name]
+    seconds = [c["seconds"] for c in colls]
+    exposed = list(seconds)
+    buckets = bucketed_params(gm, colls, strategy, resharded_for)
+
+    # Forward: the split collectives, in program order (their first consumer's, then their steps').
+    split = sorted((i for i, c in enumerate(colls)
+                    if c["phase"] == "forward" and c["node"] != c["value"] and c["node"] not in recomputed
+                    and c["node"] in position and c["value"] in position),
+                   key=lambda i: (position[colls[i]["node"]], i))
+    at_consumer: dict[str, list[int]] = {}
+    for i in split:
+        at_consumer.setdefault(colls[i]["node"], []).append(i)
+    blocking: dict[str, list[int]] = {}
+    for i, c in enumerate(colls):
+        if c["phase"] == "forward" and i not in set(split):
+            blocking.setdefault(c["node"], []).append(i)
+    clock, last_wait, done = 0.0, 0.0, {}
+    for n in order:
+        for i in at_consumer.get(n.name, ()):
+            issue = max(done[colls[i]["value"]], last_wait)
+            before = clock
+            clock = max(clock, issue + seconds[i])
+            exposed[i] = clock - before
+            last_wait = clock
+        clock += sum(seconds[i] for i in blocking.get(n.name, ())) + forward[n.name]
+        done[n.name] = clock
+
+    # Backward, in reverse: blocking collectives at their node, bucketed gradients when ready.
+    first_reader = {p: min((u for u in n.users), key=lambda u: position.get(u.name, len(order))).name
+                    for n in order if (p := n.name) in buckets}
+    members: dict[str, list[int]] = {}
+    for i, c in enumerate(colls):
+        if c["value"] in buckets:
+            members.setdefault(c["value"], []).append(i)
+    at_node: dict[str, list[int]] = {}
+    for i, c in enumerate(colls):
+        if c["phase"] == "backward" and c["value"] not in buckets:
+            at_node.setdefault(c["node"], []).append(i)
+    ready_at: dict[str, list[str]] = {}
+    for p, reader in first_reader.items():
+        ready_at.setdefault(reader, []).append(p)
+    grad_bytes = {p: float(max(colls[i]["bytes"] for i in members[p])) for p in buckets}
+    stream_free, bucket = clock, []
+    runs: list[tuple[list[str], float, float]] = []     # (parameters, start, finish) per bucket
+
+    def launch(ready):
+        nonlocal stream_free
+        axis = axis_names.index(buckets[bucket[0]])
+        start = max(ready, stream_free)
+        stream_free = start + cm.collective_seconds("all_reduce", sum(grad_bytes[p] for p in bucket), axis)
+        runs.append((bucket, start, stream_free))
+
+    last_ready = clock
+    for n in reversed(order):
+        clock += backward[n.name] + sum(seconds[i] for i in at_node.get(n.name, ()))
+        for p in ready_at.get(n.name, ()):
+            # The runtime's packing: a bucket closes once it holds bucket_bytes, or at another axis;
+            # it starts when its last gradient is ready.
+            if bucket and (buckets[bucket[0]] != buckets[p] or sum(grad_bytes[q] for q in bucket) >= bucket_bytes):
+                launch(last_ready)
+                bucket = []
+            bucket.append(p)
+            last_ready = clock
+    if bucket:
+        launch(last_ready)
+    for params, start, finish in runs:
+        total = sum(grad_bytes[p] for p in params)
+        hidden = max(0.0, min(finish, clock) - start)
+        for p in params:
+            share = grad_bytes[p] / total / len(members[p])
+            for i in members[p]:
+                seconds[i] = share * (finish - start)
+                exposed[i] = share * (finish - start - hidden)
+    return Exposure(seconds, exposed)

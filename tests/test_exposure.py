@@ -1,0 +1,136 @@
+"""Communication hidden behind compute (passes/exposure.py): the step replayed on a compute and a
+communication stream as the generated program schedules it, checked on hand-timed graphs, and the plan's
+breakdown of exposed and hidden communication."""
+import operator
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.fx as fx
+
+import autopar
+from autopar.passes.exposure import exposure
+
+
+@dataclass(frozen=True)
+class _Plain:          # what exposure() reads of a Strategy
+    zero: object = None
+    offload: bool = False
+
+
+class _Clock:
+    """A cost model whose forward seconds are given per node name; backward costs twice the forward,
+    and an all-reduce ``nbytes`` seconds (one byte a second, no latency)."""
+
+    def __init__(self, forward: dict):
+        self.forward = forward
+
+    def forward_compute_seconds(self, node, s):
+        return self.forward.get(node.name, 0.0)
+
+    def compute_seconds(self, node, s):
+        return 3 * self.forward.get(node.name, 0.0)
+
+    def collective_seconds(self, kind, nbytes, axis):
+        assert kind == "all_reduce"
+        return float(nbytes)
+
+
+def _chain(n_ops: int, weights: int = 0):
+    """x -> op0 -> op1 -> ... (each op adds the previous value and its own weight w<i> when it has one)."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    ws = [g.placeholder(f"w{i}") for i in range(weights)]
+    v = x
+    for i in range(n_ops):
+        v = g.call_function(operator.add, (v, ws[i] if i < weights else v))
+        v.name = f"op{i}"
+    g.output(v)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    return gm, {n: _Plain() for n in gm.graph.nodes if n.op != "output"}
+
+
+def _coll(kind, phase, value, node, seconds, nbytes=0, axis="dp"):
+    return {"kind": kind, "axis": axis, "phase": phase, "bytes": nbytes, "seconds": seconds, "node": node,
+            "value": value}
+
+
+def test_forward_collective_hides_behind_the_compute_between_issue_and_first_use():
+    gm, strategy = _chain(4)
+    cm = _Clock({"op0": 1.0, "op1": 2.0, "op2": 3.0, "op3": 1.0})
+    # x's collective is read by op3: issued before op0, it runs while op0..op2 compute (6 s).
+    colls = [_coll("all_gather", "forward", "x", "op3", 4.0), _coll("all_gather", "forward", "op0", "op3", 4.0)]
+    ex = exposure(gm, strategy, colls, cm, ["dp"], set())
+    # The first hides entirely (4 s < 6 s). One is in flight at a time: the second is issued after the
+    # first's wait, just before op3, so nothing hides it.
+    assert ex.exposed == [0.0, 4.0]
+    assert ex.hidden == pytest.approx(4.0)
+
+
+def test_collectives_inside_recomputed_layers_wait_at_once():
+    gm, strategy = _chain(3)
+    cm = _Clock({"op0": 1.0, "op1": 1.0, "op2": 1.0})
+    colls = [_coll("all_gather", "forward", "x", "op2", 1.5)]
+    assert exposure(gm, strategy, colls, cm, ["dp"], {"op2"}).exposed == [1.5]
+    assert exposure(gm, strategy, colls, cm, ["dp"], set()).exposed == [0.0]
+
+
+def test_bucketed_gradients_hide_behind_the_rest_of_backward():
+    gm, strategy = _chain(3, weights=3)
+    cm = _Clock({"op0": 1.0, "op1": 1.0, "op2": 1.0})        # backward: 2 s per op, op2 first
+    # Each weight's gradient is all-reduced in backward; w2's is ready first (after op2's backward).
+    colls = [_coll("all_reduce", "backward", f"w{i}", f"op{i}", 9.0, nbytes=3) for i in range(3)]
+    one_each = exposure(gm, strategy, colls, cm, ["dp"], set(), bucket_bytes=1)
+    # Buckets of one gradient, 3 s each on one stream: w2 at 2-5 s, w1 at 5-8 s, w0 at 8-11 s; backward
+    # ends at 6 s, so 5 s are exposed: the last bucket's 3 and 2 of the middle one's.
+    assert one_each.seconds == [3.0, 3.0, 3.0]
+    assert one_each.exposed == pytest.approx([3.0, 2.0, 0.0])
+    # One bucket of all three: 9 s from the end of backward, all exposed.
+    whole = exposure(gm, strategy, colls, cm, ["dp"], set(), bucket_bytes=100)
+    assert sum(whole.exposed) == pytest.approx(9.0) and whole.hidden == pytest.approx(0.0)
+
+
+def test_a_gradient_reduced_by_some_readers_only_waits_at_once():
+    gm, strategy = _chain(2, weights=1)
+    g = gm.graph
+    w0 = next(n for n in g.nodes if n.name == "w0")
+    op1 = next(n for n in g.nodes if n.name == "op1")
+    op1.args = (op1.args[0], w0)                    # w0 read by op0 (reduced) and op1 (not)
+    gm.recompile()
+    cm = _Clock({"op0": 1.0, "op1": 1.0})
+    colls = [_coll("all_reduce", "backward", "w0", "op0", 0.5, nbytes=1)]
+    assert exposure(gm, strategy, colls, cm, ["dp"], set()).exposed == [0.5]
+
+
+def test_a_resharding_shared_by_two_readers_is_bucketed_once():
+    gm, strategy = _chain(3, weights=1)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    nodes["op0"].args = (nodes["x"], nodes["x"])
+    nodes["op1"].args = (nodes["op0"], nodes["w0"])
+    nodes["op2"].args = (nodes["op1"], nodes["w0"])        # w0 read by op1 and op2 through one resharding
+    gm.recompile()
+    cm = _Clock({"op0": 1.0, "op1": 1.0, "op2": 1.0})
+    colls = [_coll("all_reduce", "backward", "w0", "op1", 1.5, nbytes=1)]   # listed at its first reader
+    # Bucketed: ready after op1's backward, it hides behind op0's (2 s).
+    assert exposure(gm, strategy, colls, cm, ["dp"], set(), resharded_for={"w0": {"op1", "op2"}}).exposed == [0.0]
+    # Known to reach op1 alone, op2's use is not reduced: it waits where it is issued.
+    assert exposure(gm, strategy, colls, cm, ["dp"], set(), resharded_for={"w0": {"op1"}}).exposed == [1.5]
+
+
+def test_plan_reports_exposed_and_hidden_communication():
+    from tests.memory_cases import build, options
+
+    model, args, kwargs = build("gpt", seq=32, batch=4, device="cpu")
+    cluster = autopar.ClusterSpec.local_cpu(2)
+    dp = autopar.plan(model, cluster, args, kwargs, progress=False, **options("gpt", "dp", 2, model))
+    b = dp.breakdown
+    total = sum(b["communication"].values())
+    assert b["hidden"] > 0 and b["exposed"] + b["hidden"] == pytest.approx(total)
+    assert dp.step_time == pytest.approx(b["compute"] + b["recompute"] + b["exposed"] + b["optimizer"])
+    assert b["serial"] >= dp.step_time
+    assert all(0.0 <= c["exposed"] <= c["seconds"] * (1 + 1e-9) for c in dp.collectives)
+    assert "hidden behind compute" in dp.summary()
+    # ZeRO-3: each weight's all-gather is prefetched behind the compute before its first use.
+    zero3 = autopar.plan(model, cluster, args, kwargs, progress=False, **options("gpt", "zero3", 2, model))
+    gathers = [c for c in zero3.collectives if c["phase"] == "forward" and c["kind"] == "all_gather"]
+    assert gathers and sum(c["seconds"] - c["exposed"] for c in gathers) > 0
