@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from autopar.layout import R
+from autopar.layout import Placement, R
 from autopar.passes.costs import INFEASIBLE, CostModel
 from autopar.passes.meta import meta_of
 from autopar.passes.strategies import MeshStrategies, Value, input_values, requires_grad, strategies_on
@@ -118,6 +118,9 @@ def _pinned_options(rep: fx.Node, opts, pins: dict, mesh_axes: int):
                                 f"parameter is replicated on, along a dim no other axis shards and that divides "
                                 f"by that axis's size")
         refused = "".join(f"; refused: {r}" for r in meta_of(rep).refused[:8])
+        if not allowed and any(Placement.parse(p).is_strided for p in out or ()):
+            refused += ("; a strided layout S(d,k) is offered only where dim d is split or chunked into k "
+                        "equal parts after the op (docs/sharding.md)")
         if not allowed and ins is None:
             offered = sorted({str(format_layout(s.outputs[0])) for s in opts if s.outputs})
             raise ShardingError(f"pin {pattern!r} asks {name} for layout {out}, which its op cannot "

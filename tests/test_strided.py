@@ -128,3 +128,13 @@ def test_plan_round_trips_and_explains_a_strided_layout():
         broken["params"]["gate_up.0.weight"] = [bad]
         with pytest.raises(PlanFormatError, match=why):
             Plan.from_dict(broken)
+
+
+def test_a_strided_pin_where_no_split_follows_says_where_it_is_offered():
+    import autopar
+    from autopar.errors import ShardingError
+
+    model = FusedGateUp()
+    with pytest.raises(ShardingError, match=r"down\.0\.weight .*S\(1,2\).* offered only where dim d is split"):
+        autopar.plan(model, autopar.ClusterSpec.local_cpu(2), (torch.randn(4, 16, 64),), mesh_shape=(2,),
+                     progress=False, pins={"down.*.weight": ["S(1,2)"]})
