@@ -1,6 +1,7 @@
 """``autopar.compile``: the stages in order, on every rank.
 
-1. capture and the front-end passes (autopar/pass_pipeline.py), once;
+1. capture and the front-end passes (autopar/pass_pipeline.py), once (a pipeline plan's at the shapes of
+   one microbatch);
 2. the plan: made on rank 0 from that front end (autopar/planner.py) and broadcast, or the one given;
 3. codegen: this rank's local program with its collectives and kernels (codegen/);
 4. the runtime gets the finished Program and the model's weights (runtime/module.py).
@@ -62,8 +63,14 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
                                   f"again with it")
         plan_options.pop("precision", None)
         precision = plan.precision
-    front = front_end(model, example_inputs, example_kwargs, runner, precision=precision,
-                      device_type=cluster.device_type, keep_raw=plan is None)
+    # A pipeline runs the program of one microbatch, and is planned from captures at microbatch shapes:
+    # where one is known to come (a given pipeline plan, a 'pp' axis asked for), the whole batch is not
+    # captured. Otherwise every rank captures it while rank 0 plans from its own.
+    pipelined = bool(plan.pipeline) if plan is not None else "pp" in (plan_options.get("axis_names") or ())
+    front = None
+    if not pipelined:
+        front = front_end(model, example_inputs, example_kwargs, runner, precision=precision,
+                          device_type=cluster.device_type, keep_raw=plan is None)
     if plan is None:
         plan = _plan_on_rank0(model, cluster, example_inputs, example_kwargs, memory_budget, front,
                               {**plan_options, "kernels": kernels, "sharded_outputs": bool(sharded_outputs)})
@@ -72,7 +79,6 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
     if sharded_outputs is None:
         sharded_outputs = plan.sharded_outputs
     if plan.pipeline:
-        # A pipeline runs the program of one microbatch: capture again at its shapes.
         from autopar.pipelining import microbatch_inputs
 
         mb_args, mb_kwargs = microbatch_inputs(example_inputs, example_kwargs, plan.pipeline["microbatches"])

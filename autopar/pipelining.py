@@ -49,18 +49,25 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int | None = None) -> floa
 
 def in_flight(schedule: str, p: int, m: int, rank: int = 0) -> float:
     """How many microbatches' activations (of all the layers the rank holds) rank ``rank`` of the
-    pipeline axis keeps at its peak. GPipe: all ``m``. 1F1B: ``p - rank`` (the first stage ``p``).
-    Interleaved: 1F1B's times ``1 + (p-1)/(p*m)`` (Korthikanti et al.). ZB-H1 (interleaved zero
-    bubble) keeps the interleaved schedule's memory; ZB-V keeps ``p`` on every rank (its V-shaped
-    placement evens the stages out)."""
+    pipeline axis keeps at its peak, under torch.distributed.pipelining's order of the schedule (checked
+    against its runs: tests/test_pipeline_planning.py). GPipe: all ``m``. 1F1B: ``p - rank``.
+    Interleaved 1F1B (``v`` stages per rank, ``m`` a multiple of ``p``): its warmup runs ``(v-1)*p +
+    2*(p-1-rank)`` stage forwards before the first backward, so ``(v-1)*p + 2*(p-1-rank) + 1`` stages'
+    microbatches are in flight, at most ``v*m``; each is a ``v``-th of the rank's layers. On the first
+    rank that is Korthikanti et al.'s ``p * (1 + (p-1)/(p*v))``. ZB-H1 (interleaved zero bubble) keeps
+    1F1B's first-stage peak, ``p``, on every rank (Qi et al.): a weight-gradient pass it delays holds its
+    activations until it runs. ZB-V: ``min(2p, m + 1 + rank)`` stages' microbatches, ``p`` once ``m >= 2p``."""
+    v = VIRTUAL.get(schedule)
     if schedule == "GPipe":
         return float(m)
     if schedule == "1F1B":
         return float(min(m, p - rank))
-    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
-        return min(m, p - rank) * (1 + (p - 1) / (p * m))
-    if schedule == "ZBVZeroBubble":
+    if schedule == "Interleaved1F1B":
+        return min(v * m, (v - 1) * p + 2 * (p - 1 - rank) + 1) / v
+    if schedule == "InterleavedZeroBubble":
         return float(min(m, p))
+    if schedule == "ZBVZeroBubble":
+        return min(2 * p, m + 1 + rank) / 2
     raise AutoparError(f"unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}")
 
 

@@ -47,7 +47,10 @@ def assemble_plan(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, 
     recompute_compute = sum(cm.forward_compute_seconds(n, chosen[n]) for n in instance_of)
     colls += rerun
     serial_comm = sum(c["seconds"] for c in colls)
-    ex = exposure(gm, chosen, colls, cm, axis_names, recomputed_nodes)
+    resharded_for: dict = {}
+    for (consumer, _), key in low.uses.items():
+        resharded_for.setdefault(key.value.node.name, set()).add(consumer.name)
+    ex = exposure(gm, chosen, colls, cm, axis_names, recomputed_nodes, resharded_for=resharded_for)
     for c, seconds, exposed in zip(colls, ex.seconds, ex.exposed):
         c.update(seconds=seconds, exposed=exposed)
     # Offloaded layers' saved activations go to host memory in forward and come back in backward.

@@ -140,7 +140,7 @@ def main():
     print(f"built-in GPT (tests/memory_cases.py {args.arch!r}), batch {args.batch} x seq {args.seq}, "
           f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}", flush=True)
     if args.gpu:
-        autopar_cluster_group()
+        _init_gpu_group()
         _run(dist.get_rank(), dist.get_world_size(), args)
         return
     from tests.distributed_utils import run_distributed
@@ -148,7 +148,7 @@ def main():
     run_distributed(_run, args.world, args, timeout=3600)
 
 
-def autopar_cluster_group():
+def _init_gpu_group():
     import autopar
 
     autopar.ClusterSpec.from_env()      # initializes the process group from torchrun's environment

@@ -41,10 +41,13 @@ class Exposure:
         return max(0.0, sum(self.seconds) - sum(self.exposed))
 
 
-def bucketed_params(gm: fx.GraphModule, colls: list[dict], strategy: dict) -> dict[str, str]:
+def bucketed_params(gm: fx.GraphModule, colls: list[dict], strategy: dict,
+                    resharded_for: dict[str, set[str]] | None = None) -> dict[str, str]:
     """Parameter name -> mesh axis, for the parameters whose gradient the runtime reduces in buckets:
     every use of it reads it through a backward all-reduce alone, on one axis (a ZeRO-2 parameter's
-    gradient is reduce-scattered instead, an offloaded one copied to the host)."""
+    gradient is reduce-scattered instead, an offloaded one copied to the host). ``resharded_for``:
+    value name -> the consumers that read it through a resharding (a resharding several consumers
+    share is listed once in ``colls``, at its first); without it, those of ``colls``."""
     by_value: dict[str, list[dict]] = {}
     for c in colls:
         by_value.setdefault(c["value"], []).append(c)
@@ -57,7 +60,7 @@ def bucketed_params(gm: fx.GraphModule, colls: list[dict], strategy: dict) -> di
             continue
         own = by_value[n.name]
         axes = {c["axis"] for c in own}
-        readers = {c["node"] for c in own}
+        readers = resharded_for.get(n.name, set()) if resharded_for is not None else {c["node"] for c in own}
         if (len(axes) == 1 and all(c["kind"] == "all_reduce" and c["phase"] == "backward" and not c.get("recompute")
                                    and c["node"] != c["value"] for c in own)
                 and readers >= {u.name for u in n.users}):
@@ -66,10 +69,10 @@ def bucketed_params(gm: fx.GraphModule, colls: list[dict], strategy: dict) -> di
 
 
 def exposure(gm: fx.GraphModule, strategy: dict, colls: list[dict], cm, axis_names, recomputed: set[str],
-             bucket_bytes: int = GRAD_BUCKET_BYTES) -> Exposure:
+             bucket_bytes: int = GRAD_BUCKET_BYTES, resharded_for: dict[str, set[str]] | None = None) -> Exposure:
     """Replay the step on a compute and a communication stream (module docstring). ``strategy``: node ->
     Strategy; ``colls``: the plan's collective entries; ``cm``: the CostModel; ``recomputed``: names of
-    the nodes inside recomputed layers or attention cores."""
+    the nodes inside recomputed layers or attention cores; ``resharded_for``: as ``bucketed_params``."""
     order = [n for n in gm.graph.nodes if n.op in ("placeholder", "call_function", "output")]
     position = {n.name: i for i, n in enumerate(order)}
     ops = [n for n in order if n.op == "call_function" and n in strategy]
@@ -80,7 +83,7 @@ def exposure(gm: fx.GraphModule, strategy: dict, colls: list[dict], cm, axis_nam
         backward[name] += forward[name]
     seconds = [c["seconds"] for c in colls]
     exposed = list(seconds)
-    buckets = bucketed_params(gm, colls, strategy)
+    buckets = bucketed_params(gm, colls, strategy, resharded_for)
 
     # Forward: the split collectives, in program order (their first consumer's, then their steps').
     split = sorted((i for i, c in enumerate(colls)

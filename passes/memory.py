@@ -15,6 +15,7 @@ import math
 import operator
 import weakref
 
+import numpy as np
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
@@ -939,6 +940,7 @@ class StepMemory:
         order = sorted(set(ks))
         made, e = {}, 0
         constant, terms, pairs = 0.0, {}, {}
+        arrays: dict[int, np.ndarray] = {}      # id of a Bytes -> its table, (a, b) ordered
         for k in order:
             upto, phase, name = self.points[k]
             while e < upto:
@@ -946,25 +948,20 @@ class StepMemory:
                 e += 1
                 if q.a is None:
                     constant += sign * q.table
-                elif q.b is None:
-                    acc = terms.get(q.a)
-                    if acc is None:
-                        acc = terms[q.a] = [0.0] * len(q.table)
-                    for i, v in enumerate(q.table):
-                        acc[i] += sign * v
+                    continue
+                table = arrays.get(id(q))
+                if table is None:
+                    table = np.asarray(q.table, dtype=float)
+                    arrays[id(q)] = table = table.T if q.b is not None and q.a > q.b else table
+                key = q.a if q.b is None else (min(q.a, q.b), max(q.a, q.b))
+                acc = terms if q.b is None else pairs
+                if key in acc:
+                    acc[key] += sign * table
                 else:
-                    a, b, table = q.a, q.b, q.table
-                    if a > b:
-                        a, b, table = b, a, tuple(zip(*table))
-                    acc = pairs.get((a, b))
-                    if acc is None:
-                        acc = pairs[(a, b)] = [[0.0] * len(table[0]) for _ in table]
-                    for i, row in enumerate(table):
-                        r = acc[i]
-                        for j, v in enumerate(row):
-                            r[j] += sign * v
-            made[k] = MemoryConstraint(f"{phase} {name} (point {k})", tuple((c, tuple(v)) for c, v in terms.items()),
-                                       constant, tuple((a, b, tuple(map(tuple, m))) for (a, b), m in pairs.items()))
+                    acc[key] = sign * table
+            made[k] = MemoryConstraint(f"{phase} {name} (point {k})",
+                                       tuple((c, tuple(v.tolist())) for c, v in terms.items()), constant,
+                                       tuple((a, b, tuple(map(tuple, m.tolist()))) for (a, b), m in pairs.items()))
         return [made[k] for k in ks]
 
 

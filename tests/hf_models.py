@@ -4,26 +4,28 @@ import torch
 VOCAB, BATCH, SEQ = 128, 8, 16
 
 
-def build(name: str) -> torch.nn.Module:
+def build(name: str, layers: int = 2) -> torch.nn.Module:
+    """A tiny model of the family ``name`` with ``layers`` repeated layers (a pipeline of p stages needs
+    p of them, 2p under the interleaved and zero-bubble V schedules)."""
     import transformers as tf
 
     if name == "gpt2":
-        cfg = tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32, use_cache=False,
+        cfg = tf.GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32, use_cache=False,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
         return tf.GPT2LMHeadModel(cfg)
     if name == "llama":
-        cfg = tf.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        cfg = tf.LlamaConfig(num_hidden_layers=layers, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                              intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=32, use_cache=False)
         return tf.LlamaForCausalLM(cfg)
     if name == "bert":
-        cfg = tf.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+        cfg = tf.BertConfig(num_hidden_layers=layers, hidden_size=64, num_attention_heads=4, intermediate_size=128,
                             vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout_prob=0.0,
                             attention_probs_dropout_prob=0.0)
         return tf.BertForMaskedLM(cfg)
     if name == "gpt":
         from autopar.models import GPT, GPTConfig
 
-        return GPT(GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=4, d_model=64, d_ff=128, max_seq=32))
+        return GPT(GPTConfig(vocab_size=VOCAB, n_layer=layers, n_head=4, d_model=64, d_ff=128, max_seq=32))
     raise KeyError(name)
 
 

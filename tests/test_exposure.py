@@ -102,6 +102,21 @@ def test_a_gradient_reduced_by_some_readers_only_waits_at_once():
     assert exposure(gm, strategy, colls, cm, ["dp"], set()).exposed == [0.5]
 
 
+def test_a_resharding_shared_by_two_readers_is_bucketed_once():
+    gm, strategy = _chain(3, weights=1)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    nodes["op0"].args = (nodes["x"], nodes["x"])
+    nodes["op1"].args = (nodes["op0"], nodes["w0"])
+    nodes["op2"].args = (nodes["op1"], nodes["w0"])        # w0 read by op1 and op2 through one resharding
+    gm.recompile()
+    cm = _Clock({"op0": 1.0, "op1": 1.0, "op2": 1.0})
+    colls = [_coll("all_reduce", "backward", "w0", "op1", 1.5, nbytes=1)]   # listed at its first reader
+    # Bucketed: ready after op1's backward, it hides behind op0's (2 s).
+    assert exposure(gm, strategy, colls, cm, ["dp"], set(), resharded_for={"w0": {"op1", "op2"}}).exposed == [0.0]
+    # Known to reach op1 alone, op2's use is not reduced: it waits where it is issued.
+    assert exposure(gm, strategy, colls, cm, ["dp"], set(), resharded_for={"w0": {"op1"}}).exposed == [1.5]
+
+
 def test_plan_reports_exposed_and_hidden_communication():
     from tests.memory_cases import build, options
 

@@ -27,11 +27,78 @@ def test_bubble_matches_narayanan(p, m):
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (8, 32)])
 def test_in_flight_microbatches_match_korthikanti(p, m):
-    # 1F1B: the first stage holds p microbatches, GPipe all m; interleaved multiplies by 1 + (p-1)/(p*m).
+    # 1F1B: the first stage holds p microbatches, GPipe all m; interleaving v stages per rank multiplies
+    # the first stage's by 1 + (p-1)/(p*v) (Korthikanti et al. 4.2.3, their m being the stages per rank).
     assert PL.in_flight("1F1B", p, m, 0) == p
     assert [PL.in_flight("1F1B", p, m, r) for r in range(p)] == [p - r for r in range(p)]
     assert PL.in_flight("GPipe", p, m, p - 1) == m
-    assert PL.in_flight("Interleaved1F1B", p, m, 0) == pytest.approx(p * (1 + (p - 1) / (p * m)))
+    assert PL.in_flight("Interleaved1F1B", p, m, 0) == pytest.approx(p * (1 + (p - 1) / (p * 2)))
+    # ZB-H1 keeps 1F1B's first-stage peak on every rank (Qi et al.).
+    assert [PL.in_flight("InterleavedZeroBubble", p, m, r) for r in range(p)] == [p] * p
+
+
+def _in_flight_under_torch(rank, world, p, group, cases):
+    """Run tiny stages under each (schedule, microbatches) of ``cases`` on this rank's pipeline group of
+    ``p`` ranks; return the most stage-microbatches whose activations were held at once, in microbatches
+    through all of the rank's layers (a stage's are held from its forward to its backward, or to its
+    weight-gradient pass where the schedule splits backward)."""
+    from torch.distributed import pipelining as P
+
+    me = torch.distributed.get_rank(group)
+    classes = {"GPipe": P.ScheduleGPipe, "1F1B": P.Schedule1F1B, "Interleaved1F1B": P.ScheduleInterleaved1F1B,
+               "InterleavedZeroBubble": P.ScheduleInterleavedZeroBubble, "ZBVZeroBubble": P.ScheduleZBVZeroBubble}
+    measured = {}
+    for schedule, m in cases:
+        v = PL.VIRTUAL[schedule]
+        live = {"now": 0, "peak": 0}
+        stages = []
+        for index in [s for s in range(p * v) if PL.rank_of_stage(schedule, s, p) == me]:
+            stage = P.PipelineStage(torch.nn.Linear(4, 4), index, p * v, torch.device("cpu"), group=group)
+            fwd, bwd, wgt = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
+
+            def forward(*a, _f=fwd, **k):
+                live["now"] += 1
+                live["peak"] = max(live["peak"], live["now"])
+                return _f(*a, **k)
+
+            def backward(*a, _b=bwd, **k):
+                out = _b(*a, **k)
+                live["now"] -= k.get("full_backward", True)
+                return out
+
+            def weight_backward(*a, _w=wgt, **k):
+                out = _w(*a, **k)
+                live["now"] -= 1
+                return out
+
+            stage.forward_one_chunk, stage.backward_one_chunk = forward, backward
+            stage.backward_weight_one_chunk = weight_backward
+            stages.append(stage)
+        run = classes[schedule](stages if v > 1 else stages[0], n_microbatches=m, loss_fn=lambda y, _: y.sum())
+        inputs = (torch.randn(2 * m, 4),) if any(st.is_first for st in stages) else ()
+        targets = {"target": torch.zeros(2 * m, 4), "losses": []} if any(st.is_last for st in stages) else {}
+        run.step(*inputs, **targets)
+        measured[schedule, m] = live["peak"] / v
+    return measured
+
+
+def _check_in_flight(rank, world):
+    # Four ranks: one pipeline of 4, and two of 2 on ranks {0, 1} and {2, 3}.
+    pairs = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2, 3])]
+    for p, group, counts in ((4, None, (4, 8)), (2, pairs[rank // 2], (2, 4))):
+        me = rank if p == 4 else rank % 2
+        cases = [(sched, m) for sched in PL.SCHEDULES for m in counts]
+        for (sched, m), got in _in_flight_under_torch(rank, world, p, group, cases).items():
+            want = PL.in_flight(sched, p, m, me)
+            assert got == want, f"{sched}, p={p}, m={m}, pipeline rank {me}: torch holds {got}, the model {want}"
+
+
+def test_in_flight_microbatches_match_torch_schedules():
+    """The memory model's in-flight microbatches per rank are those torch.distributed.pipelining's
+    schedules hold, on pipelines of 2 and 4 gloo ranks."""
+    from tests.distributed_utils import run_distributed
+
+    run_distributed(_check_in_flight, 4, timeout=300)
 
 
 def test_first_stage_memory_is_korthikanti_whole_model_activations():
@@ -41,7 +108,7 @@ def test_first_stage_memory_is_korthikanti_whole_model_activations():
     per_stage = per_layer * L / p
     assert PL.in_flight("1F1B", p, m, 0) * per_stage == pytest.approx(s * b * h * L * (34 + 5 * a * s / h))
     inter = PL.in_flight("Interleaved1F1B", p, m, 0) * per_stage
-    assert inter == pytest.approx(s * b * h * L * (34 + 5 * a * s / h) * (1 + (p - 1) / (p * m)))
+    assert inter == pytest.approx(s * b * h * L * (34 + 5 * a * s / h) * (1 + (p - 1) / (p * 2)))
 
 
 def test_balance_is_optimal_against_brute_force():
@@ -135,18 +202,37 @@ def test_batch_that_does_not_split_into_the_microbatches_is_refused():
         _stack_plan(microbatches=3)
 
 
+class _Flat(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.b(self.a(x)).pow(2).mean()
+
+
 def test_model_without_repeated_layers_is_refused():
-    class Flat(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
-
-        def forward(self, x):
-            return self.b(self.a(x)).pow(2).mean()
-
     with pytest.raises(autopar.AutoparError, match="has none"):
-        autopar.plan(Flat(), autopar.ClusterSpec.local_cpu(2), (torch.randn(4, 64),), mesh_shape=(2,),
+        autopar.plan(_Flat(), autopar.ClusterSpec.local_cpu(2), (torch.randn(4, 64),), mesh_shape=(2,),
                      axis_names=("pp",), progress=False)
+
+
+def test_pipeline_axis_larger_than_the_layers_is_refused():
+    with torch.device("meta"):
+        model = Stack(64, 4, 128, 2)
+    with pytest.raises(autopar.AutoparError, match="'pp' has 4 ranks but the model has only 2 layers to cut "
+                                                   "between; use a pipeline axis of at most 2"):
+        autopar.plan(model, autopar.ClusterSpec.local_cpu(4), (torch.randn(4, 8, 64, device="meta"),),
+                     mesh_shape=(4,), axis_names=("pp",), progress=False)
+
+
+def test_a_pipeline_mesh_the_planner_adds_falls_back_to_the_others():
+    """With the mesh left to the planner, a pipeline mesh the model cannot use is skipped with its reason
+    (the same check that refuses a 'pp' axis given by the user), and the plan is the best of the others."""
+    plan = autopar.plan(_Flat(), autopar.ClusterSpec.preset("16xH100"), (torch.randn(16, 64),), progress=False)
+    assert plan.pipeline is None and "pp" not in plan.axis_names
+    skipped = [c for c in plan.solver["candidates"] if c.get("status") == "skipped"]
+    assert [c["mesh"] for c in skipped] == [[2, 8]] and "has none" in skipped[0]["reason"]
 
 
 def test_schedule_with_more_stages_than_layers_is_refused():
