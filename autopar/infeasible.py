@@ -2,6 +2,8 @@
 the most memory there; and the check of offloaded states against the host's memory."""
 from __future__ import annotations
 
+import math
+
 from autopar.cluster import ClusterSpec
 from autopar.errors import AutoparError, InfeasiblePlanError
 from autopar.mesh_search import MeshCandidate
@@ -9,6 +11,7 @@ from autopar.passes.costs import INFEASIBLE
 from autopar.passes.memory import StepMemory, minimum_budget, solve_under_budget
 from autopar.plan import Plan
 from autopar.plan_assembly import assemble_plan
+from autopar.solver import NODE_LIMIT
 
 def check_host_memory(plan: Plan, cluster: ClusterSpec) -> None:
     """The offloaded states of a node's devices must fit its host memory: a constraint of the ILP
@@ -23,19 +26,23 @@ def check_host_memory(plan: Plan, cluster: ClusterSpec) -> None:
             f"budget, add devices, or give the host's real memory", memory_budget=plan.memory.get("memory_budget"))
 
 
-def _smallest_valid_budget(prob, sm: StepMemory):
-    """The smallest budget with a valid plan, and that plan.
+def _smallest_valid_budget(prob, sm: StepMemory, above: float | None = None):
+    """The smallest budget with a valid plan, and that plan; None where there is none, or none below
+    ``above``.
 
     The memory-only minimum ignores seconds, so it may pick a resharding that cannot happen (priced
     INFEASIBLE); starting from it, look for the least budget at which the time-aware solve avoids them.
     """
-    lower_bound, least = minimum_budget(prob, sm)
+    found = minimum_budget(prob, sm, above=above)
+    if found is None:
+        return None
+    lower_bound, least = found
     if prob.objective(least) < INFEASIBLE:          # the least peak's own layout is a valid plan
         return lower_bound, least
     for factor in (1.0 + 1e-6, 1.01, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0, 100.0):
         try:
-            sol = solve_under_budget(prob, sm, lower_bound * factor, time_limit=30.0)
-        except AutoparError:        # no layout found within the time limit at this budget: try a larger one
+            sol = solve_under_budget(prob, sm, lower_bound * factor, time_limit=math.inf, node_limit=NODE_LIMIT)
+        except AutoparError:        # no layout found within the node limit at this budget: try a larger one
             continue
         if sol.status != "infeasible" and prob.objective(sol.assignment) < INFEASIBLE:
             return sm.peak(sol.assignment)[1], sol.assignment
@@ -47,7 +54,7 @@ def raise_infeasible(prep, infeasible: list[MeshCandidate], cluster, memory_budg
     feasible budget over the ``infeasible`` meshes and what uses the most memory in its plan."""
     best = None                 # (the smallest budget, its assignment, its mesh)
     for mesh in infeasible:
-        found = _smallest_valid_budget(mesh.prob, mesh.memory)
+        found = _smallest_valid_budget(mesh.prob, mesh.memory, above=None if best is None else best[0])
         if found is not None and (best is None or found[0] < best[0]):
             best = (*found, mesh)
     if best is None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -53,18 +53,22 @@ def search(meshes: list[MeshCandidate], best, prep, cluster, memory_budget, shar
     bounds the rest: a mesh whose lower bound is no better is not solved, and the solver stops a mesh
     as soon as it proves it cannot beat it. A plan's serial step time is never below its problem's
     objective (it adds the reshardings recomputed layers run again), so neither shortcut loses the best
-    plan. Two meshes are solved at a time (the solver runs outside Python's lock); the plans are evaluated here.
+    plan. Two meshes are solved at a time (the solver runs outside Python's lock), in waves whose bound is
+    the best plan of the waves before; the plans are evaluated here.
     """
     order = sorted(meshes, key=lambda m: (m.estimate, m.lower_bound, m.position))
     best_key = None if best is None else (serial_seconds(best), -1)
     tried, infeasible, t_eval = {}, [], 0.0
     workers = max(1, min(SOLVER_THREADS, len(order)))
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        running: dict = {}
-        while order or running:
-            while order and len(running) < workers:
+        while order:
+            # A wave of meshes solved together under the bound of the waves before it, its results taken
+            # in order: which mesh finishes first never changes a bound, so the plan does not depend on
+            # the machine's load.
+            bound = None if best is None else serial_seconds(best)
+            wave = []
+            while order and len(wave) < workers:
                 m = order.pop(0)
-                bound = None if best is None else serial_seconds(best)
                 if bound is not None and m.lower_bound >= bound:
                     tried[m.position] = {"mesh": list(m.shape), "status": "bounded", "objective": None,
                                          "lower_bound": m.lower_bound, "seconds": 0.0, "variables": 0,
@@ -72,13 +76,9 @@ def search(meshes: list[MeshCandidate], best, prep, cluster, memory_budget, shar
                     continue
                 report(f"mesh {m.shape}: solving {len(m.prob.choices)} decisions, "
                        f"{len(m.prob.edges) + len(m.prob.shared)} edges")
-                running[pool.submit(solve_under_budget, m.prob, m.memory, memory_budget, time_limit=time_limit,
-                                    bound=bound)] = m
-            if not running:
-                break
-            done, _ = wait(running, return_when=FIRST_COMPLETED)
-            for fut in sorted(done, key=lambda f: running[f].position):
-                m = running.pop(fut)
+                wave.append((m, pool.submit(solve_under_budget, m.prob, m.memory, memory_budget,
+                                            time_limit=time_limit, bound=bound)))
+            for m, fut in wave:
                 sol = fut.result()
                 tried[m.position] = {"mesh": list(m.shape), "status": sol.status, "objective": sol.objective,
                                      "lower_bound": m.lower_bound, "seconds": sol.seconds,

@@ -9,8 +9,9 @@ whole (`R`: with 4 KV heads and batch 1 there is no other split on 8 devices tha
 sequence), and prints the predicted step time and peak, or the smallest budget that would fit.
 
 --cpu trains autopar's built-in GPT (causal attention) on gloo ranks under a fixed memory budget per
-rank at growing sequence lengths, one sequence per step: with every attention call whole, and the
-solver's free plan, which may split the sequence (ring attention, Megatron-SP); and, for the step
+rank at growing sequence lengths, one sequence per step: with every attention call whole, with every
+attention call a ring (the sequence split), and the solver's free plan, which may split the sequence
+(ring attention, Megatron-SP) or the heads; and, for the step
 time of the same tokens per rank, plain data parallel with one sequence per rank. It prints, per
 length, whether a plan fits, its predicted and measured (live tensors) peak, the attention form
 chosen and the measured median step time; peaks are the highest over the ranks. The
@@ -84,6 +85,7 @@ def _cpu_worker(rank, world, args, results):
         data = {"input_ids": ["S(0)"], "labels": ["S(0)"], "*.weight": ["R"], "*.bias": ["R"],
                 "scaled_dot_product_attention*": ["S(0)"]}
         plans = (("attention whole, batch 1", one, {"scaled_dot_product_attention*": ["R"]}),
+                 ("ring, batch 1", one, {"scaled_dot_product_attention*": {"inputs": [["S(2)"]] * 3}}),
                  ("free, batch 1", one, None),
                  (f"data parallel, batch {world}", batch, data))
         for label, ids, pins in plans:

@@ -82,7 +82,7 @@ def _step(pm, opt, args, kwargs):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--archs", default="gpt2,llama,bert,gpt", help=f"comma-separated, from {', '.join(ARCHS)}")
+    ap.add_argument("--archs", default="gpt2,llama,bert,gpt,qwen2", help=f"comma-separated, from {', '.join(ARCHS)}")
     ap.add_argument("--kinds", default="auto,dp,megatron,zero3,vocab,recompute,sharded-outputs",
                     help=f"comma-separated plan kinds, from {', '.join(KINDS)} (2d needs 4 ranks)")
     ap.add_argument("--budgets", default=",".join(BUDGETS),

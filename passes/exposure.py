@@ -37,7 +37,8 @@ class Exposure:
 
     @property
     def hidden(self) -> float:
-        return sum(self.seconds) - sum(self.exposed)
+        # Never negative: with nothing hidden the two sums differ only by rounding.
+        return max(0.0, sum(self.seconds) - sum(self.exposed))
 
 
 def bucketed_params(gm: fx.GraphModule, colls: list[dict], strategy: dict,

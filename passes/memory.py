@@ -11,9 +11,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import operator
 import weakref
 
+import numpy as np
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
@@ -21,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from autopar.passes.costs import VIEW_OPS
 from autopar.passes.meta import SavedForBackward, meta_of, set_meta
 from autopar.passes.rules import rule_for, tensor_inputs
 
@@ -92,6 +95,10 @@ def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda") -
             if node.target is not operator.getitem:
                 for o in outs:
                     owner.setdefault(_storage_key(o), (node, False))
+            if node.target in VIEW_OPS and node.target is not operator.getitem and outs:
+                first = next((a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)), None)
+                if first is not None and _storage_key(outs[0]) != _storage_key(first) and _reads_narrowed(node):
+                    set_meta(node, copies=True)
             saved = _attribute(node, current["saved"], outs, owner, target_device)
             if node.target not in _FUSED_ON_CPU and node.target is not operator.getitem:
                 # Repeated layers run the same ops on the same shapes: one backward per distinct call.
@@ -105,6 +112,21 @@ def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda") -
                 saved = dataclasses.replace(saved, backward=t)
             set_meta(node, saved=saved)
     return gm
+
+
+def _reads_narrowed(node: fx.Node) -> bool:
+    """Whether a view op reads, through views, a slice that drops part of a dim (the shifted logits
+    of a causal LM's loss). Such a reshape copies whatever the shards and kernels: other reshapes that
+    copy on meta tensors may view on a rank (one local head of an expanded key; attention kernels
+    whose output is laid out sequence-major), so only these count as copies."""
+    n = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    while n is not None and n.op == "call_function" and n.target in VIEW_OPS:
+        if n.target is torch.ops.aten.slice.Tensor:
+            src, out = n.args[0].meta.get("val"), n.meta.get("val")
+            if isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and out.numel() < src.numel():
+                return True
+        n = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    return False
 
 
 class _NewBytes(TorchDispatchMode):
@@ -275,6 +297,23 @@ def _pair(a, b, table) -> Bytes:
     if a == b:
         return _one(a, [row[i] for i, row in enumerate(table)])
     return Bytes(a, b, tuple(tuple(float(v) for v in row) for row in table))
+
+
+def _gated(q: Bytes, c: int | None, ind: Sequence[float]) -> Bytes:
+    """``q`` where decision ``c`` takes an option whose indicator in ``ind`` is 1: ``q`` may depend on
+    ``c`` and at most one other decision."""
+    if c is None:
+        return q.map(lambda v: v * ind[0])
+    if q.a is None:
+        return Bytes(c, None, tuple(q.table * f for f in ind))
+    if q.a == c and q.b is None:
+        return Bytes(c, None, tuple(v * f for v, f in zip(q.table, ind)))
+    if q.a == c:
+        return Bytes(q.a, q.b, tuple(tuple(v * f for v in row) for row, f in zip(q.table, ind)))
+    if q.b == c:
+        return Bytes(q.a, q.b, tuple(tuple(v * f for v, f in zip(row, ind)) for row in q.table))
+    assert q.b is None, "a gated allocation depends on at most two decisions"
+    return Bytes(q.a, c, tuple(tuple(v * f for f in ind) for v in q.table))
 
 
 def _times(q: Bytes, r: int, ind: Sequence[float]) -> Bytes:
@@ -486,6 +525,19 @@ class StepMemory:
         c = self._choice(node)
         return _one(c, [nbytes / self.cm.work_split(self._strategy(node, o)) for o in self._options(c)])
 
+    def _saved_per_option(self, node, saved) -> list:
+        """What ``node`` keeps for backward under each of its options: its sharded form's own where the
+        rule gives one (the vocab-parallel loss keeps its logits, not a log-softmax), else ``saved``."""
+        from autopar.passes.rules import context_for
+
+        c = self._choice(node)
+        rule = rule_for(node)
+        if rule.saved_sharded is None:
+            return [saved for _ in self._options(c)]
+        ctx = context_for(node)
+        return [(rule.saved_sharded(ctx, s.inputs) if s is not None else None) or saved
+                for s in (self._strategy(node, o) for o in self._options(c))]
+
     def _backward_work(self, node, saved) -> Bytes:
         """Bytes an op's backward holds beyond the gradients it returns: its sharded form's own figure
         where the rule gives one (the vocab-parallel loss), else the ATen op's measured one."""
@@ -502,7 +554,6 @@ class StepMemory:
 
     # --- the events ---------------------------------------------------------------------------------
     def _build(self, gm, instances):
-        from autopar.passes.costs import VIEW_OPS
         from autopar.passes.reshard_plan import gathered_output
         from autopar.passes.strategies import Value, requires_grad
 
@@ -511,9 +562,12 @@ class StepMemory:
         add = self.events.append
         input_values, output_values = _memoized(_input_values), _memoized(_output_values)
 
+        def is_view(n):
+            return n.target in VIEW_OPS and not meta_of(n).copies
+
         def base(v):
             """The value whose storage ``v`` shares (views and getitems lead back to it)."""
-            while v.node.op == "call_function" and v.node.target in VIEW_OPS:
+            while v.node.op == "call_function" and is_view(v.node):
                 ins = input_values(v.node)
                 if not ins:
                     break
@@ -569,7 +623,7 @@ class StepMemory:
         # When each storage is freed: after its last forward reader, or when a backward releases it.
         last_use = {}
         for n in calls:
-            if n.target not in VIEW_OPS:
+            if not is_view(n):
                 for o in output_values(n):
                     last_use[o] = pos[n]
             for v in input_values(n):
@@ -579,7 +633,7 @@ class StepMemory:
                    if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
         frees = {}            # ("F" forward | "B" backward, position) -> [(category, sign, Bytes)]
         # The caller holds the outputs until the step ends: a gathered output's copy, else the value.
-        to_end, output_copies = set(), []
+        to_end, output_copies, gather_sources = set(), [], []
         for a in outputs:
             cp, again = self._output_copy(a, gathered_output(a, self.sharded_outputs))
             if cp is not None:
@@ -588,49 +642,66 @@ class StepMemory:
                 output_copies.append(again)
             if cp is None or self._choice(base(Value(a)).node) != self._choice(a):
                 to_end.add(base(Value(a)))
-            else:       # the value itself is held only where no copy is made
-                vb = self.value(base(Value(a)))
-                frees.setdefault(("F", last_use.get(base(Value(a)), pos.get(a, 0))), []).append(
-                    (_T, 1, _one(self._choice(a), [vb.at({self._choice(a): i}) * (0.0 if cp.at({self._choice(a): i}) else 1.0)
-                                                  for i in self._options(self._choice(a))])))
+            else:
+                # The value is held until the end of forward, where its gather is waited (the
+                # collective's Work holds its input until then), and to the step's end where no copy
+                # is made.
+                c, vb = self._choice(a), self.value(base(Value(a)))
+                frees.setdefault(("F", last_use.get(base(Value(a)), pos.get(a, 0))), []).append((_T, 1, vb))
+                gather_sources.append(_one(c, [vb.at({c: i}) * (1.0 if cp.at({c: i}) else 0.0)
+                                               for i in self._options(c)]))
         holders = {}          # storage -> [(saving node, None or Bytes kept only where no copy is read)]
         kept = {}             # node -> [Bytes] allocated in its forward, freed after its backward
-        held_copy = set()     # (node, input position) whose copy backward keeps
+        held_copy = {}        # (node, input position) whose copy backward keeps -> the part it does not keep
         for n in calls:
             saved = meta_of(n).saved
             if saved is None or not requires_grad(n):
                 continue
+            cb = self._choice(n)
+            per_option = self._saved_per_option(n, saved)
             ins = input_values(n)
-            for k, keep in enumerate(saved.inputs):
-                if not keep or k >= len(ins):
+            for k, v in enumerate(ins):
+                keeps = [1.0 if k < len(s.inputs) and s.inputs[k] else 0.0 for s in per_option]
+                if not any(keeps):
                     continue
-                v = ins[k]
+                everywhere = all(keeps)
                 cp, _, _ = self.copy(v, n, k)
                 if cp is not None:
-                    kept.setdefault(n, []).append(cp)
-                    held_copy.add((n, k))
+                    kept.setdefault(n, []).append(cp if everywhere else _gated(cp, cb, keeps))
+                    held_copy[(n, k)] = None if everywhere else _gated(cp, cb, [1.0 - x for x in keeps])
                 if v.node.op == "placeholder":
                     continue
                 b, cond = base(v), None
-                # Kept only where no copy is read, unless the reader may be recomputed: that would
-                # depend on three decisions, so it is kept whatever the copy (the safe side).
-                if cp is not None and self._choice(b.node) == self._choice(v.node) and n not in inst_of:
-                    vb = self.value(b)
-                    ca, cb = self._choice(v.node), self._choice(n)
-                    cond = _pair(ca, cb, [[vb.at({ca: i}) * (0.0 if cp.at({ca: i, cb: j}) else 1.0)
+                # Kept only where the reader's option keeps it and no copy is read, unless the reader
+                # may be recomputed; where the copy depends on another decision than the storage's
+                # (three decisions), it is kept whatever the copy (the safe side).
+                ca, vb = self._choice(b.node), self.value(b)
+                exact = cp is None or ca == self._choice(v.node)
+                if n not in inst_of and (not everywhere or (cp is not None and exact)):
+                    cond = _pair(ca, cb, [[vb.at({ca: i}) * keeps[j] *
+                                           (0.0 if exact and cp and cp.at({ca: i, cb: j}) else 1.0)
                                            for j in self._options(cb)] for i in self._options(ca)])
                 holders.setdefault(b, []).append((n, cond))
             outs = output_values(n)
-            flags = saved.held or _held_by_bytes(saved.outputs, outs)
-            for i, keep in enumerate(flags):
-                if keep and i < len(outs):
-                    holders.setdefault(base(outs[i]), []).append((n, None))
-            covered = sum(value_info_nbytes(o) for o, f in zip(outs, flags) if f)
-            if not saved.held and outs and saved.outputs > covered:     # declared for a GPU kernel
-                f = (saved.outputs - covered) / max(value_info_nbytes(outs[0]), 1)
-                kept.setdefault(n, []).append(self.value(outs[0]).map(lambda x, f=f: x * f))
-            if saved.internal:
-                kept.setdefault(n, []).append(self._per_work(n, saved.internal))
+            flags = [s.held or _held_by_bytes(s.outputs, outs) for s in per_option]
+            for i, o in enumerate(outs):
+                keeps = [1.0 if i < len(f) and f[i] else 0.0 for f in flags]
+                if any(keeps):
+                    b = base(o)
+                    cond = None if all(keeps) or self._choice(b.node) != cb else _gated(self.value(b), cb, keeps)
+                    holders.setdefault(b, []).append((n, cond))
+            if outs:      # output bytes a rule declares (for a GPU kernel) beyond whole outputs
+                vb, extra = self.value(outs[0]), []
+                for o, (s, f) in enumerate(zip(per_option, flags)):
+                    covered = sum(value_info_nbytes(x) for x, kf in zip(outs, f) if kf)
+                    more = 0.0 if s.held or s.outputs <= covered else s.outputs - covered
+                    extra.append(vb.at({cb: o}) * more / max(value_info_nbytes(outs[0]), 1))
+                if any(extra):
+                    kept.setdefault(n, []).append(_one(cb, extra))
+            internal = _one(cb, [s.internal / self.cm.work_split(self._strategy(n, o)) if s.internal else 0.0
+                                 for o, s in enumerate(per_option)])
+            if not internal.zero():
+                kept.setdefault(n, []).append(internal)
 
         held = set()          # storages a backward keeps whatever the layouts
         remat = {}            # instance -> [Bytes] re-materialized when its backward starts
@@ -693,10 +764,12 @@ class StepMemory:
             transient = []
             for k, v in enumerate(input_values(n)):
                 cp, _, _ = self.copy(v, n, k)
-                if cp is not None and (n, k) not in held_copy:
+                if cp is not None:
+                    cp = held_copy.get((n, k), cp)
+                if cp is not None:
                     add((_T, 1, cp))
                     transient.append(cp)
-            if n.target not in VIEW_OPS:
+            if not is_view(n):
                 for o in output_values(n):
                     add((_A if o in held else _T, 1, self.value(o)))
             for q in kept.get(n, ()):
@@ -722,6 +795,8 @@ class StepMemory:
                         add((_A, -1, q))
                         remat.setdefault(inst, []).append(q)
 
+        for q in gather_sources:        # the waits drop them, before the copies below
+            add((_T, -1, q))
         for cp in output_copies:
             add((_T, 1, cp))
         self.points.append((len(self.events), "forward", "outputs"))
@@ -865,6 +940,7 @@ class StepMemory:
         order = sorted(set(ks))
         made, e = {}, 0
         constant, terms, pairs = 0.0, {}, {}
+        arrays: dict[int, np.ndarray] = {}      # id of a Bytes -> its table, (a, b) ordered
         for k in order:
             upto, phase, name = self.points[k]
             while e < upto:
@@ -872,25 +948,20 @@ class StepMemory:
                 e += 1
                 if q.a is None:
                     constant += sign * q.table
-                elif q.b is None:
-                    acc = terms.get(q.a)
-                    if acc is None:
-                        acc = terms[q.a] = [0.0] * len(q.table)
-                    for i, v in enumerate(q.table):
-                        acc[i] += sign * v
+                    continue
+                table = arrays.get(id(q))
+                if table is None:
+                    table = np.asarray(q.table, dtype=float)
+                    arrays[id(q)] = table = table.T if q.b is not None and q.a > q.b else table
+                key = q.a if q.b is None else (min(q.a, q.b), max(q.a, q.b))
+                acc = terms if q.b is None else pairs
+                if key in acc:
+                    acc[key] += sign * table
                 else:
-                    a, b, table = q.a, q.b, q.table
-                    if a > b:
-                        a, b, table = b, a, tuple(zip(*table))
-                    acc = pairs.get((a, b))
-                    if acc is None:
-                        acc = pairs[(a, b)] = [[0.0] * len(table[0]) for _ in table]
-                    for i, row in enumerate(table):
-                        r = acc[i]
-                        for j, v in enumerate(row):
-                            r[j] += sign * v
-            made[k] = MemoryConstraint(f"{phase} {name} (point {k})", tuple((c, tuple(v)) for c, v in terms.items()),
-                                       constant, tuple((a, b, tuple(map(tuple, m))) for (a, b), m in pairs.items()))
+                    acc[key] = sign * table
+            made[k] = MemoryConstraint(f"{phase} {name} (point {k})",
+                                       tuple((c, tuple(v.tolist())) for c, v in terms.items()), constant,
+                                       tuple((a, b, tuple(map(tuple, m.tolist()))) for (a, b), m in pairs.items()))
         return [made[k] for k in ks]
 
 
@@ -1017,11 +1088,13 @@ def _over_budget(walk, memory_budget: float, have: set) -> list[int]:
     return [k for k in out if k not in have]
 
 
-def solve_under_budget(problem, sm: StepMemory, memory_budget: float, *, time_limit: float = 60.0, bound=None):
+def solve_under_budget(problem, sm: StepMemory, memory_budget: float, *, time_limit: float = 60.0, bound=None,
+                       node_limit: int | None = None):
     """The fastest assignment whose step peak (``sm.peak``) fits ``budget``: solve with the memory
     constraints of a few candidate points, walk the step, add the points over the budget (the highest
     of each stretch), solve again. Every returned feasible solution's walked peak is within the budget.
-    ``bound`` is the solver's: stop ("bounded") once no assignment can beat that many seconds."""
+    ``bound`` is the solver's: stop ("bounded") once no assignment can beat that many seconds;
+    ``node_limit`` too (a cut-off that does not depend on the machine's load)."""
     from autopar.errors import AutoparError
     from autopar.solver import solve
 
@@ -1032,7 +1105,7 @@ def solve_under_budget(problem, sm: StepMemory, memory_budget: float, *, time_li
     if host is not None:
         problem.memory.append(host)
     for _ in range(_MAX_ROUNDS):
-        sol = solve(problem, time_limit=time_limit, bound=bound)
+        sol = solve(problem, time_limit=time_limit, bound=bound, node_limit=node_limit)
         if sol.status in ("infeasible", "bounded"):
             return sol
         walk = sm.walk(sol.assignment)
@@ -1051,22 +1124,29 @@ def solve_under_budget(problem, sm: StepMemory, memory_budget: float, *, time_li
                        f"points; raise the budget")
 
 
-def minimum_budget(problem, sm: StepMemory, *, time_limit: float = 60.0) -> tuple[float, tuple[int, ...]]:
+def minimum_budget(problem, sm: StepMemory, *, time_limit: float = math.inf,
+                   above: float | None = None) -> tuple[float, tuple[int, ...]] | None:
     """(the least step peak any assignment reaches, that assignment), by the same rounds as
-    ``solve_under_budget``: minimize the largest point held so far, walk, add the highest point."""
+    ``solve_under_budget``: minimize the largest point held so far, walk, add the highest point of
+    each stretch over that minimum, and start the next round from the best assignment walked. Each
+    round's minimum is a lower bound of the answer: with ``above``, None as soon as one proves that
+    no assignment peaks below it."""
     from autopar.solver import minimum_feasible_budget
 
-    problem.memory = sm.constraints(_initial_points(sm, problem))
-    have = {c.name for c in problem.memory}
+    have = set(_initial_points(sm, problem))
+    problem.memory = sm.constraints(sorted(have))
     best = None
     for _ in range(_MAX_ROUNDS):
-        bound, a = minimum_feasible_budget(problem, time_limit=time_limit)
-        k, peak = sm.peak(a)
-        if best is None or peak < best[0]:
-            best = (peak, a)
-        c = sm.constraint(k)
-        if peak <= bound * (1 + 1e-9) or c.name in have:
+        bound, a = minimum_feasible_budget(problem, time_limit=time_limit, start=best and best[1], cutoff=above)
+        if above is not None and bound >= above:
+            return None
+        walk = sm.walk(a)
+        k = max(range(len(walk)), key=lambda i: walk[i].total)
+        if best is None or walk[k].total < best[0]:
+            best = (walk[k].total, a)
+        add = _over_budget(walk, bound, have)
+        if walk[k].total <= bound * (1 + 1e-9) or not add:
             break
-        have.add(c.name)
-        problem.memory.append(c)
+        have.update(add)
+        problem.memory.extend(sm.constraints(add))
     return best

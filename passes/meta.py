@@ -58,6 +58,7 @@ class AutoparMeta:
     saved: SavedForBackward | None = None
     saved_by: int = 1                     # how many nodes keep this value for backward (shared)
     requires_grad: bool = False           # whether a gradient flows through this value
+    copies: bool = False                  # a view op (reshape of a non-contiguous tensor) that copies
     signature: tuple | None = None        # what strategies and costs depend on (passes.strategies)
     refused: tuple[str, ...] = ()         # why rule options were refused here (named in pin errors)
     strided: tuple[tuple[int, int], ...] = ()   # (output dim, groups): strided shards a consumer can

@@ -374,15 +374,16 @@ def formulate(problem: Problem, memory=None) -> tuple[Formulation, float, float]
 
 def solve(problem: Problem, *, time_limit: float = 60.0, backend: str = "auto", warm_start: bool = True,
           progress: Callable[[str], None] | None = None, gap: float = GAP,
-          bound: float | None = None) -> Solution:
+          bound: float | None = None, node_limit: int | None = None) -> Solution:
     """The assignment of least Problem.objective within the memory limit, to a relative ``gap``.
 
     Status "infeasible" (no assignment fits memory_budget) returns the greedy assignment instead of
     raising; the caller turns it into the user-facing error. With ``bound`` (seconds), the solver may
     stop once it proves that no assignment within the memory limit costs less than the bound: status
     "bounded", whose assignment is not an answer. Raises AutoparError only when the time limit passes before any assignment
-    that fits is known. ``time_limit`` bounds each solver run; "feasible" means it stopped there with a
-    layout in hand.
+    that fits is known. ``time_limit`` bounds each solver run, and ``node_limit`` its branch-and-bound
+    nodes (a cut-off that does not depend on the machine's load); "feasible" means it stopped there
+    with a layout in hand.
 
     Memory constraints join the model lazily: first those that the step time alone comes close to
     breaking (the greedy layout without a budget; none under a bound), then any the solver's answer
@@ -408,7 +409,7 @@ def solve(problem: Problem, *, time_limit: float = 60.0, backend: str = "auto", 
             break
         first = f.start(fallback) if warm_start and usable else None
         res = run(f.model, name, time_limit=time_limit, gap=gap, start=first,
-                  cutoff=None if bound is None else bound / scale)
+                  cutoff=None if bound is None else bound / scale, node_limit=node_limit)
         status, solver_gap = res.status, res.gap
         if res.values is None:
             break

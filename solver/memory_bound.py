@@ -1,6 +1,7 @@
 """The smallest memory budget that any layout fits: what an infeasible-budget error tells the user."""
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from .greedy import greedy
@@ -9,23 +10,31 @@ from .milp import INF
 from .problem import Problem
 
 _GAP = 1e-7   # the budget an error message reports: off the hot path, so solved tightly
+# A deterministic cut-off for that solve, in place of a wall-clock limit (which would make the budget
+# reported depend on the machine's load); the min-max models of the test models close in tens of nodes.
+NODE_LIMIT = 20_000
 
 
-def minimum_feasible_budget(problem: Problem, *, time_limit: float = 60.0,
-                            backend: str = "auto") -> tuple[float, tuple[int, ...]]:
+def minimum_feasible_budget(problem: Problem, *, time_limit: float = math.inf, backend: str = "auto",
+                            start: Sequence[int] | None = None,
+                            cutoff: float | None = None) -> tuple[float, tuple[int, ...]]:
     """(L, assignment): L = min over assignments of the max over memory constraints of their bytes.
 
     Solved as min t subject to every constraint's bytes <= t; ``problem.memory_budget`` is ignored.
-    If the time limit stops the solver early, L is the best found (an upper bound). Without memory
-    constraints any budget fits: returns 0.0 and the greedy assignment.
+    If the time limit or ``NODE_LIMIT`` stops the solver early, L is the best found (an upper bound).
+    Without memory constraints any budget fits: returns 0.0 and the greedy assignment. ``start``: an
+    assignment to start from (the greedy one when it is better). ``cutoff``: only L below it is
+    wanted; where HiGHS proves that none is, it stops and returns (inf, the start).
     """
     problem.validate()
-    start = greedy(problem)
-    if not problem.memory:
-        return 0.0, start
 
     def peak(a: Sequence[int]) -> float:
         return max(problem.memory_usage(a).values())
+
+    start = min([greedy(problem), *([tuple(start)] if start is not None else [])],
+                key=peak if problem.memory else (lambda a: 0.0))
+    if not problem.memory:
+        return 0.0, start
 
     f = Formulation(problem)
     rows = f.memory_rows()
@@ -38,7 +47,11 @@ def minimum_feasible_budget(problem: Problem, *, time_limit: float = 60.0,
         m.row([*coef, t], [*(b / scale for b in coef.values()), -1.0], hi=-constant / scale)
     first = f.start(start)
     first[t] = peak(start) / scale
-    res = run(m, resolve_backend(backend), time_limit=time_limit, gap=_GAP, start=first)
+    # HiGHS's presolve restarts on this min-max model and costs 2-3x the rest of the solve.
+    res = run(m, resolve_backend(backend), time_limit=time_limit, gap=_GAP, start=first,
+              cutoff=None if cutoff is None else cutoff / scale, presolve=False, node_limit=NODE_LIMIT)
+    if cutoff is not None and res.status == "infeasible":
+        return INF, start
     candidates = ([f.assignment(res.values)] if res.values is not None else []) + [start]
     best = min(candidates, key=peak)   # defensive: never worse than the greedy assignment
     return peak(best), best

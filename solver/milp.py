@@ -122,9 +122,12 @@ def _quiet_highs():
 
 
 def run_highs(model: Model, *, time_limit: float, gap: float, start=None, cutoff: float | None = None,
-              threads: int = 1) -> Result:
+              threads: int = 1, presolve: bool = True, node_limit: int | None = None) -> Result:
     """Solve with HiGHS. ``cutoff``: only solutions of objective below it are wanted; when none exists
-    the status is "infeasible" (the caller knows whether that means over memory or over the cutoff)."""
+    the status is "infeasible" (the caller knows whether that means over memory or over the cutoff).
+    ``presolve=False`` skips HiGHS's presolve, which costs more than it saves on some models.
+    ``node_limit``: a cut-off in branch-and-bound nodes, which unlike ``time_limit`` does not depend on
+    the machine's load."""
     import highspy
     import numpy as np
 
@@ -134,6 +137,10 @@ def run_highs(model: Model, *, time_limit: float, gap: float, start=None, cutoff
     h.setOptionValue("mip_rel_gap", float(gap))
     h.setOptionValue("mip_abs_gap", 0.0)
     h.setOptionValue("threads", int(threads))
+    if not presolve:
+        h.setOptionValue("presolve", "off")
+    if node_limit is not None:
+        h.setOptionValue("mip_max_nodes", int(node_limit))
     if cutoff is not None:
         h.setOptionValue("objective_bound", float(cutoff))
     lp = highspy.HighsLp()
@@ -173,7 +180,7 @@ def run_highs(model: Model, *, time_limit: float, gap: float, start=None, cutoff
     return Result(None, None, None)
 
 
-def run_cbc(model: Model, *, time_limit: float, gap: float, start=None) -> Result:
+def run_cbc(model: Model, *, time_limit: float, gap: float, start=None, node_limit: int | None = None) -> Result:
     """Solve with CBC through PuLP (bundled with PuLP, so it needs nothing else installed)."""
     import pulp
 
@@ -209,8 +216,8 @@ def run_cbc(model: Model, *, time_limit: float, gap: float, start=None) -> Resul
                 v.setInitialValue(round(start[k]))
     with warnings.catch_warnings():   # PuLP 3.3 deprecates its bundled CBC (gone in 4.0); it still works
         warnings.simplefilter("ignore", DeprecationWarning)
-        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap, gapAbs=0.0,
-                                   warmStart=start is not None)
+        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit if math.isfinite(time_limit) else None,
+                                   gapRel=gap, gapAbs=0.0, warmStart=start is not None, maxNodes=node_limit)
     lp.solve(solver)
     if lp.status == pulp.LpStatusInfeasible:   # CBC's "Integer infeasible" carries no solution status
         return Result("infeasible", None, None)
@@ -222,14 +229,15 @@ def run_cbc(model: Model, *, time_limit: float, gap: float, start=None) -> Resul
 
 
 def run(model: Model, backend: str, *, time_limit: float, gap: float, start=None,
-        cutoff: float | None = None) -> Result:
+        cutoff: float | None = None, presolve: bool = True, node_limit: int | None = None) -> Result:
     t0 = time.perf_counter()
     if not model.num_cols:
         return Result("optimal" if model.violation([]) <= 1e-9 else "infeasible", [], 0.0)
     if backend == "highs":
-        out = run_highs(model, time_limit=time_limit, gap=gap, start=start, cutoff=cutoff)
+        out = run_highs(model, time_limit=time_limit, gap=gap, start=start, cutoff=cutoff, presolve=presolve,
+                        node_limit=node_limit)
     else:
-        out = run_cbc(model, time_limit=time_limit, gap=gap, start=start)
+        out = run_cbc(model, time_limit=time_limit, gap=gap, start=start, node_limit=node_limit)
     log.debug("%s: %d columns, %d rows: %s in %.2f s", backend, model.num_cols, model.num_rows, out.status,
               time.perf_counter() - t0)
     return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-ARCHS = ("gpt2", "llama", "bert", "gpt", "gpt-probe", "gpt-vocab", "gpt-long")
+ARCHS = ("gpt2", "llama", "bert", "gpt", "gpt-probe", "gpt-vocab", "gpt-long", "qwen2")
 KINDS = ("auto", "dp", "megatron", "zero3", "vocab", "vocab-sharded-outputs", "vocab-sliced", "recompute",
          "sharded-outputs", "2d", "ring")
 # (tokens, batch) of the long-sequence architectures, whatever the caller asks: one sequence long
@@ -18,7 +18,7 @@ def build(arch: str, seq: int, batch: int, device):
     vocab = 512
     seq, batch = LONG_SEQUENCE.get(arch, (seq, batch))
     torch.manual_seed(0)
-    if arch in ("gpt2", "llama", "bert"):
+    if arch in ("gpt2", "llama", "bert", "qwen2"):
         import transformers as tf
     if arch == "gpt2":
         model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=vocab, n_positions=seq,
@@ -31,6 +31,11 @@ def build(arch: str, seq: int, batch: int, device):
         model = tf.BertForMaskedLM(tf.BertConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
                                                  intermediate_size=256, vocab_size=vocab, max_position_embeddings=seq,
                                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    elif arch == "qwen2":          # biased q, k, v projections, grouped-query attention, untied head
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
+                                                   num_key_value_heads=2, intermediate_size=256, vocab_size=vocab,
+                                                   max_position_embeddings=seq, use_cache=False,
+                                                   tie_word_embeddings=False))
     elif arch == "gpt-long":
         from autopar.models import GPT, GPTConfig
 
@@ -64,6 +69,9 @@ def options(arch: str, kind: str, ranks: int, model) -> dict | None:
 
     key = "gpt" if arch.startswith("gpt-") else arch
     params_r = {name: ["R"] for name, _ in model.named_parameters()}
+    if kind in ("megatron", "vocab", "vocab-sharded-outputs", "2d") and (key not in MEGATRON
+                                                                        or key not in VOCAB_PARALLEL):
+        return None       # no hand-written tensor-parallel pins for this architecture
     if kind == "auto":
         return {}
     if kind == "dp":

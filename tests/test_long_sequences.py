@@ -72,6 +72,7 @@ def _check(rank, world, model_name, mesh):
 
 @pytest.mark.parametrize("model_name, world, mesh", [
     ("llama", 2, (2,)),         # explicit causal mask, GQA (4 heads, 2 KV heads); and Ulysses
+    ("llama", 4, (4,)),         # the same on 4 ranks
     ("gpt", 4, (4,)),           # is_causal=True: load-balanced half-chunks
     ("llama", 4, (2, 2)),       # tensor parallel heads x ring
     ("qwen2", 2, (2,)),         # q, k, v biases, GQA, explicit mask

@@ -58,8 +58,9 @@ def _measure(rank, world, cases):
 
 @pytest.mark.parametrize("cases", [
     [("gpt2", "dp", None), ("llama", "megatron", None), ("bert", "zero3", None)],
-    [("gpt", "vocab", None), ("gpt2", "recompute", None), ("llama", "sharded-outputs", None)],
-    [("llama", "zero3", 1.05), ("gpt", "auto", 1.5), ("gpt2", "auto", 1.05)],
+    [("gpt", "vocab", None), ("gpt2", "recompute", None), ("llama", "sharded-outputs", None),
+     ("qwen2", "zero3", None)],
+    [("llama", "zero3", 1.05), ("gpt", "auto", 1.5), ("gpt2", "auto", 1.05), ("qwen2", "auto", 1.05)],
 ], ids=["no-budget-a", "no-budget-b", "tight-budget"])
 def test_predicted_peak_matches_measured_on_two_ranks(cases):
     run_distributed(_measure, 2, cases, timeout=600)
@@ -69,12 +70,14 @@ def test_bf16_mixed_and_the_vocab_parallel_loss_predicted_peaks_match_measured_o
     """bf16-mixed: fp32 master weights, gradients and Adam states, bf16 copies of the weights and bf16
     activations. A vocabulary of 32768 on a one-layer model: the vocab-parallel loss's logits, their
     gradient and the loss's buffers are most of the peak, with the logits kept sharded or gathered
-    (their all-gather, issued when they are computed, and the contiguous copy made at its wait), or
-    made whole and sliced to the loss (the slice's backward gathers their gradient along the
-    vocabulary)."""
+    (their all-gather, issued when they are computed, holds its input until its wait, where the
+    contiguous copy is made), or made whole and sliced to the loss (the slice's backward gathers their
+    gradient along the vocabulary). The loss reads a copy of its logits (a reshape of the shifted rows,
+    and under bf16-mixed the fp32 upcast of it) and keeps that copy, no log-softmax, for backward."""
     run_distributed(_measure, 2, [("gpt2", "dp", None, "bf16-mixed"), ("llama", "megatron", None, "bf16-mixed"),
                                   ("gpt", "zero3", 1.05, "bf16-mixed"), ("gpt-vocab", "vocab-sharded-outputs", None),
-                                  ("gpt-vocab", "vocab", None), ("gpt-vocab", "vocab-sliced", None)],
+                                  ("gpt-vocab", "vocab-sharded-outputs", None, "bf16-mixed"),
+                                  ("gpt-vocab", "vocab", None, "bf16-mixed"), ("gpt-vocab", "vocab-sliced", None)],
                     timeout=600)
 
 

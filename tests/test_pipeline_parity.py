@@ -4,6 +4,7 @@ Every rank runs its stages of the generated program under a torch.distributed.pi
 Tolerances are those of tests/test_parity.py (fp32): losses to relative 1e-5 at every step, first-step
 gradients to 1e-5 of the largest gradient entry, parameters after 3 AdamW steps to 1e-4 absolute.
 """
+import contextlib
 import copy
 
 import pytest
@@ -61,9 +62,13 @@ def _check(rank, world, cases):
         torch.manual_seed(0)
         model = build(name, layers=max(2, _stages(mesh, schedule)))   # one layer per stage
         ref = copy.deepcopy(model)
-        pm = autopar.compile(model, cluster, (ids,), {"labels": labels}, mesh_shape=mesh, axis_names=axes,
-                             schedule=schedule, microbatches=microbatches, pins=pins, **options)
+        with _front_end_batches() as captured:
+            pm = autopar.compile(model, cluster, (ids,), {"labels": labels}, mesh_shape=mesh, axis_names=axes,
+                                 schedule=schedule, microbatches=microbatches, pins=pins, **options)
         where = f"{name} / {schedule} x {microbatches} microbatches on mesh {dict(zip(axes, mesh))} {options}"
+        # A pipeline runs one microbatch's program: compile (and rank 0's planning) capture the model at
+        # its shapes only, never the whole batch.
+        assert set(captured) == {len(ids) // microbatches}, f"{where}: captured batches {captured}"
         if "recompute" in options:
             _check_recompute(pm, where)
         pipe = pm.plan.pipeline
@@ -80,6 +85,24 @@ def _check(rank, world, cases):
         with pytest.raises(autopar.AutoparError, match="train_step"):
             pm(ids, labels=labels)
         _train_and_compare(pm, ref, ids, labels, where)
+
+
+@contextlib.contextmanager
+def _front_end_batches():
+    """The batch sizes the model is captured at (its front ends), while inside."""
+    from autopar import pass_pipeline
+
+    real, batches = pass_pipeline.front_end, []
+
+    def counted(model, args, kwargs, *rest, **options):
+        batches.append(len(args[0]))
+        return real(model, args, kwargs, *rest, **options)
+
+    pass_pipeline.front_end = counted
+    try:
+        yield batches
+    finally:
+        pass_pipeline.front_end = real
 
 
 def _params_reduced_in_backward(stage):

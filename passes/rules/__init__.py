@@ -201,8 +201,13 @@ _REPLICATED = OpRule(lambda ctx: [], replicate_only=True)
 
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     """The node's tensor-valued inputs in a fixed order, duplicates kept."""
+    seen = _TENSOR_INPUTS.get(node)
+    if seen is not None and seen[0] is node.args and seen[1] is node.kwargs:   # changed args are new tuples
+        return list(seen[2])
     leaves = pytree.tree_leaves((node.args, dict(node.kwargs)))
-    return [a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+    ins = [a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+    _TENSOR_INPUTS[node] = (node.args, node.kwargs, ins)
+    return list(ins)
 
 
 def output_infos(node: fx.Node) -> list[TensorInfo]:
@@ -216,8 +221,10 @@ def output_infos(node: fx.Node) -> list[TensorInfo]:
     return list(infos)
 
 
-# node -> (its value, output_infos of it): planning asks for the same node's infos many times.
+# node -> (its value, output_infos of it) and node -> (its args, kwargs, tensor_inputs of them):
+# planning asks for the same node's many times.
 _OUTPUT_INFOS: "weakref.WeakKeyDictionary[fx.Node, tuple]" = weakref.WeakKeyDictionary()
+_TENSOR_INPUTS: "weakref.WeakKeyDictionary[fx.Node, tuple]" = weakref.WeakKeyDictionary()
 
 
 def context_for(node: fx.Node) -> OpContext:

@@ -319,10 +319,24 @@ def _cross_entropy_backward_workspace(ctx, in_layouts, mesh_shape):
     return 0.0 if ctx.ins[0].dtype.itemsize >= 4 else 4.0 * n * v
 
 
+def _cross_entropy_saved_sharded(ctx, in_layouts):
+    """Vocab-parallel: the logits it reads (no log-softmax) and per row an fp32 logsumexp, the local
+    target (int64) and two masks. The rows' figures are counted as a share of the work, as every
+    private buffer is: a few bytes a row under what the whole vocabulary's logits take."""
+    from autopar.passes.meta import SavedForBackward
+
+    if _sharding_axis(in_layouts[0], 1) is None:
+        return None
+    rows = ctx.ins[1].shape[0]
+    wide = torch.promote_types(ctx.ins[0].dtype, torch.float32).itemsize
+    return SavedForBackward(0, tuple(k == 0 for k in range(len(ctx.ins))), rows * (wide + 8 + 2))
+
+
 @register_rule(aten.cross_entropy_loss.default, aten.nll_loss.default,
                flops=lambda ctx: 5.0 * ctx.ins[0].numel,
                collectives=_cross_entropy_collectives, local_call=_cross_entropy_local_call,
-               workspace=_cross_entropy_workspace, backward_workspace=_cross_entropy_backward_workspace)
+               saved_sharded=_cross_entropy_saved_sharded, workspace=_cross_entropy_workspace,
+               backward_workspace=_cross_entropy_backward_workspace)
 def cross_entropy_rule(ctx):
     logits, target = ctx.ins[:2]
     reduction = ctx.arg(3, "reduction", 1)
