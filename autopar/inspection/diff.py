@@ -93,6 +93,19 @@ def _axis_layout(layout, plan) -> str:
     return "[" + ", ".join(parts) + "]" if parts else "[R]"
 
 
+def _param_state(fqn, layout, plan) -> str:
+    """A parameter's layout, and where its optimizer state lives when that differs from the layout:
+    sharded by ZeRO-1/2 along an axis (``ZeRO-2 dp8``), or offloaded to host memory."""
+    text = _axis_layout(layout, plan)
+    zero = plan.zero.get(fqn)
+    if zero:
+        size = dict(zip(plan.axis_names, plan.mesh_shape))[zero["axis"]]
+        text += f" ZeRO-{zero['stage']} {zero['axis']}{size}"
+    if fqn in plan.offload:
+        text += " offloaded"
+    return text
+
+
 def _group_changes(changes: dict, key_of) -> list[LayoutChange]:
     """Fold changes that repeat in every instance of a layer into one line, named by the first."""
     groups: dict = {}
@@ -112,7 +125,7 @@ def diff(a, b) -> PlanDiff:
 
     def params(plan):
         # Sorted, because a saved plan's params come back in key order rather than the graph's.
-        return {f: _axis_layout(lay, plan) for f, lay in sorted(plan.params.items())}
+        return {f: _param_state(f, lay, plan) for f, lay in sorted(plan.params.items())}
 
     def nodes(plan):
         def side(lays):
