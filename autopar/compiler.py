@@ -144,7 +144,7 @@ def check_plan(plan: Plan, model: nn.Module, example_inputs=(), example_kwargs=N
     if memory_budget is not None and plan.memory["peak"] > float(memory_budget):
         raise InfeasiblePlanError(f"the plan's predicted peak, {plan.memory['peak']:.0f} bytes per device, exceeds "
                                   f"memory_budget={float(memory_budget):.0f}; plan again with this budget",
-                                  budget=float(memory_budget))
+                                  memory_budget=float(memory_budget))
     for pattern, pin in (pins or {}).items():
         _check_pin(plan, pattern, pin)
 
