@@ -179,9 +179,9 @@ def _recompute_seconds(instance_of: dict, chosen: dict, cm: CostModel, collectiv
         out[inst] = out.get(inst, 0.0) + cm.forward_compute_seconds(n, chosen[n])
     inst_of_name = {n.name: inst for n, inst in instance_of.items()}
     for c in collectives:
-        if c["phase"] == "forward" and c["node"] in inst_of_name:
-            inst = inst_of_name[c["node"]]
-            out[inst] += c["seconds"]
+        if c.phase == "forward" and c.node in inst_of_name:
+            inst = inst_of_name[c.node]
+            out[inst] += c.seconds
     return out
 
 
@@ -206,19 +206,21 @@ def _pipeline_plan(sub: Plan, found: dict, shape, names, axis, cluster, memory_b
     def widen(lay):
         return ["R", *lay] if len(shape) > 1 else ["R"]
 
+    def widen_all(lays):
+        return tuple(tuple(widen(lay)) for lay in lays)
+
     sub.mesh = {"shape": list(shape), "axes": list(names)}
     sub.cluster = cluster.to_dict()
     sub.params = {k: widen(v) for k, v in sub.params.items()}
     sub.inputs = {k: widen(v) for k, v in sub.inputs.items()}
-    for n in sub.nodes:
-        n["inputs"] = [widen(l) for l in n["inputs"]]
-        n["outputs"] = [widen(l) for l in n["outputs"]]
+    sub.nodes = [dataclasses.replace(n, inputs=widen_all(n.inputs), outputs=widen_all(n.outputs)) for n in sub.nodes]
     m = found["microbatches"]
     worst = max(found["ranks"], key=lambda r: r["peak"])
-    scale = worst["static_bytes"] / max(sub.memory["params"] + sub.memory["grads"] + sub.memory["optimizer"], 1.0)
-    sub.memory.update(peak=found["peak"], memory_budget=memory_budget, activations=worst["activation_bytes"],
-                      params=sub.memory["params"] * scale, grads=sub.memory["grads"] * scale,
-                      optimizer=sub.memory["optimizer"] * scale)
+    mem = sub.memory
+    scale = worst["static_bytes"] / max(mem.params + mem.grads + mem.optimizer, 1.0)
+    sub.memory = dataclasses.replace(mem, peak=found["peak"], memory_budget=memory_budget,
+                                     activations=worst["activation_bytes"], params=mem.params * scale,
+                                     grads=mem.grads * scale, optimizer=mem.optimizer * scale)
     slow = found["ranks"][found["slowest_rank"]]
     comm = {a: m * slow["comm_seconds"].get(a, 0.0) for a in names}
     comm["pp"] += m * slow["p2p_seconds"]
