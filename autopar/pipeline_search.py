@@ -14,7 +14,7 @@ from autopar.passes.memory import StepMemory, solve_under_budget
 from autopar.passes.meta import meta_of
 from autopar.passes.ilp_build import build_problem
 from autopar.pass_pipeline import mesh_passes
-from autopar.plan import Plan
+from autopar.plan import Plan, PlanCollective
 from autopar.plan_assembly import assemble_plan
 
 def pipeline_meshes(cluster: ClusterSpec) -> list:
@@ -118,7 +118,7 @@ def plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, 
         t0 = time.perf_counter()
         sub = assemble_plan(prep, idx, sol.assignment, cm, sub_shape, sub_names, sub_cluster, memory_budget, sm,
                        sharded_outputs)
-        _deferred_to_parameters(prep.gm, sub.collectives, cm, sub_names)
+        sub.collectives = _deferred_to_parameters(prep.gm, sub.collectives, cm, sub_names)
         chosen = idx.chosen(sol.assignment)
         instance_of = {n: meta_of(n).layer.layer for n in chosen if n.op == "call_function" and meta_of(n).layer}
         costs = PL.LayerCosts(prep.gm, sub, _boundary_bytes(instance_of, chosen, cm),
@@ -190,18 +190,21 @@ def reduced_param(node) -> object | None:
     return src if src is not None and is_param(src) and len(src.users) == 1 else None
 
 
-def _deferred_to_parameters(gm, collectives: list, cm: CostModel, axis_names) -> None:
-    """Record the gradient all-reduces of parameters' bfloat16 copies as the parameters' own, as the
-    pipeline runs them: once per step, on the float32 gradient (its bytes and seconds)."""
+def _deferred_to_parameters(gm, collectives: list[PlanCollective], cm: CostModel, axis_names) -> list[PlanCollective]:
+    """The collectives, with the gradient all-reduces of parameters' bfloat16 copies recorded as the
+    parameters' own, as the pipeline runs them: once per step, on the float32 gradient (its bytes and
+    seconds)."""
     nodes = {n.name: n for n in gm.graph.nodes}
+    out = []
     for c in collectives:
-        node = nodes.get(c["value"])
-        param = reduced_param(node) if c.get("step") == "grad_all_reduce" and node is not None else None
-        if param is None or param is node:
-            continue
-        nbytes = c["bytes"] * param.meta["val"].dtype.itemsize / node.meta["val"].dtype.itemsize
-        c.update(value=param.name, bytes=int(nbytes),
-                 seconds=cm.collective_seconds(c["kind"], nbytes, axis_names.index(c["axis"])))
+        node = nodes.get(c.value)
+        param = reduced_param(node) if c.step == "grad_all_reduce" and node is not None else None
+        if param is not None and param is not node:
+            nbytes = c.bytes * param.meta["val"].dtype.itemsize / node.meta["val"].dtype.itemsize
+            c = dataclasses.replace(c, value=param.name, bytes=int(nbytes),
+                                    seconds=cm.collective_seconds(c.kind, nbytes, axis_names.index(c.axis)))
+        out.append(c)
+    return out
 
 
 def _recompute_seconds(instance_of: dict, chosen: dict, cm: CostModel, collectives: list) -> dict:
