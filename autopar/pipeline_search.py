@@ -118,6 +118,7 @@ def plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, 
         t0 = time.perf_counter()
         sub = assemble_plan(prep, idx, sol.assignment, cm, sub_shape, sub_names, sub_cluster, memory_budget, sm,
                        sharded_outputs)
+        _deferred_to_parameters(prep.gm, sub.collectives, cm, sub_names)
         chosen = idx.chosen(sol.assignment)
         instance_of = {n: meta_of(n).layer.layer for n in chosen if n.op == "call_function" and meta_of(n).layer}
         costs = PL.LayerCosts(prep.gm, sub, _boundary_bytes(instance_of, chosen, cm),
@@ -150,8 +151,8 @@ def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
         stages = 1
 
         def transition_seconds(self, value, src_layout, dst_layout, partial_axes):
-            role = meta_of(value.node).role
-            if value.node.op != "placeholder" or role is None or role.kind != "param":
+            param = reduced_param(value.node)
+            if param is None:
                 return super().transition_seconds(value, src_layout, dst_layout, partial_axes)
             info = value_info(value)
             steps = _transition_cached(tuple(src_layout), tuple(dst_layout), info.shape, self.mesh_shape,
@@ -159,8 +160,10 @@ def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
             if steps is None:
                 return INFEASIBLE
             grad = requires_grad(value.node)
-            return sum(self.steps_seconds([st], info.dtype.itemsize, grad)
-                       / (self.microbatches if st.op == "grad_all_reduce" else 1) for st in steps)
+            # The gradient all-reduce, once per step, sums the parameter's own (float32 master) gradient.
+            return sum(self.steps_seconds([st], param.meta["val"].dtype.itemsize, grad) / self.microbatches
+                       if st.op == "grad_all_reduce" else self.steps_seconds([st], info.dtype.itemsize, grad)
+                       for st in steps)
 
         def param_bytes(self, node, layout, zero=None, offload=False):
             return tuple(x / self.stages for x in super().param_bytes(node, layout, zero, offload))
@@ -169,6 +172,36 @@ def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
             return super().optimizer_seconds(node, layout, zero, offload) * self.stages / self.microbatches
 
     return PerMicrobatch
+
+
+def reduced_param(node) -> object | None:
+    """The parameter whose gradient a pipeline's data-parallel sync reduces once per step where ``node``'s
+    gradient is all-reduced (codegen/stages.py): a parameter itself, or the one bfloat16 copy that is
+    its only use under bf16-mixed. None for any other value."""
+    from autopar.passes.precision import cast_source
+
+    def is_param(n):
+        role = meta_of(n).role if n.op == "placeholder" else None
+        return role is not None and role.kind == "param"
+
+    if is_param(node):
+        return node
+    src = cast_source(node)
+    return src if src is not None and is_param(src) and len(src.users) == 1 else None
+
+
+def _deferred_to_parameters(gm, collectives: list, cm: CostModel, axis_names) -> None:
+    """Record the gradient all-reduces of parameters' bfloat16 copies as the parameters' own, as the
+    pipeline runs them: once per step, on the float32 gradient (its bytes and seconds)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for c in collectives:
+        node = nodes.get(c["value"])
+        param = reduced_param(node) if c.get("step") == "grad_all_reduce" and node is not None else None
+        if param is None or param is node:
+            continue
+        nbytes = c["bytes"] * param.meta["val"].dtype.itemsize / node.meta["val"].dtype.itemsize
+        c.update(value=param.name, bytes=int(nbytes),
+                 seconds=cm.collective_seconds(c["kind"], nbytes, axis_names.index(c["axis"])))
 
 
 def _recompute_seconds(instance_of: dict, chosen: dict, cm: CostModel, collectives: list) -> dict:
