@@ -95,9 +95,9 @@ def search(meshes: list[MeshCandidate], best, prep, cluster, memory_budget, shar
                 t0 = time.perf_counter()
                 p = assemble_plan(prep, m.idx, sol.assignment, m.cm, m.shape, m.names, cluster, memory_budget, m.memory,
                              sharded_outputs)
-                if p.memory["peak"] > memory_budget * (1 + 1e-9):
+                if p.memory.peak > memory_budget * (1 + 1e-9):
                     raise AutoparError(f"internal error: the plan for mesh {list(m.shape)} peaks at "
-                                       f"{p.memory['peak']:.0f} bytes, over its budget of {memory_budget:.0f}; please "
+                                       f"{p.memory.peak:.0f} bytes, over its budget of {memory_budget:.0f}; please "
                                        f"report this")
                 p.alternatives = alternatives(m.prob, m.idx, sol.assignment, m.cm, m.names)
                 p.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,

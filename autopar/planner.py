@@ -231,7 +231,7 @@ def idle_axis_warnings(gm, p: Plan) -> list[str]:
     thing), and for inputs whose batch dim does not divide by an axis, so the data cannot be split along
     it and the plan falls back to other dims (or to none)."""
     out = []
-    split = {a for n in p.nodes for a in n["split_axes"]}
+    split = {a for n in p.nodes for a in n.split_axes}
     batches = [(meta_of(n).role.target, tuple(n.meta["val"].shape)) for n in gm.graph.nodes
                if n.op == "placeholder" and meta_of(n).role and meta_of(n).role.kind == "input"
                and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0]

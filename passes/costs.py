@@ -22,6 +22,7 @@ import torch.fx as fx
 
 from autopar.cluster import ClusterSpec
 from autopar.layout import local_fraction, local_shape
+from autopar.plan import PlanCollective
 from autopar.passes.meta import meta_of, set_meta
 from autopar.passes.resharding import Step, collective_seconds, grad_partial_axes, transition
 from autopar.passes.rules import context_for, rule_for, tensor_inputs
@@ -40,8 +41,9 @@ VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.transpose.int, at
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective a step runs on one mesh axis, with its price: what ``plan.collectives`` and the
-    alternatives of ``explain`` list (``record``) and what the ILP's edge and op costs sum."""
+    """One collective a step runs on one mesh axis, with its price: what ``plan.collectives`` (``record``)
+    and the alternatives of ``explain`` (``alternative_entry``) list and what the ILP's edge and op costs
+    sum."""
 
     kind: str          # all_reduce, all_gather, reduce_scatter or all_to_all
     axis: int
@@ -49,10 +51,15 @@ class Collective:
     nbytes: float      # per device (passes.resharding.Step.collectives)
     seconds: float
 
-    def record(self, axis_names, **where) -> dict:
-        """The plan's JSON entry, with where it runs (``node``, ``value``, ``step`` or ``neighbor``)."""
+    def record(self, axis_names, node: str, value: str, step: str) -> PlanCollective:
+        """The plan's entry: ``node`` (its first consumer) runs ``step`` on ``value``."""
+        return PlanCollective(self.kind, axis_names[self.axis], self.phase, int(self.nbytes), self.seconds, node,
+                              value, step)
+
+    def alternative_entry(self, axis_names, neighbor: str, value: str) -> dict:
+        """An alternative's entry in ``plan.alternatives``: what it would run with ``neighbor``."""
         return {"kind": self.kind, "axis": axis_names[self.axis], "phase": self.phase, "bytes": int(self.nbytes),
-                "seconds": self.seconds, **where}
+                "seconds": self.seconds, "neighbor": neighbor, "value": value}
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from autopar.plan import PlanCollective
+
 # DDP's default bucket size, and the default of ``autopar.compile(bucket_mb=25)``.
 GRAD_BUCKET_BYTES = 25 * 2**20
 
@@ -41,16 +43,16 @@ class Exposure:
         return max(0.0, sum(self.seconds) - sum(self.exposed))
 
 
-def bucketed_params(gm: fx.GraphModule, colls: list[dict], strategy: dict,
+def bucketed_params(gm: fx.GraphModule, colls: list[PlanCollective], strategy: dict,
                     resharded_for: dict[str, set[str]] | None = None) -> dict[str, str]:
     """Parameter name -> mesh axis, for the parameters whose gradient the runtime reduces in buckets:
     every use of it reads it through a backward all-reduce alone, on one axis (a ZeRO-2 parameter's
     gradient is reduce-scattered instead, an offloaded one copied to the host). ``resharded_for``:
     value name -> the consumers that read it through a resharding (a resharding several consumers
     share is listed once in ``colls``, at its first); without it, those of ``colls``."""
-    by_value: dict[str, list[dict]] = {}
+    by_value: dict[str, list[PlanCollective]] = {}
     for c in colls:
-        by_value.setdefault(c["value"], []).append(c)
+        by_value.setdefault(c.value, []).append(c)
     out = {}
     for n in gm.graph.nodes:
         if n.op != "placeholder" or n.name not in by_value or n not in strategy:
@@ -59,16 +61,16 @@ def bucketed_params(gm: fx.GraphModule, colls: list[dict], strategy: dict,
         if (s.zero is not None and s.zero.stage >= 2) or s.offload:
             continue
         own = by_value[n.name]
-        axes = {c["axis"] for c in own}
-        readers = resharded_for.get(n.name, set()) if resharded_for is not None else {c["node"] for c in own}
-        if (len(axes) == 1 and all(c["kind"] == "all_reduce" and c["phase"] == "backward" and not c.get("recompute")
-                                   and c["node"] != c["value"] for c in own)
+        axes = {c.axis for c in own}
+        readers = resharded_for.get(n.name, set()) if resharded_for is not None else {c.node for c in own}
+        if (len(axes) == 1 and all(c.kind == "all_reduce" and c.phase == "backward" and not c.recompute
+                                   and c.node != c.value for c in own)
                 and readers >= {u.name for u in n.users}):
             out[n.name] = axes.pop()
     return out
 
 
-def exposure(gm: fx.GraphModule, strategy: dict, colls: list[dict], cm, axis_names, recomputed: set[str],
+def exposure(gm: fx.GraphModule, strategy: dict, colls: list[PlanCollective], cm, axis_names, recomputed: set[str],
              bucket_bytes: int = GRAD_BUCKET_BYTES, resharded_for: dict[str, set[str]] | None = None) -> Exposure:
     """Replay the step on a compute and a communication stream (module docstring). ``strategy``: node ->
     Strategy; ``colls``: the plan's collective entries; ``cm``: the CostModel; ``recomputed``: names of
@@ -81,26 +83,26 @@ def exposure(gm: fx.GraphModule, strategy: dict, colls: list[dict], cm, axis_nam
                                                for n in ops}
     for name in recomputed:          # the forward again, at the layer's backward
         backward[name] += forward[name]
-    seconds = [c["seconds"] for c in colls]
+    seconds = [c.seconds for c in colls]
     exposed = list(seconds)
     buckets = bucketed_params(gm, colls, strategy, resharded_for)
 
     # Forward: the split collectives, in program order (their first consumer's, then their steps').
     split = sorted((i for i, c in enumerate(colls)
-                    if c["phase"] == "forward" and c["node"] != c["value"] and c["node"] not in recomputed
-                    and c["node"] in position and c["value"] in position),
-                   key=lambda i: (position[colls[i]["node"]], i))
+                    if c.phase == "forward" and c.node != c.value and c.node not in recomputed
+                    and c.node in position and c.value in position),
+                   key=lambda i: (position[colls[i].node], i))
     at_consumer: dict[str, list[int]] = {}
     for i in split:
-        at_consumer.setdefault(colls[i]["node"], []).append(i)
+        at_consumer.setdefault(colls[i].node, []).append(i)
     blocking: dict[str, list[int]] = {}
     for i, c in enumerate(colls):
-        if c["phase"] == "forward" and i not in set(split):
-            blocking.setdefault(c["node"], []).append(i)
+        if c.phase == "forward" and i not in set(split):
+            blocking.setdefault(c.node, []).append(i)
     clock, last_wait, done = 0.0, 0.0, {}
     for n in order:
         for i in at_consumer.get(n.name, ()):
-            issue = max(done[colls[i]["value"]], last_wait)
+            issue = max(done[colls[i].value], last_wait)
             before = clock
             clock = max(clock, issue + seconds[i])
             exposed[i] = clock - before
@@ -113,16 +115,16 @@ def exposure(gm: fx.GraphModule, strategy: dict, colls: list[dict], cm, axis_nam
                     for n in order if (p := n.name) in buckets}
     members: dict[str, list[int]] = {}
     for i, c in enumerate(colls):
-        if c["value"] in buckets:
-            members.setdefault(c["value"], []).append(i)
+        if c.value in buckets:
+            members.setdefault(c.value, []).append(i)
     at_node: dict[str, list[int]] = {}
     for i, c in enumerate(colls):
-        if c["phase"] == "backward" and c["value"] not in buckets:
-            at_node.setdefault(c["node"], []).append(i)
+        if c.phase == "backward" and c.value not in buckets:
+            at_node.setdefault(c.node, []).append(i)
     ready_at: dict[str, list[str]] = {}
     for p, reader in first_reader.items():
         ready_at.setdefault(reader, []).append(p)
-    grad_bytes = {p: float(max(colls[i]["bytes"] for i in members[p])) for p in buckets}
+    grad_bytes = {p: float(max(colls[i].bytes for i in members[p])) for p in buckets}
     stream_free, bucket = clock, []
     runs: list[tuple[list[str], float, float]] = []     # (parameters, start, finish) per bucket
 
