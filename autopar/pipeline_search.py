@@ -95,7 +95,7 @@ def plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, 
         # them). Every rank is checked against the budget under each schedule below.
         scaled = _per_microbatch(cost_model)(sub_cluster, sub_shape, optimizer, fused=fused)
         scaled.microbatches, scaled.stages = m, p
-        prob, idx = build_problem(prep.gm, scaled, memory_budget, pins, sharded_outputs, False)
+        prob, idx = build_problem(prep.gm, scaled, memory_budget, pins, sharded_outputs, False, overlap=False)
         sm = StepMemory(prep.gm, scaled, idx, [len(c.costs) for c in prob.choices], sharded_outputs=sharded_outputs)
         report(f"mesh {shape}, {m} microbatches: solving {len(prob.choices)} decisions")
         timings["build"] += time.perf_counter() - t0
@@ -150,20 +150,21 @@ def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
         microbatches = 1
         stages = 1
 
-        def transition_seconds(self, value, src_layout, dst_layout, partial_axes):
+        def transition_phase_seconds(self, value, src_layout, dst_layout, partial_axes):
             param = reduced_param(value.node)
             if param is None:
-                return super().transition_seconds(value, src_layout, dst_layout, partial_axes)
+                return super().transition_phase_seconds(value, src_layout, dst_layout, partial_axes)
             info = value_info(value)
             steps = _transition_cached(tuple(src_layout), tuple(dst_layout), info.shape, self.mesh_shape,
                                        partial_axes)
             if steps is None:
-                return INFEASIBLE
+                return None
             grad = requires_grad(value.node)
             # The gradient all-reduce, once per step, sums the parameter's own (float32 master) gradient.
-            return sum(self.steps_seconds([st], param.meta["val"].dtype.itemsize, grad) / self.microbatches
-                       if st.op == "grad_all_reduce" else self.steps_seconds([st], info.dtype.itemsize, grad)
-                       for st in steps)
+            phases = [self.steps_phase_seconds([st], param.meta["val"].dtype.itemsize, grad,
+                                               lambda _: 1 / self.microbatches) if st.op == "grad_all_reduce"
+                      else self.steps_phase_seconds([st], info.dtype.itemsize, grad) for st in steps]
+            return sum(f for f, _ in phases), sum(b for _, b in phases)
 
         def param_bytes(self, node, layout, zero=None, offload=False):
             return tuple(x / self.stages for x in super().param_bytes(node, layout, zero, offload))

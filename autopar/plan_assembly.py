@@ -23,9 +23,16 @@ if TYPE_CHECKING:
 
 
 def serial_seconds(plan: Plan) -> float:
-    """The plan's step time with no communication hidden: what the solver minimizes, an upper bound
-    of ``plan.step_time`` (docs/cost-model.md). Pipeline plans price no overlap."""
+    """The plan's step time with no communication hidden, an upper bound of ``plan.step_time``
+    (docs/cost-model.md). Pipeline plans price no overlap."""
     return plan.breakdown.get("serial", plan.step_time)
+
+
+def objective_seconds(plan: Plan) -> float:
+    """What the solver minimizes, as the plan's figures give it: the serial step time less the
+    communication the solver's hiding credits count as hidden (``breakdown["credit"]``). Plans of
+    different meshes are compared by it, so that the bounds of the mesh search hold."""
+    return serial_seconds(plan) - plan.breakdown.get("credit", 0.0)
 
 
 @dataclass(frozen=True)
@@ -137,7 +144,8 @@ def assemble_plan(prep: Prepared, mesh: SolvedMesh, assignment, cluster: Cluster
         params=params, inputs=inputs, nodes=nodes, collectives=colls, memory=memory, step_time=step,
         breakdown={"compute": compute, "communication": comm_axis, "optimizer": optim,
                    "recompute": recompute_compute, "exposed": sum(comm_axis.values()) - ex.hidden, "hidden": ex.hidden,
-                   "serial": serial, **({"offload": offload_seconds} if off_layers else {})},
+                   "serial": serial, **({"offload": offload_seconds} if off_layers else {}),
+                   **({"credit": idx.hiding_credit(assignment)} if idx.credit is not None else {})},
         solver={}, sharded_outputs=sharded_outputs, recompute=recompute, zero=zero, offload=offload,
     )
 
