@@ -15,7 +15,7 @@ from autopar.passes.meta import meta_of
 from autopar.passes.ilp_build import build_problem
 from autopar.pass_pipeline import mesh_passes
 from autopar.plan import Plan, PlanCollective
-from autopar.plan_assembly import assemble_plan
+from autopar.plan_assembly import SolvedMesh, assemble_plan
 
 def pipeline_meshes(cluster: ClusterSpec) -> list:
     """Pipeline meshes to try beside ``cluster.mesh_candidates()``, after Megatron-LM's rule: tensor
@@ -95,7 +95,7 @@ def plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, 
         # them). Every rank is checked against the budget under each schedule below.
         scaled = _per_microbatch(cost_model)(sub_cluster, sub_shape, optimizer, fused=fused)
         scaled.microbatches, scaled.stages = m, p
-        prob, idx = build_problem(prep.gm, scaled, memory_budget, pins, sharded_outputs, False)
+        prob, idx = build_problem(prep.gm, scaled, memory_budget, pins, sharded_outputs, False, overlap=False)
         sm = StepMemory(prep.gm, scaled, idx, [len(c.costs) for c in prob.choices], sharded_outputs=sharded_outputs)
         report(f"mesh {shape}, {m} microbatches: solving {len(prob.choices)} decisions")
         timings["build"] += time.perf_counter() - t0
@@ -116,8 +116,8 @@ def plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, 
         if sol.status == "infeasible" or prob.objective(sol.assignment) >= INFEASIBLE:
             continue
         t0 = time.perf_counter()
-        sub = assemble_plan(prep, idx, sol.assignment, cm, sub_shape, sub_names, sub_cluster, memory_budget, sm,
-                       sharded_outputs)
+        sub = assemble_plan(prep, SolvedMesh(sub_shape, sub_names, idx, cm, sm), sol.assignment, sub_cluster,
+                            memory_budget, sharded_outputs)
         sub.collectives = _deferred_to_parameters(prep.gm, sub.collectives, cm, sub_names)
         chosen = idx.chosen(sol.assignment)
         instance_of = {n: meta_of(n).layer.layer for n in chosen if n.op == "call_function" and meta_of(n).layer}
@@ -150,20 +150,21 @@ def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
         microbatches = 1
         stages = 1
 
-        def transition_seconds(self, value, src_layout, dst_layout, partial_axes):
+        def transition_phase_seconds(self, value, src_layout, dst_layout, partial_axes):
             param = reduced_param(value.node)
             if param is None:
-                return super().transition_seconds(value, src_layout, dst_layout, partial_axes)
+                return super().transition_phase_seconds(value, src_layout, dst_layout, partial_axes)
             info = value_info(value)
             steps = _transition_cached(tuple(src_layout), tuple(dst_layout), info.shape, self.mesh_shape,
                                        partial_axes)
             if steps is None:
-                return INFEASIBLE
+                return None
             grad = requires_grad(value.node)
             # The gradient all-reduce, once per step, sums the parameter's own (float32 master) gradient.
-            return sum(self.steps_seconds([st], param.meta["val"].dtype.itemsize, grad) / self.microbatches
-                       if st.op == "grad_all_reduce" else self.steps_seconds([st], info.dtype.itemsize, grad)
-                       for st in steps)
+            phases = [self.steps_phase_seconds([st], param.meta["val"].dtype.itemsize, grad,
+                                               lambda _: 1 / self.microbatches) if st.op == "grad_all_reduce"
+                      else self.steps_phase_seconds([st], info.dtype.itemsize, grad) for st in steps]
+            return sum(f for f, _ in phases), sum(b for _, b in phases)
 
         def param_bytes(self, node, layout, zero=None, offload=False):
             return tuple(x / self.stages for x in super().param_bytes(node, layout, zero, offload))

@@ -468,7 +468,7 @@ def _schema(axes) -> dict:
         "step_time": _number,
         "breakdown": _object({"compute": _number, "communication": _dict_of(_number), "optimizer": _number},
                              {"recompute": _number, "offload": _number, "exposed": _number, "hidden": _number,
-                              "serial": _number}),
+                              "serial": _number, "credit": _number}),
         "solver": _object({}, {"status": _string, "seconds": _number, "variables": _integer(0),
                                "constraints": _integer(0), "backend": _string, "planning_seconds": _number,
                                "candidates": _list_of(_object({"mesh": _list_of(_integer(1)), "status": _string},

@@ -26,7 +26,7 @@ from autopar.passes.runner import PassRunner
 from autopar.pass_pipeline import FrontEnd, analysis_passes, front_end, mesh_passes, new_runner
 from autopar.pipeline_search import pipeline_meshes, plan_pipeline
 from autopar.plan import Plan
-from autopar.plan_assembly import serial_seconds
+from autopar.plan_assembly import objective_seconds
 from autopar.solver import GAP, greedy
 
 log = logging.getLogger("autopar")
@@ -172,7 +172,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
                     # A pipeline mesh the planner added itself: this model cannot use it.
                     tried.append({"mesh": list(shape), "status": "skipped", "reason": str(e)})
                     continue
-                if p is not None and (best is None or serial_seconds(p) < serial_seconds(best)):
+                if p is not None and (best is None or objective_seconds(p) < objective_seconds(best)):
                     best = p
                 continue
             report(f"mesh {shape}: strategies")

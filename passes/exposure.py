@@ -22,10 +22,13 @@ bucket's one all-reduce, by bytes) and the seconds of it that no compute hides.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch.fx as fx
 
+from autopar.passes.meta import meta_of
+from autopar.passes.strategies import requires_grad
 from autopar.plan import PlanCollective
 
 # DDP's default bucket size, and the default of ``autopar.compile(bucket_mb=25)``.
@@ -157,3 +160,81 @@ def exposure(gm: fx.GraphModule, strategy: dict, colls: list[PlanCollective], cm
                 seconds[i] = share * (finish - start)
                 exposed[i] = share * (finish - start - hidden)
     return Exposure(seconds, exposed)
+
+
+class HidingWindows:
+    """The compute the generated program can hide a resharding behind, as constants the solver's
+    objective can carry (passes/ilp_build.py's hiding credits; docs/cost-model.md, "What the solver
+    minimizes"). Each window is what the runtime's schedule guarantees whatever the other decisions,
+    so a credit never counts hiding that some layout would not get; an op's compute is the least over
+    its strategies.
+
+    - ``forward(value, first_reader)``: a forward collective is issued once its input is computed and
+      the previous split collective has been waited, and is waited at its first reader. The previous
+      one may be waited at any op that reads a value from another decision (``boundaries``: such
+      readers, each with the first of its input positions that does), so the window is the forward
+      compute from the later of the value's producer and the last such op before the reader, up to the
+      reader. A reader's collectives are issued in input order, each after the wait of the one before,
+      just before the reader: only its first input that may be resharded has a window.
+    - ``backward(param, nbytes)``: a bucketed gradient all-reduce starts when the last gradient of its
+      bucket is accumulated (at the backward of that parameter's first reader; buckets packed as the
+      runtime packs them, in the order gradients become ready, every parameter at its whole size), and
+      after the buckets before it, on one stream. It hides behind the backward compute of the ops before
+      that reader, less the all-reduces of the earlier buckets (at their whole size, on the slowest
+      axis); the bucket's members share that window by bytes.
+
+    The replay (``exposure``) prices the plan the solver picks exactly; what the windows leave out
+    makes a credit smaller than the replay's hiding, never larger, but for collectives inside
+    recomputed layers (they wait where they are issued: the ILP decides recompute with the layouts).
+    """
+
+    def __init__(self, gm: fx.GraphModule, strategies, cm, boundaries, bucket_bytes: int = GRAD_BUCKET_BYTES):
+        order = list(gm.graph.nodes)
+        self.position = {n: i for i, n in enumerate(order)}
+        self._forward_before, self._backward_before = [0.0], [0.0]     # compute of the ops before position i
+        for n in order:
+            fwd = bwd = 0.0
+            if n.op == "call_function" and n in strategies:
+                fwd = min(cm.forward_compute_seconds(n, s) for s in strategies[n])
+                bwd = min(cm.compute_seconds(n, s) - cm.forward_compute_seconds(n, s) for s in strategies[n])
+            self._forward_before.append(self._forward_before[-1] + fwd)
+            self._backward_before.append(self._backward_before[-1] + bwd)
+        self._boundaries = sorted(self.position[n] for n in boundaries)
+        self._first_input = boundaries     # reader -> its first input position that may be resharded
+        params = [n for n in order if n.op == "placeholder" and n.users and requires_grad(n)
+                  and meta_of(n).role is not None and meta_of(n).role.kind == "param"]
+        first_reader = {p: min(self.position[u] for u in p.users) for p in params}
+        buckets, size = [[]], 0
+        for p in sorted(params, key=lambda p: -first_reader[p]):     # the order gradients become ready
+            if buckets[-1] and size >= bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(p)
+            size += _nbytes(p)
+        self._bucket_window: dict = {}        # parameter -> (its bucket's window, the bucket's bytes)
+        earlier = 0.0                         # the all-reduces of the buckets launched before
+        for b in buckets:
+            total = sum(_nbytes(p) for p in b)
+            window = max(0.0, self._backward_before[first_reader[b[-1]]] - earlier)   # ready when its latest is
+            self._bucket_window.update({p: (window, total) for p in b})
+            earlier += max((cm.collective_seconds("all_reduce", total, axis) for axis in range(len(cm.mesh_shape))),
+                           default=0.0)
+
+    def forward(self, value: fx.Node, first_reader: fx.Node, index: int) -> float:
+        """The window of ``value`` read by ``first_reader`` as its input ``index``."""
+        if index != self._first_input[first_reader]:
+            return 0.0
+        end = self.position[first_reader]
+        k = bisect.bisect_left(self._boundaries, end)
+        start = max(self.position[value] + 1, self._boundaries[k - 1] if k else 0)
+        return max(0.0, self._forward_before[end] - self._forward_before[start])
+
+    def backward(self, param: fx.Node) -> float:
+        """The part of its bucket's window that ``param``'s gradient reduction may hide behind."""
+        window, total = self._bucket_window.get(param, (0.0, 1.0))
+        return window * _nbytes(param) / total if total else 0.0
+
+
+def _nbytes(node: fx.Node) -> int:
+    val = node.meta["val"]
+    return val.numel() * val.element_size()
