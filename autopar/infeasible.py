@@ -62,8 +62,7 @@ def raise_infeasible(prep, infeasible: list[MeshCandidate], cluster, memory_budg
                                   f"budget: the pinned layouts cannot be reached; relax the pins",
                                   memory_budget=memory_budget)
     need, assignment, mesh = best
-    p = assemble_plan(prep, mesh.idx, assignment, mesh.cm, mesh.shape, mesh.names, cluster, memory_budget,
-                      mesh.memory)
+    p = assemble_plan(prep, mesh.solved(), assignment, cluster, memory_budget)
     consumers = [(f"param {k} (+grad, optimizer)", v) for k, v in p.memory.by_param.items()]
     consumers += [(f"activations of {n.name}", n.activation_bytes) for n in p.nodes]
     consumers = sorted(consumers, key=lambda x: -x[1])[:5]

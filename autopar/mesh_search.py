@@ -13,7 +13,7 @@ from autopar.errors import AutoparError
 from autopar.passes.costs import INFEASIBLE, CostModel
 from autopar.passes.ilp_build import ProblemIndex
 from autopar.passes.memory import StepMemory, solve_under_budget
-from autopar.plan_assembly import assemble_plan, objective_seconds
+from autopar.plan_assembly import SolvedMesh, assemble_plan, objective_seconds
 
 SOLVER_THREADS = 2   # candidate meshes solved at once
 
@@ -42,6 +42,9 @@ class MeshCandidate:
             self._memory = StepMemory(self.gm, self.cm, self.idx, [len(c.costs) for c in self.prob.choices],
                                       sharded_outputs=self.sharded_outputs)
         return self._memory
+
+    def solved(self) -> SolvedMesh:
+        return SolvedMesh(self.shape, self.names, self.idx, self.cm, self.memory)
 
 
 def search(meshes: list[MeshCandidate], best, prep, cluster, memory_budget, sharded_outputs, time_limit,
@@ -93,8 +96,7 @@ def search(meshes: list[MeshCandidate], best, prep, cluster, memory_budget, shar
                     continue
                 report(f"mesh {m.shape}: evaluating")
                 t0 = time.perf_counter()
-                p = assemble_plan(prep, m.idx, sol.assignment, m.cm, m.shape, m.names, cluster, memory_budget, m.memory,
-                             sharded_outputs)
+                p = assemble_plan(prep, m.solved(), sol.assignment, cluster, memory_budget, sharded_outputs)
                 if p.memory.peak > memory_budget * (1 + 1e-9):
                     raise AutoparError(f"internal error: the plan for mesh {list(m.shape)} peaks at "
                                        f"{p.memory.peak:.0f} bytes, over its budget of {memory_budget:.0f}; please "

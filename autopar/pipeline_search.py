@@ -15,7 +15,7 @@ from autopar.passes.meta import meta_of
 from autopar.passes.ilp_build import build_problem
 from autopar.pass_pipeline import mesh_passes
 from autopar.plan import Plan, PlanCollective
-from autopar.plan_assembly import assemble_plan
+from autopar.plan_assembly import SolvedMesh, assemble_plan
 
 def pipeline_meshes(cluster: ClusterSpec) -> list:
     """Pipeline meshes to try beside ``cluster.mesh_candidates()``, after Megatron-LM's rule: tensor
@@ -116,8 +116,8 @@ def plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, 
         if sol.status == "infeasible" or prob.objective(sol.assignment) >= INFEASIBLE:
             continue
         t0 = time.perf_counter()
-        sub = assemble_plan(prep, idx, sol.assignment, cm, sub_shape, sub_names, sub_cluster, memory_budget, sm,
-                       sharded_outputs)
+        sub = assemble_plan(prep, SolvedMesh(sub_shape, sub_names, idx, cm, sm), sol.assignment, sub_cluster,
+                            memory_budget, sharded_outputs)
         sub.collectives = _deferred_to_parameters(prep.gm, sub.collectives, cm, sub_names)
         chosen = idx.chosen(sol.assignment)
         instance_of = {n: meta_of(n).layer.layer for n in chosen if n.op == "call_function" and meta_of(n).layer}

@@ -2,7 +2,7 @@
 and the memory timeline of the step memory model (passes/memory.py)."""
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,9 +35,23 @@ def objective_seconds(plan: Plan) -> float:
     return serial_seconds(plan) - plan.breakdown.get("credit", 0.0)
 
 
-def assemble_plan(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_shape, axis_names,
-             cluster: ClusterSpec, memory_budget: float, sm: StepMemory, sharded_outputs: bool = False) -> Plan:
+@dataclass(frozen=True)
+class SolvedMesh:
+    """One mesh as plan assembly reads it: its shape and axis names, the solver's index of its
+    strategies, its cost model and the step's memory model on it."""
+
+    shape: tuple
+    names: tuple
+    idx: ProblemIndex
+    cm: CostModel
+    memory: StepMemory
+
+
+def assemble_plan(prep: Prepared, mesh: SolvedMesh, assignment, cluster: ClusterSpec, memory_budget: float,
+                  sharded_outputs: bool = False) -> Plan:
+    """The Plan of ``assignment`` (the solver's choice per decision) on ``mesh``."""
     gm, cap = prep.gm, prep.captured
+    idx, cm, axis_names, sm = mesh.idx, mesh.cm, mesh.names, mesh.memory
     chosen = idx.chosen(assignment)
     low = plan_reshards(gm, chosen, cm.mesh_shape, sharded_outputs)
     colls = collectives(low, cm, axis_names)
@@ -126,7 +140,7 @@ def assemble_plan(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, 
                "input_shapes": [list(s) if s is not None else None for s in cap.input_shapes],
                "layers": layer_counts(gm)},
         cluster=cluster.to_dict(),
-        mesh={"shape": list(mesh_shape), "axes": list(axis_names)},
+        mesh={"shape": list(mesh.shape), "axes": list(axis_names)},
         params=params, inputs=inputs, nodes=nodes, collectives=colls, memory=memory, step_time=step,
         breakdown={"compute": compute, "communication": comm_axis, "optimizer": optim,
                    "recompute": recompute_compute, "exposed": sum(comm_axis.values()) - ex.hidden, "hidden": ex.hidden,

@@ -12,7 +12,7 @@ from autopar.passes.costs import CostModel
 from autopar.passes.ilp_build import build_problem
 from autopar.passes.memory import StepMemory
 from autopar.passes.strategies import strategies_pass
-from autopar.plan_assembly import assemble_plan
+from autopar.plan_assembly import SolvedMesh, assemble_plan
 from autopar.planner import default_optimizer, prepare
 from autopar.solver import solve
 
@@ -55,8 +55,8 @@ def solved():
         prob, idx = build_problem(prep.gm, cm, None, PINS, recompute=False, overlap=overlap)
         sol = solve(prob, time_limit=60.0)
         sm = StepMemory(prep.gm, cm, idx, [len(c.costs) for c in prob.choices])
-        plan = assemble_plan(prep, idx, sol.assignment, cm, shape, default_axis_names(shape), cluster,
-                             cluster.usable_memory, sm)
+        plan = assemble_plan(prep, SolvedMesh(shape, default_axis_names(shape), idx, cm, sm), sol.assignment, cluster,
+                             cluster.usable_memory)
         out[overlap] = (prob, idx, sol, plan)
     return out
 

@@ -13,7 +13,7 @@ from autopar.passes.costs import CostModel
 from autopar.passes.memory import StepMemory
 from autopar.passes.ilp_build import build_problem
 from autopar.passes.strategies import strategies_pass
-from autopar.plan_assembly import assemble_plan, objective_seconds, serial_seconds
+from autopar.plan_assembly import SolvedMesh, assemble_plan, objective_seconds, serial_seconds
 from autopar.planner import default_optimizer, prepare
 from autopar.solver import ilp, milp, minimum_feasible_budget
 
@@ -59,7 +59,8 @@ def reference(model, args, kwargs, tight: bool):
             continue
         objective, a = exact(prob)
         assert budget is None or sm.peak(a)[1] <= budget * (1 + 1e-9)
-        p = assemble_plan(prep, idx, a, cm, shape, default_axis_names(shape), CLUSTER, budget or CLUSTER.usable_memory, sm)
+        mesh = SolvedMesh(shape, default_axis_names(shape), idx, cm, sm)
+        p = assemble_plan(prep, mesh, a, CLUSTER, budget or CLUSTER.usable_memory)
         out[shape] = (prob, objective, objective_seconds(p))
     return budget, out
 
