@@ -22,19 +22,18 @@ _ERROR_KEY = "run_distributed/error/"
 _RANK_PRELOAD = [
     "torch", "torch._dynamo", "torch._inductor", "torch.export", "torch.distributed.tensor",
     "torch.distributed.pipelining", "torch.distributed.checkpoint", "torch.utils.checkpoint",
-    "autopar.compiler", "autopar.checkpoint", "autopar.pass_pipeline",
+    "networkx", "highspy", "autopar.compiler", "autopar.checkpoint", "autopar.pass_pipeline", "autopar.planner",
     "pytest", "transformers", "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
     "transformers.models.bert.modeling_bert",
 ]
-_START_METHOD = "forkserver"
-multiprocessing.get_context(_START_METHOD).set_forkserver_preload(_RANK_PRELOAD)
+START_METHOD = "forkserver"
+multiprocessing.get_context(START_METHOD).set_forkserver_preload(_RANK_PRELOAD)
 
 
-def _worker(rank, fn, world_size, port, timeout, args, environ=None):
+def _worker(rank, fn, world_size, port, timeout, args, environ):
     # The fork server was started with the environment of the first launch; a rank sees the caller's.
-    if environ is not None:
-        os.environ.clear()
-        os.environ.update(environ)
+    os.environ.clear()
+    os.environ.update(environ)
     # The ranks share a few CPU cores; more threads per rank only oversubscribe them.
     torch.set_num_threads(1)
     store = dist.TCPStore(_HOST, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
@@ -90,7 +89,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> None:
         args=(fn, world_size, store.port, timeout, args, dict(os.environ)),
         nprocs=world_size,
         join=False,
-        start_method=_START_METHOD,
+        start_method=START_METHOD,
     )
     deadline = time.monotonic() + timeout
     try:
