@@ -22,7 +22,7 @@ _ERROR_KEY = "run_distributed/error/"
 _RANK_PRELOAD = [
     "torch", "torch._dynamo", "torch._inductor", "torch.export", "torch.distributed.tensor",
     "torch.distributed.pipelining", "torch.distributed.checkpoint", "torch.utils.checkpoint",
-    "autopar.compiler", "autopar.checkpoint", "autopar.pass_pipeline",
+    "networkx", "highspy", "autopar.compiler", "autopar.checkpoint", "autopar.pass_pipeline", "autopar.planner",
     "pytest", "transformers", "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
     "transformers.models.bert.modeling_bert",
 ]
