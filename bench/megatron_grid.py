@@ -32,7 +32,8 @@ def megatron_pins(mesh):
     return pins
 
 
-# LLaMA-2-70B, batch 1024 x 4096, bf16: Megatron's pipeline grids (tensor parallel 8 inside a node,
+# LLaMA-2-70B, batch 1024 x 4096, bf16-mixed (float32 master weights and Adam states, bfloat16 compute):
+# Megatron's pipeline grids (tensor parallel 8 inside a node,
 # pipeline across nodes, data parallel over the rest), each with its microbatch counts and schedules.
 PIPELINE_CASES = [("llama2-70b", "512xH100", 1024, (4, 8)), ("llama2-70b", "1024xH100", 1024, (4, 8))]
 
@@ -43,10 +44,11 @@ def pipeline_grid():
     print(f"\n{'model':<11} {'cluster':<10} {'plan':<34} {'mesh':<12} {'step (ms)':>10} {'peak GiB':>9} "
           f"{'bubble (ms)':>11} {'step ratio':>11} {'planning (s)':>12}")
     for name, cluster_name, batch, pps in PIPELINE_CASES:
-        model, args, kwargs = zoo.build(name, batch=batch, dtype=torch.bfloat16, device="meta")
+        model, args, kwargs = zoo.build(name, batch=batch, dtype=torch.float32, device="meta")
         cluster = autopar.ClusterSpec.preset(cluster_name)
         t0 = time.perf_counter()
-        auto = autopar.plan(model, cluster, args, kwargs, progress=False, sharded_outputs=True)
+        auto = autopar.plan(model, cluster, args, kwargs, progress=False, sharded_outputs=True,
+                            precision="bf16-mixed")
         auto_seconds = time.perf_counter() - t0
         rows = []
         for pp in pps:
@@ -57,7 +59,8 @@ def pipeline_grid():
             for m in (4 * pp, 8 * pp):
                 try:
                     p = autopar.plan(model, cluster, args, kwargs, mesh_shape=grid, axis_names=("pp", "dp", "tp"),
-                                     pins=pins, microbatches=m, progress=False, sharded_outputs=True)
+                                     pins=pins, microbatches=m, progress=False, sharded_outputs=True,
+                                     precision="bf16-mixed")
                 except autopar.InfeasiblePlanError:
                     rows.append((f"Megatron pp={pp} m={m}: does not fit", grid, None, None, None))
                     continue

@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.errors import AutoparError
 from autopar.passes.meta import meta_of, program_meta
+from autopar.passes.precision import cast_source
 from autopar.runtime.program import StageProgram
 
 
@@ -121,20 +122,25 @@ def split_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int], num_stages:
 def _defer_gradient_reductions(gm: fx.GraphModule, kind_of: dict, axis_of_group: dict) -> list:
     """Take out the per-microbatch gradient all-reduces of parameters (data parallelism's gradient
     sync): a parameter whose every use starts with ``grad_all_reduce`` over one axis gets its gradient
-    summed over that axis once per step instead, after the last microbatch. Returns (FQN, axis) pairs."""
+    summed over that axis once per step instead, after the last microbatch. Under bf16-mixed the
+    reductions are those of the parameter's one bfloat16 copy: its gradient accumulates into the
+    float32 ``.grad``, which is then summed once, in float32 (as Megatron-LM reduces bf16 training's
+    gradients). Returns (FQN, axis) pairs."""
     from autopar.runtime.collectives import grad_all_reduce
 
     deferred = []
     for p, (kind, fqn) in kind_of.items():
         if kind != "param":
             continue
-        while p.users and all(u.target is grad_all_reduce for u in p.users):
-            groups = {u.args[1] for u in p.users}
+        users = list(p.users)
+        reduced = users[0] if len(users) == 1 and cast_source(users[0]) is p else p
+        while reduced.users and all(u.target is grad_all_reduce for u in reduced.users):
+            groups = {u.args[1] for u in reduced.users}
             if len(groups) != 1:
                 break
             deferred.append((fqn, axis_of_group[groups.pop()]))
-            for u in list(p.users):
-                u.replace_all_uses_with(p)
+            for u in list(reduced.users):
+                u.replace_all_uses_with(reduced)
                 gm.graph.erase_node(u)
     gm.recompile()
     return deferred

@@ -160,6 +160,16 @@ def autocast_pass(gm: fx.GraphModule, *, precision: Precision, device_type: str)
 _CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.type_as.default}
 
 
+def cast_source(node: fx.Node) -> fx.Node | None:
+    """The value ``node`` is a dtype cast of (``aten._to_copy`` with a dtype only, as ``autocast_pass``
+    writes it for a float32 master weight's bfloat16 copy), else None. The gradient of the copy flows
+    into its source's, so a reduction of it can be a reduction of the source's gradient."""
+    if node.op == "call_function" and node.target is aten._to_copy.default and set(node.kwargs) == {"dtype"} \
+            and isinstance(node.args[0], fx.Node):
+        return node.args[0]
+    return None
+
+
 def _explicit_dtype(node):
     return node.kwargs.get("dtype")
 

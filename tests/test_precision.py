@@ -139,34 +139,64 @@ def _train(rank, world, cases):
         pins = {"dp": {n: ["R"] * len(mesh) for n in params},
                 "megatron": {k: [v] for k, v in MEGATRON[model_name].items()},
                 "zero3": {n: ["S(0)"] if p.shape[0] % world == 0 else ["R"] for n, p in params.items()},
-                "auto": {}}[kind]
+                "auto": {},
+                # Replicated weights, the batch split on dp: every gradient is synced over dp.
+                "pp x dp": {"*.weight": ["R", "R"], "input_ids": ["R", "S(0)"], "labels": ["R", "S(0)"],
+                            "embedding": ["R", "S(0)"], "linear*": ["R", "S(0)"]}}[kind]
+        pipeline = {"axis_names": ("pp", "dp"), "microbatches": 2, "schedule": "1F1B"} if kind == "pp x dp" else {}
         where = f"{model_name} {kind} on mesh {mesh}"
         pm = autopar.compile(model, cluster, (ids,), {"labels": labels}, mesh_shape=mesh, pins=pins,
-                             precision="bf16-mixed", kernels="aten", recompute=False)
-        assert "torch.bfloat16" in pm.code, where
+                             precision="bf16-mixed", kernels="aten", recompute=False, **pipeline)
+        if pipeline:
+            _check_gradient_sync_once_per_step(pm, where)
+        else:
+            assert "torch.bfloat16" in pm.code, where
         assert all(p.dtype == torch.float32 for p in pm.parameters()), f"{where}: master weights are fp32"
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
         for step in range(STEPS):
-            out = pm(ids, labels=labels)
-            out.loss.backward()
+            if pipeline:
+                loss = pm.train_step(ids, labels=labels)
+            else:
+                out = pm(ids, labels=labels)
+                out.loss.backward()
+                loss = out.loss
             with torch.autocast("cpu", torch.bfloat16):
                 ref_out = ref(ids, labels=labels)
             ref_out.loss.backward()
-            assert out.logits.dtype == ref_out.logits.dtype == torch.bfloat16, where
-            assert abs(out.loss.item() / ref_out.loss.item() - 1) <= LOSS_RTOL, \
-                f"{where}: step {step} loss {out.loss.item()} vs eager autocast {ref_out.loss.item()}"
+            assert pipeline or out.logits.dtype == ref_out.logits.dtype == torch.bfloat16, where
+            assert abs(loss.item() / ref_out.loss.item() - 1) <= LOSS_RTOL, \
+                f"{where}: step {step} loss {loss.item()} vs eager autocast {ref_out.loss.item()}"
             if step == 0:
                 scale = max(p.grad.abs().max().item() for p in ref.parameters())
+                mesh_of = pm._stage_mesh() if pipeline else pm.mesh
                 for fqn, p in ref.named_parameters():
+                    if pipeline and fqn not in pm._held:
+                        continue          # on another rank's stage
                     local = pm.local_parameter(fqn)
                     assert local.grad.dtype == torch.float32, where
-                    grad = DTensor.from_local(local.grad, pm.mesh, [x.to_dtensor() for x in pm._layouts[fqn]],
-                                              run_check=False).full_tensor()
+                    lay = [x.to_dtensor() for i, x in enumerate(pm._layouts[fqn]) if not pipeline or i != pm.pp_axis]
+                    grad = DTensor.from_local(local.grad, mesh_of, lay, run_check=False).full_tensor()
                     err = (grad - p.grad).abs().max().item()
                     assert err <= GRAD_TOL * scale, f"{where}: gradient of {fqn} off by {err} (largest {scale})"
             opt.step(), ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
+
+
+def _check_gradient_sync_once_per_step(pm, where):
+    """A pipeline's stages reduce no parameter's gradient (nor its bfloat16 copy's) over dp in each
+    microbatch: each weight's float32 gradient is summed once per step."""
+    from autopar.passes.precision import cast_source
+    from autopar.runtime.collectives import grad_all_reduce
+
+    for st in pm._stage_programs:
+        params = {n for n, (kind, _) in zip(st.gm.graph.find_nodes(op="placeholder"), st.placeholders)
+                  if kind == "param"}
+        reduced = [n.args[0] for n in st.gm.graph.nodes if n.op == "call_function" and n.target is grad_all_reduce]
+        copies = [v for v in reduced if v in params or cast_source(v) in params]
+        assert not copies, f"{where}: stage {st.index} reduces {copies} in every microbatch"
+        held = {fqn for kind, fqn in st.placeholders if kind == "param" and fqn.endswith(".weight")}
+        assert held <= {fqn for fqn, axis in st.grad_sums if axis == "dp"}, f"{where}: stage {st.index}"
 
 
 def test_bf16_mixed_trains_like_eager_autocast_on_two_ranks():
@@ -175,4 +205,4 @@ def test_bf16_mixed_trains_like_eager_autocast_on_two_ranks():
 
 
 def test_bf16_mixed_trains_like_eager_autocast_on_four_ranks():
-    run_distributed(_train, 4, [("llama", "auto", (2, 2))], timeout=600)
+    run_distributed(_train, 4, [("llama", "auto", (2, 2)), ("llama", "pp x dp", (2, 2))], timeout=600)
