@@ -316,6 +316,20 @@ def _gated(q: Bytes, c: int | None, ind: Sequence[float]) -> Bytes:
     return Bytes(q.a, c, tuple(tuple(v * f for f in ind) for v in q.table))
 
 
+def _shared(src: int | None, readers, table):
+    """The bytes of one value's copies that ``readers`` (decision, request per option) make at most once
+    per request, ``table[request][option of src]``, as the solver's ``SharedBytes``; a decision None has
+    one option, and its request is made whatever the others. None where they are no bytes."""
+    from autopar.solver import SharedBytes
+
+    always = tuple(sorted({reqs[0] for c, reqs in readers if c is None and reqs[0] >= 0}))
+    free = tuple(sorted({(c, reqs) for c, reqs in readers if c is not None and any(r >= 0 for r in reqs)}))
+    made = set(always) | {r for _, reqs in free for r in reqs if r >= 0}
+    if not any(b for r in made for b in table[r]):
+        return None
+    return SharedBytes(src, free, tuple(table), always)
+
+
 def _times(q: Bytes, r: int, ind: Sequence[float]) -> Bytes:
     """``q`` (bytes of at most one decision) times an indicator over the options of decision ``r``."""
     if q.a is None:
@@ -364,6 +378,7 @@ class StepMemory:
         self.events: list[tuple[int, int, Bytes]] = []     # (category, +1 or -1, bytes)
         self.points: list[tuple[int, str, str]] = []       # (number of events before it, phase, name)
         self._values: dict = {}
+        self._reads: dict = {}
         self._copies: dict = {}
         self._moved: dict = {}   # an instance whose saved activations go to host -> (decision, indicator)
         self._host: dict = {}    # a parameter's decision -> host bytes per option (offloaded optimizer states)
@@ -436,9 +451,12 @@ class StepMemory:
             self._values[key] = _one(c, table)
         return self._values[key]
 
-    def copy(self, v, node, k):
-        """(bytes of the resharded copy that ``node`` reads input ``k`` through, bytes of that input's
-        gradient at the layout read when a resharding's backward converts it); None where there is none."""
+    def reads(self, v, node, k):
+        """How ``node`` reads its input ``k``, value ``v``: (the value's decision, the reader's, the request
+        each reader option makes (target layout, gradient reduction: one copy per distinct request, as
+        codegen reshards), and per request, per option of the value, (bytes of the resharded copy, bytes
+        of the gradient at the layout read when a resharding's backward converts it, bytes of the
+        gathered blocks beside that gradient's contiguous copy))."""
         from math import prod
 
         from autopar.layout import local_fraction
@@ -446,28 +464,30 @@ class StepMemory:
         from autopar.passes.strategies import requires_grad, value_info
 
         key = self._fold_key(v, node, k)
-        if key not in self._copies:
+        if key not in self._reads:
             info = value_info(v)
             mesh = tuple(self.cm.mesh_shape)
             grad = requires_grad(v.node)
             ca, cb = self._choice(v.node), self._choice(node)
-            # Readers' options ask for few distinct (layout, gradient reduction) requests and producers
-            # make few distinct layouts: the steps are found once per distinct pair.
-            reads = []
+            # Readers' options ask for few distinct requests and producers make few distinct layouts:
+            # the steps are found once per distinct pair.
+            requests, made = [], {}
             for j in self._options(cb):
                 s = self._strategy(node, j)
                 dst = tuple(s.inputs[k])
-                reads.append((dst, grad_partial_axes(dst, s.splits_work, grad), s))
-            size = {dst: info.nbytes * local_fraction(dst, mesh) for dst, _, _ in reads}
+                request = (dst, grad_partial_axes(dst, s.splits_work, grad))
+                requests.append(request)
+                made.setdefault(request, s)
             found = {}
-            fwd, bwd, blocks = [], [], []
-            for i in self._options(ca):
-                src = self._strategy(v.node, i)
-                z = None if src is None else src.zero
-                zero_axis = z.axis if z is not None and z.stage >= 2 else None
-                src = None if src is None else tuple(src.outputs[v.index])
-                frow, brow, krow = [], [], []
-                for dst, partial, s in reads:
+            per_request = {}
+            for (dst, partial), s in made.items():
+                size = info.nbytes * local_fraction(dst, mesh)
+                rows = []
+                for i in self._options(ca):
+                    src = self._strategy(v.node, i)
+                    z = None if src is None else src.zero
+                    zero_axis = z.axis if z is not None and z.stage >= 2 else None
+                    src = None if src is None else tuple(src.outputs[v.index])
                     pair = (src or dst, dst, partial, zero_axis)
                     if pair not in found:
                         steps = self.cm.resharding(v, pair[0], node, s, k) or []
@@ -477,17 +497,22 @@ class StepMemory:
                         # dims before it, the gathered blocks stand beside their contiguous copy.
                         gathered = max((info.dtype.itemsize * prod(st.in_shape) for st in steps if st.op == "local_chunk"
                                         and st.dim and prod(st.in_shape[:st.dim]) > 1), default=0.0)
-                        found[pair] = (size[dst] if any(st.op in _ALLOCATING_STEPS for st in steps) else 0.0,
-                                       size[dst] if steps else 0.0, float(gathered))
-                    f, b, g = found[pair]
-                    frow.append(f)
-                    brow.append(b)
-                    krow.append(g)
-                fwd.append(frow)
-                bwd.append(brow)
-                blocks.append(krow)
-            f, b, g = _pair(ca, cb, fwd), _pair(ca, cb, bwd), _pair(ca, cb, blocks)
-            self._copies[key] = (None if f.zero() else f, None if b.zero() else b, None if g.zero() else g)
+                        found[pair] = (size if any(st.op in _ALLOCATING_STEPS for st in steps) else 0.0,
+                                       size if steps else 0.0, float(gathered))
+                    rows.append(found[pair])
+                per_request[(dst, partial)] = rows
+            self._reads[key] = (ca, cb, tuple(requests), per_request)
+        return self._reads[key]
+
+    def copy(self, v, node, k):
+        """(bytes of the resharded copy that ``node`` reads input ``k`` through, bytes of that input's
+        gradient at the layout read when a resharding's backward converts it, bytes of the gathered blocks
+        beside that gradient's contiguous copy); None where there is none."""
+        key = self._fold_key(v, node, k)
+        if key not in self._copies:
+            ca, cb, requests, per_request = self.reads(v, node, k)
+            tables = [[[per_request[r][i][part] for r in requests] for i in self._options(ca)] for part in range(3)]
+            self._copies[key] = tuple(None if q.zero() else q for q in (_pair(ca, cb, t) for t in tables))
         return self._copies[key]
 
     def _output_copy(self, node, gathered: bool):
@@ -538,6 +563,20 @@ class StepMemory:
         return [(rule.saved_sharded(ctx, s.inputs) if s is not None else None) or saved
                 for s in (self._strategy(node, o) for o in self._options(c))]
 
+    def _converted(self, v, node, k, itemsize) -> Bytes:
+        """Bytes of the copy of input ``k`` (value ``v``) in another dtype that ``node`` keeps for
+        backward, ``itemsize[option]`` bytes an element, at the layout each option reads it in."""
+        from autopar.layout import local_fraction
+        from autopar.passes.strategies import value_info
+
+        info, c = value_info(v), self._choice(node)
+        table = []
+        for o in self._options(c):
+            s = self._strategy(node, o)
+            fraction = 1.0 if s is None else local_fraction(s.inputs[k], self.cm.mesh_shape)
+            table.append(info.nbytes * fraction * itemsize[o] / info.dtype.itemsize)
+        return _one(c, table)
+
     def _backward_work(self, node, saved) -> Bytes:
         """Bytes an op's backward holds beyond the gradients it returns: its sharded form's own figure
         where the rule gives one (the vocab-parallel loss), else the ATen op's measured one."""
@@ -551,6 +590,77 @@ class StepMemory:
             own = self.cm.backward_workspace_bytes(node, s)
             table.append(own if own is not None else measured / self.cm.work_split(s))
         return _one(c, table)
+
+    def _shared_copies(self, calls, pos, input_values, inst_of, frees):
+        """The copies of values that several ops read through a resharding: one tensor per distinct
+        request (codegen reshards once per request and shares the copy), held from the first reader's
+        forward until the last reader that keeps it runs its backward. Returns the (reader, input
+        position) pairs counted here and the copies made before each position's forward; adds the rest
+        to ``frees``.
+
+        In forward, at the i-th reader (in execution order) the value's copies are those of the requests
+        the readers from the i-th on make, and those the earlier readers keep for backward (the safe side
+        where readers make different requests: a copy is counted from the first reader on). In backward,
+        what the readers keep is released a reader at a time, and the gradient at a request's layout is
+        accumulated from the first reader whose backward makes it until the last (the resharding's
+        backward then converts it), beside each reader's own gradient (counted with its backward). A
+        reader inside a recomputed region whose kept copy recompute drops keeps its own copy."""
+        from autopar.passes.strategies import requires_grad
+
+        readers = {}          # value -> [(reader, input position, its decision, request per option, keeps)]
+        tables = {}           # value -> (its decision, request -> per option of it (copy, gradient, blocks))
+        for n in calls:
+            saved = meta_of(n).saved
+            kept = None if saved is None or not requires_grad(n) else \
+                [tuple(s.inputs) for s in self._saved_per_option(n, saved)]
+            for k, v in enumerate(input_values(n)):
+                ca, cb, requests, per_request = self.reads(v, n, k)
+                if ca is not None and ca == cb:
+                    continue
+                if not any(f or b for rows in per_request.values() for f, b, _ in rows):
+                    continue
+                cp = self.copy(v, n, k)[0]
+                if n in inst_of and cp is not None and cp.b is None:
+                    continue
+                keeps = tuple(kept is not None and k < len(ins) and bool(ins[k]) for ins in kept or [()] * len(requests))
+                readers.setdefault(v, []).append((n, k, cb, requests, keeps))
+                tables.setdefault(v, (ca, {}))[1].update(per_request)
+        grouped, before = set(), {}
+        for v, members in readers.items():
+            if len(members) < 2:
+                continue
+            members.sort(key=lambda m: (pos[m[0]], m[1]))
+            grouped.update((n, k) for n, k, *_ in members)
+            ca, per_request = tables[v]
+            ids = {r: i for i, r in enumerate(per_request)}
+            copy_bytes, grad_bytes = ([tuple(row[part] for row in per_request[r]) for r in ids] for part in (0, 1))
+            make = [(cb, tuple(ids[r] for r in requests)) for _, _, cb, requests, _ in members]
+            keep = [(cb, tuple(r if kp else -1 for r, kp in zip(reqs, m[4]))) for (cb, reqs), m in zip(make, members)]
+            t = [pos[m[0]] for m in members]
+            last = len(members) - 1
+
+            def move(key, cat, was, now):
+                moves = frees.setdefault(key, [])
+                moves += [(cat, -1, was)] if was is not None else []
+                moves += [(cat, 1, now)] if now is not None else []
+
+            # Forward: the readers from the i-th on make their copies, the earlier ones keep theirs.
+            live = [_shared(ca, keep[:i] + make[i:], copy_bytes) for i in range(last + 2)]
+            if live[0] is not None:
+                before.setdefault(t[0], []).append(live[0])
+            for i in range(last + 1):
+                move(("F", t[i]), _T, live[i], None)
+                move(("F", t[i]), _A if i == last else _T, None, live[i + 1])
+            # Backward, in reverse: the i-th reader releases what it keeps, and its gradient joins the
+            # accumulated one of its request, which the resharding's backward converts after the first.
+            grads = {i for i, (n, *_) in enumerate(members) if requires_grad(n)} if requires_grad(v.node) else set()
+            for i in range(last, -1, -1):
+                move(("B", t[i]), _A, _shared(ca, keep[:i + 1], copy_bytes), _shared(ca, keep[:i], copy_bytes))
+                if i in grads:
+                    done = [make[j] for j in range(i + 1, last + 1) if j in grads]
+                    move(("B", t[i]), _T, _shared(ca, done, grad_bytes),
+                         _shared(ca, [make[i], *done], grad_bytes) if i > min(grads) else None)
+        return grouped, before
 
     # --- the events ---------------------------------------------------------------------------------
     def _build(self, gm, instances):
@@ -650,6 +760,7 @@ class StepMemory:
                 frees.setdefault(("F", last_use.get(base(Value(a)), pos.get(a, 0))), []).append((_T, 1, vb))
                 gather_sources.append(_one(c, [vb.at({c: i}) * (1.0 if cp.at({c: i}) else 0.0)
                                                for i in self._options(c)]))
+        grouped, copies_before = self._shared_copies(calls, pos, input_values, inst_of, frees)
         holders = {}          # storage -> [(saving node, None or Bytes kept only where no copy is read)]
         kept = {}             # node -> [Bytes] allocated in its forward, freed after its backward
         held_copy = {}        # (node, input position) whose copy backward keeps -> the part it does not keep
@@ -661,12 +772,15 @@ class StepMemory:
             per_option = self._saved_per_option(n, saved)
             ins = input_values(n)
             for k, v in enumerate(ins):
+                converted = [s.converted[k] if k < len(s.converted) else 0 for s in per_option]
+                if any(converted):
+                    kept.setdefault(n, []).append(self._converted(v, n, k, converted))
                 keeps = [1.0 if k < len(s.inputs) and s.inputs[k] else 0.0 for s in per_option]
                 if not any(keeps):
                     continue
                 everywhere = all(keeps)
                 cp, _, _ = self.copy(v, n, k)
-                if cp is not None:
+                if cp is not None and (n, k) not in grouped:
                     kept.setdefault(n, []).append(cp if everywhere else _gated(cp, cb, keeps))
                     held_copy[(n, k)] = None if everywhere else _gated(cp, cb, [1.0 - x for x in keeps])
                 if v.node.op == "placeholder":
@@ -762,8 +876,10 @@ class StepMemory:
         # Forward.
         for t, n in enumerate(calls):
             transient = []
+            for q in copies_before.get(t, ()):
+                add((_T, 1, q))
             for k, v in enumerate(input_values(n)):
-                cp, _, _ = self.copy(v, n, k)
+                cp = None if (n, k) in grouped else self.copy(v, n, k)[0]
                 if cp is not None:
                     cp = held_copy.get((n, k), cp)
                 if cp is not None:
@@ -935,17 +1051,21 @@ class StepMemory:
 
     def constraints(self, ks: Sequence[int]) -> list:
         """``constraint`` of every point in ``ks``, in one pass over the events."""
-        from autopar.solver import MemoryConstraint
+        from autopar.solver import MemoryConstraint, SharedBytes
 
         order = sorted(set(ks))
         made, e = {}, 0
-        constant, terms, pairs = 0.0, {}, {}
+        constant, terms, pairs, shared = 0.0, {}, {}, {}
         arrays: dict[int, np.ndarray] = {}      # id of a Bytes -> its table, (a, b) ordered
         for k in order:
             upto, phase, name = self.points[k]
             while e < upto:
                 _cat, sign, q = self.events[e]
                 e += 1
+                if isinstance(q, SharedBytes):
+                    key = (q.src, q.readers, q.always)
+                    shared[key] = shared.get(key, 0.0) + sign * np.asarray(q.bytes, dtype=float)
+                    continue
                 if q.a is None:
                     constant += sign * q.table
                     continue
@@ -961,8 +1081,20 @@ class StepMemory:
                     acc[key] = sign * table
             made[k] = MemoryConstraint(f"{phase} {name} (point {k})",
                                        tuple((c, tuple(v.tolist())) for c, v in terms.items()), constant,
-                                       tuple((a, b, tuple(map(tuple, m.tolist()))) for (a, b), m in pairs.items()))
+                                       tuple((a, b, tuple(map(tuple, m.tolist()))) for (a, b), m in pairs.items()),
+                                       tuple(_live_copies(key, table) for key, table in shared.items()
+                                             if np.any(table > 0)))
         return [made[k] for k in ks]
+
+
+def _live_copies(key, table: np.ndarray):
+    """A point's sum of one value's ``SharedBytes`` events: copies made and not yet released. Each one
+    released is the one made, so what is left is never negative but for rounding."""
+    from autopar.solver import SharedBytes
+
+    assert table.min() >= -1e-6 * max(1.0, np.abs(table).max()), f"copies released more than made: {key}"
+    src, readers, always = key
+    return SharedBytes(src, readers, tuple(map(tuple, np.maximum(table, 0.0).tolist())), always)
 
 
 # The post-step all-gathers of ZeRO-1/2 parameters run a bucket at a time (DDP's bucket size).

@@ -37,7 +37,10 @@ class SavedForBackward:
     among the node's tensor inputs to whether backward keeps it; ``internal`` is what the op saves that
     is no graph value (norm statistics, dropout masks, logsumexp). ``held`` says which of its own
     outputs those bytes are (empty: the first outputs, as far as ``outputs`` bytes go). ``backward``
-    is what the op's backward holds at its peak beyond the input gradients it returns.
+    is what the op's backward holds at its peak beyond the input gradients it returns. ``converted``
+    maps an input's position to the item size of a copy of it in another dtype that backward keeps
+    (ATen's attention makes a boolean mask additive in the query's dtype), 0 where there is none; the
+    copy is at the layout the op reads the input in.
     """
 
     outputs: int
@@ -45,6 +48,7 @@ class SavedForBackward:
     internal: int
     held: tuple[bool, ...] = ()
     backward: int = 0
+    converted: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

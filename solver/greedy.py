@@ -49,10 +49,11 @@ def greedy(problem: Problem) -> tuple[int, ...]:
         a[c] = min(range(len(unary[c])), key=lambda i: local(c, i))
 
     # Memory bookkeeping: per-choice bytes of each constraint (terms of one choice summed), and the pair
-    # terms each choice is part of.
+    # and shared terms each choice is part of.
     limit = problem.memory_budget
     members: list[dict[int, list[float]]] = [{} for _ in problem.memory]   # constraint -> choice -> bytes
     pairs_of: list[dict[int, list]] = [{} for _ in problem.memory]         # constraint -> choice -> pairs
+    shared_in: list[dict[int, list]] = [{} for _ in problem.memory]        # constraint -> choice -> shared
     for k, m in enumerate(problem.memory):
         for c, per in m.terms:
             acc = members[k].setdefault(c, [0.0] * len(per))
@@ -61,6 +62,10 @@ def greedy(problem: Problem) -> tuple[int, ...]:
         for pair in m.pairs:
             for c in {pair[0], pair[1]}:
                 pairs_of[k].setdefault(c, []).append(pair)
+                members[k].setdefault(c, [0.0] * len(problem.choices[c].costs))
+        for sb in m.shared:
+            for c in sb.choices():
+                shared_in[k].setdefault(c, []).append(sb)
                 members[k].setdefault(c, [0.0] * len(problem.choices[c].costs))
     touches: list[list[int]] = [[] for _ in range(n)]   # choice -> the constraints it changes
     for k, mem in enumerate(members):
@@ -72,10 +77,14 @@ def greedy(problem: Problem) -> tuple[int, ...]:
     def delta(k: int, c: int, j: int) -> float:
         """How much switching c to option j changes constraint k's bytes."""
         d = members[k][c][j] - members[k][c][a[c]]
-        for s, t, per in pairs_of[k].get(c, ()):
-            was = per[a[s]][a[t]]
+        pairs, shared = pairs_of[k].get(c, ()), shared_in[k].get(c, ())
+        if pairs or shared:
+            def joint() -> float:
+                return sum(per[a[s]][a[t]] for s, t, per in pairs) + sum(sb.at(a) for sb in shared)
+
+            was = joint()
             a_c, a[c] = a[c], j
-            d += per[a[s]][a[t]] - was
+            d += joint() - was
             a[c] = a_c
         return d
 

@@ -70,6 +70,8 @@ class Formulation:
         self.groups: dict = {}           # (s, d) -> (group of each s option, group of each d option)
         self.products: list = []         # (column, a, b): column = sum(a) * sum(b), a and b lists of columns
         self.maxima: list = []           # (column, [[columns]]): column = max over lists of their sum
+        self.links: dict = {}            # (source, reader) -> y[i][j] columns of a shared value's reader
+        self.indicators: dict = {}       # lists of columns -> the column bounded below by each list's sum
         self.x: list[list[int] | None] = []
         for ch in problem.choices:
             if len(ch.costs) == 1:
@@ -176,7 +178,6 @@ class Formulation:
         requests (the copies of a folded layer) are one reader."""
         m, x = self.model, self.x
         src = x[e.src]
-        n_src = len(e.cost[0]) if e.cost else 1
         readers = list(dict.fromkeys(e.readers))
         constant = 0.0
         made = set(e.always)
@@ -192,28 +193,7 @@ class Formulation:
                     m.hi[src[i]] = 0.0
                 else:
                     coef[src[i]] += e.count * c
-        pays: dict = defaultdict(list)     # (i, r) -> [columns whose sum must be paid for]
-        for c, reqs in readers:
-            if x[c] is None or all(r < 0 or r in made for r in reqs):
-                continue
-            if src is None:
-                links = [list(x[c])]
-            else:
-                links = [[m.col() for _ in reqs] for _ in range(n_src)]
-                for i, row in enumerate(links):
-                    m.row(row + [src[i]], [1.0] * len(row) + [-1.0], 0.0, 0.0)
-                for j in range(len(reqs)):
-                    col = [links[i][j] for i in range(n_src)]
-                    m.row(col + [x[c][j]], [1.0] * n_src + [-1.0], 0.0, 0.0)
-                self.products += [(links[i][j], [src[i]], [x[c][j]]) for i in range(n_src) for j in range(len(reqs))]
-            for i, row in enumerate(links):
-                by_request: dict = defaultdict(list)
-                for j, r in enumerate(reqs):
-                    if r >= 0 and r not in made:
-                        by_request[r].append(row[j])
-                for r, cols in by_request.items():
-                    pays[(i, r)].append(cols)
-        for (i, r), lists in pays.items():
+        for (i, r), lists in self._request_columns(e.src, readers, made).items():
             c = e.cost[r][i]
             if math.isinf(c):               # this request cannot be served from that source option
                 for cols in lists:
@@ -221,12 +201,55 @@ class Formulation:
                 continue
             if c == 0:
                 continue
-            w = m.col()
-            for cols in lists:
-                m.row([w] + cols, [1.0] + [-1.0] * len(cols), lo=0.0)
-            self.maxima.append((w, lists))
-            coef[w] += e.count * c
+            coef[self.indicator(lists)] += e.count * c
         return constant
+
+    def link(self, s: int, c: int) -> list[list[int]]:
+        """y[i][j] = x[s][i] * x[c][j] for a shared value's source ``s`` and reader ``c``, linearized through
+        its marginals, made once and shared by the objective and the memory rows; x[c] itself where the
+        source is fixed."""
+        m, src, xc = self.model, self.x[s], self.x[c]
+        if src is None:
+            return [list(xc)]
+        if (s, c) not in self.links:
+            links = [[m.col() for _ in xc] for _ in src]
+            for i, row in enumerate(links):
+                m.row(row + [src[i]], [1.0] * len(row) + [-1.0], 0.0, 0.0)
+            for j in range(len(xc)):
+                col = [links[i][j] for i in range(len(src))]
+                m.row(col + [xc[j]], [1.0] * len(src) + [-1.0], 0.0, 0.0)
+            self.products += [(links[i][j], [src[i]], [xc[j]]) for i in range(len(src)) for j in range(len(xc))]
+            self.links[(s, c)] = links
+        return self.links[(s, c)]
+
+    def _request_columns(self, s: int | None, readers, made: set) -> dict:
+        """(source option, request) -> one list of columns per free reader, whose sum is 1 where that
+        reader's option makes the request at that source option; requests in ``made`` left out."""
+        out: dict = defaultdict(list)
+        for c, reqs in readers:
+            if self.x[c] is None or all(r < 0 or r in made for r in reqs):
+                continue
+            links = [list(self.x[c])] if s is None else self.link(s, c)
+            for i, row in enumerate(links):
+                by_request: dict = defaultdict(list)
+                for j, r in enumerate(reqs):
+                    if r >= 0 and r not in made:
+                        by_request[r].append(row[j])
+                for r, cols in by_request.items():
+                    out[(i, r)].append(cols)
+        return out
+
+    def indicator(self, lists: list[list[int]]) -> int:
+        """A column bounded below by the sum of each list (1 where any reader makes a request): the max
+        over them wherever its coefficient is positive, as in the objective and the memory rows."""
+        key = tuple(sorted(tuple(cols) for cols in lists))
+        if key not in self.indicators:
+            w = self.model.col()
+            for cols in lists:
+                self.model.row([w] + cols, [1.0] + [-1.0] * len(cols), lo=0.0)
+            self.maxima.append((w, lists))
+            self.indicators[key] = w
+        return self.indicators[key]
 
     def memory_rows(self, which=None) -> list[tuple[float, dict]]:
         """Memory constraints (all, or those ``which`` lists by index) as (constant bytes, bytes per
@@ -239,7 +262,7 @@ class Formulation:
 
             def add(c, per):
                 nonlocal constant
-                if x[c] is None:
+                if c is None or x[c] is None:
                     constant += per[0]
                 else:
                     for v, b in zip(x[c], per):
@@ -247,6 +270,8 @@ class Formulation:
 
             for c, per in mc.terms:
                 add(c, per)
+            for sb in mc.shared:
+                self._shared_bytes(sb, add, coef)
             for a, b, per in mc.pairs:
                 if a == b:
                     add(a, [row[i] for i, row in enumerate(per)])
@@ -260,6 +285,21 @@ class Formulation:
                 self.priced(self.pair(a, b), _pair_residual(per), coef)
             rows.append((constant, coef))
         return rows
+
+    def _shared_bytes(self, sb, add, coef: dict) -> None:
+        """A memory row's ``SharedBytes``: requests always made are linear in the source's option; each
+        other request's bytes sit on the indicator that any reader makes it (a reader's own columns
+        where only one reader can)."""
+        x = self.x
+        made = set(sb.always) | {reqs[0] for c, reqs in sb.readers if x[c] is None and reqs[0] >= 0}
+        for r in made:
+            add(sb.src, sb.bytes[r])
+        for (i, r), lists in self._request_columns(sb.src, list(dict.fromkeys(sb.readers)), made).items():
+            b = sb.bytes[r][i]
+            if not b:
+                continue
+            for col in (lists[0] if len(lists) == 1 else [self.indicator(lists)]):
+                coef[col] += b
 
     def start(self, assignment: Sequence[int]) -> list[float]:
         """The columns' values for an assignment: a starting point for the solver."""

@@ -5,8 +5,9 @@ decision: the caller folds them together and sets ``count`` to the number of cop
 size does not grow with depth. An ``Edge`` charges ``cost[i][j]`` seconds when its source takes option
 ``i`` and its destination option ``j`` (resharding), times ``count``. A ``MemoryConstraint`` is one
 moment of the training step: ``constant + sum(terms[d][choice_d]) + sum(pairs[a, b][choice_a][choice_b])
-<= memory_budget`` bytes per device; a pair term is memory that depends on two decisions at once (how many
-copies of a layer recompute their activations, and the layout that sizes them).
++ sum(shared) <= memory_budget`` bytes per device; a pair term is memory that depends on two decisions at
+once (how many copies of a layer recompute their activations, and the layout that sizes them), and a
+``SharedBytes`` term the copies one value is resharded into, one per distinct request its readers make.
 A ``SharedEdge`` is one value read by several decisions: each reader's option names the *request*
 it makes of the value (a target layout), and every distinct request is paid once, whatever the number
 of readers making it, at ``cost[request][source option]`` seconds, times ``count``.
@@ -44,6 +45,15 @@ class Edge:
     count: int = 1
 
 
+def _requests(readers, always, assignment: Sequence[int]) -> set[int]:
+    """The requests an assignment makes of a value: ``always``, and each reader's option's."""
+    made = set(always)
+    for c, reqs in readers:
+        if reqs[assignment[c]] >= 0:
+            made.add(reqs[assignment[c]])
+    return made
+
+
 @dataclass(frozen=True)
 class SharedEdge:
     src: int
@@ -53,15 +63,34 @@ class SharedEdge:
     count: int = 1
 
     def requests(self, assignment: Sequence[int]) -> set[int]:
-        made = set(self.always)
-        for c, reqs in self.readers:
-            if reqs[assignment[c]] >= 0:
-                made.add(reqs[assignment[c]])
-        return made
+        return _requests(self.readers, self.always, assignment)
 
     def seconds(self, assignment: Sequence[int]) -> float:
         i = assignment[self.src]
         return self.count * sum(self.cost[r][i] for r in self.requests(assignment))
+
+
+@dataclass(frozen=True)
+class SharedBytes:
+    """Memory of one value's resharded copies, the memory side of a ``SharedEdge``: each distinct request
+    made by a reader's option (or ``always``) holds ``bytes[request][src option]`` once, however many
+    readers make it. ``src`` None: the value's layout is fixed, and ``bytes`` has one column. Bytes are
+    never negative (the solver bounds the indicator of a request from below only)."""
+
+    src: int | None
+    readers: tuple[tuple[int, tuple[int, ...]], ...]   # (choice, request id per option, -1 for none)
+    bytes: tuple[tuple[float, ...], ...]               # [request][src option]
+    always: tuple[int, ...] = ()
+
+    def requests(self, assignment: Sequence[int]) -> set[int]:
+        return _requests(self.readers, self.always, assignment)
+
+    def at(self, assignment: Sequence[int]) -> float:
+        i = 0 if self.src is None else assignment[self.src]
+        return sum(self.bytes[r][i] for r in self.requests(assignment))
+
+    def choices(self) -> set[int]:
+        return {c for c, _ in self.readers} | ({self.src} if self.src is not None else set())
 
 
 @dataclass(frozen=True)
@@ -70,6 +99,12 @@ class MemoryConstraint:
     terms: tuple[tuple[int, tuple[float, ...]], ...]   # (choice index, bytes per option)
     constant: float = 0.0
     pairs: tuple[tuple[int, int, tuple[tuple[float, ...], ...]], ...] = ()   # (a, b, bytes[a option][b option])
+    shared: tuple[SharedBytes, ...] = ()
+
+    def bytes_at(self, assignment: Sequence[int]) -> float:
+        return (self.constant + sum(per[assignment[i]] for i, per in self.terms)
+                + sum(per[assignment[a]][assignment[b]] for a, b, per in self.pairs)
+                + sum(s.at(assignment) for s in self.shared))
 
 
 @dataclass
@@ -123,6 +158,18 @@ class Problem:
                 if len(per) != rows or any(len(r) != cols for r in per):
                     raise ValueError(f"memory constraint {m.name!r}: pair term {self.choices[a].name!r} x "
                                      f"{self.choices[b].name!r} must be {rows}x{cols}")
+            for sb in m.shared:
+                if any(not 0 <= c < n for c in sb.choices()):
+                    raise ValueError(f"memory constraint {m.name!r}: a shared term names a choice out of range "
+                                     f"0..{n - 1}")
+                cols = 1 if sb.src is None else len(self.choices[sb.src].costs)
+                if any(len(row) != cols for row in sb.bytes) or any(v < 0 for row in sb.bytes for v in row):
+                    raise ValueError(f"memory constraint {m.name!r}: a shared term needs {cols} bytes, none negative, "
+                                     f"per request")
+                for c, reqs in sb.readers:
+                    if len(reqs) != len(self.choices[c].costs) or any(not -1 <= r < len(sb.bytes) for r in reqs):
+                        raise ValueError(f"memory constraint {m.name!r}: shared term reader {self.choices[c].name!r} "
+                                         f"needs one request in range per option")
 
     def objective(self, assignment: Sequence[int]) -> float:
         """Total seconds of an assignment: the function every solver minimizes."""
@@ -144,8 +191,7 @@ class Problem:
         return total
 
     def memory_usage(self, assignment: Sequence[int]) -> dict[str, float]:
-        return {m.name: m.constant + sum(per[assignment[i]] for i, per in m.terms)
-                + sum(per[assignment[a]][assignment[b]] for a, b, per in m.pairs) for m in self.memory}
+        return {m.name: m.bytes_at(assignment) for m in self.memory}
 
     def feasible(self, assignment: Sequence[int]) -> bool:
         if self.memory_budget is None:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-ARCHS = ("gpt2", "llama", "bert", "gpt", "gpt-probe", "gpt-vocab", "gpt-long", "qwen2")
+ARCHS = ("gpt2", "llama", "bert", "gpt", "gpt-probe", "gpt-vocab", "gpt-long", "llama-long", "qwen2")
 KINDS = ("auto", "dp", "megatron", "zero3", "vocab", "vocab-sharded-outputs", "vocab-sliced", "recompute",
-         "sharded-outputs", "2d", "ring")
+         "sharded-outputs", "2d", "ring", "heads")
 # (tokens, batch) of the long-sequence architectures, whatever the caller asks: one sequence long
 # enough, over a small vocabulary, that attention's buffers are most of the peak.
-LONG_SEQUENCE = {"gpt-long": (2048, 1)}
+LONG_SEQUENCE = {"gpt-long": (2048, 1), "llama-long": (1024, 1)}
 
 
 def build(arch: str, seq: int, batch: int, device):
@@ -18,13 +18,18 @@ def build(arch: str, seq: int, batch: int, device):
     vocab = 512
     seq, batch = LONG_SEQUENCE.get(arch, (seq, batch))
     torch.manual_seed(0)
-    if arch in ("gpt2", "llama", "bert", "qwen2"):
+    if arch in ("gpt2", "llama", "bert", "qwen2", "llama-long"):
         import transformers as tf
     if arch == "gpt2":
         model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=vocab, n_positions=seq,
                                                  use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
     elif arch == "llama":
         model = tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
+                                                   num_key_value_heads=2, intermediate_size=256, vocab_size=vocab,
+                                                   max_position_embeddings=seq, use_cache=False))
+    elif arch == "llama-long":     # one layer, its attention given a boolean causal mask
+        vocab = 16
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=1, hidden_size=128, num_attention_heads=4,
                                                    num_key_value_heads=2, intermediate_size=256, vocab_size=vocab,
                                                    max_position_embeddings=seq, use_cache=False))
     elif arch == "bert":
@@ -67,7 +72,7 @@ def options(arch: str, kind: str, ranks: int, model) -> dict | None:
     """plan() options that force ``kind``, or None where it does not apply."""
     from tests.hf_models import MEGATRON, VOCAB_PARALLEL, VOCAB_PARALLEL_NODES
 
-    key = "gpt" if arch.startswith("gpt-") else arch
+    key = arch.split("-")[0] if arch.split("-")[0] in ("gpt", "llama") else arch
     params_r = {name: ["R"] for name, _ in model.named_parameters()}
     if kind in ("megatron", "vocab", "vocab-sharded-outputs", "2d") and (key not in MEGATRON
                                                                         or key not in VOCAB_PARALLEL):
@@ -105,7 +110,14 @@ def options(arch: str, kind: str, ranks: int, model) -> dict | None:
     if kind == "ring":      # every activation split along the sequence, attention as a ring
         if arch not in LONG_SEQUENCE:
             return None
+        mask = [["S(2)"]] if arch == "llama-long" else []
         pins = {"input_ids": ["S(1)"], "labels": ["S(1)"], **params_r,
-                "scaled_dot_product_attention*": {"inputs": [["S(2)"]] * 3}}
+                "scaled_dot_product_attention*": {"inputs": [["S(2)"]] * 3 + mask}}
+        return {"mesh_shape": (ranks,), "pins": pins, "recompute": False}
+    if kind == "heads":     # attention split by heads, its inputs gathered along the sequence
+        if arch not in LONG_SEQUENCE:
+            return None
+        mask = [["R"]] if arch == "llama-long" else []
+        pins = {"scaled_dot_product_attention*": {"inputs": [["S(1)"]] * 3 + mask}}
         return {"mesh_shape": (ranks,), "pins": pins, "recompute": False}
     raise SystemExit(f"unknown plan kind {kind!r}; choose from {', '.join(KINDS)}")

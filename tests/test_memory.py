@@ -57,7 +57,7 @@ def _measure(rank, world, cases):
 
 
 @pytest.mark.parametrize("cases", [
-    [("gpt2", "dp", None), ("llama", "megatron", None), ("bert", "zero3", None)],
+    [("gpt2", "dp", None), ("llama", "megatron", None), ("bert", "zero3", None), ("gpt", "megatron", None)],
     [("gpt", "vocab", None), ("gpt2", "recompute", None), ("llama", "sharded-outputs", None),
      ("qwen2", "zero3", None)],
     [("llama", "zero3", 1.05), ("gpt", "auto", 1.5), ("gpt2", "auto", 1.05), ("qwen2", "auto", 1.05)],
@@ -140,8 +140,11 @@ def test_ring_attention_predicted_memory_matches_measured(world):
     against live bytes on gloo ranks within 5%, causal (balanced), explicit mask and no mask, with GQA
     and MQA, fp32 and bf16. Then a whole step of one long sequence split over the ranks with the
     built-in GPT's causal attention as a ring (load-balanced half-chunks), whose peak is in the ring's
-    backward, within 10%."""
-    run_distributed(_ring_memory, world, RING_WORKING_SETS, [("gpt-long", "ring", None)], timeout=600)
+    backward, within 10%. And attention split by heads: on 2 ranks LLaMA's, given a boolean mask,
+    keeps a copy of it made additive in the query's dtype; on 4 the built-in GPT's q, k and v
+    projections keep one all-gathered input between them (one copy, as the runtime shares it)."""
+    heads = ("llama-long", "heads", None) if world == 2 else ("gpt-long", "heads", None)
+    run_distributed(_ring_memory, world, RING_WORKING_SETS, [("gpt-long", "ring", None), heads], timeout=600)
 
 
 @pytest.fixture(scope="module")

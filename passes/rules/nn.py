@@ -99,12 +99,16 @@ def _sdpa_flops(ctx):
 
 
 def _sdpa_saved_on_gpu(ctx):
-    """Flash attention keeps q, k, v, an explicit mask (its backward applies it again), the output and
-    an fp32 logsumexp; never the s x s scores."""
+    """Flash (and memory-efficient) attention keeps q, k, v, an explicit mask (its backward applies it
+    again), the output and an fp32 logsumexp; never the s x s scores. ATen makes a boolean mask
+    additive in the query's dtype before the kernel, which keeps that copy, not the boolean mask."""
     from autopar.passes.meta import SavedForBackward
 
     lse = math.prod(ctx.ins[0].shape[:-1]) * 4
-    return SavedForBackward(ctx.outs[0].nbytes, (True,) * len(ctx.ins), lse)
+    boolean = len(ctx.ins) > 3 and ctx.ins[3].dtype == torch.bool
+    inputs = (True,) * 3 + ((not boolean,) if len(ctx.ins) > 3 else ())
+    converted = (0, 0, 0, ctx.ins[0].dtype.itemsize) if boolean else ()
+    return SavedForBackward(ctx.outs[0].nbytes, inputs, lse, converted=converted)
 
 
 def _sdpa_collectives(ctx, in_layouts, mesh_shape):
@@ -231,8 +235,13 @@ def _sdpa_backward_workspace(ctx, in_layouts, mesh_shape):
 
 
 def _sdpa_saved_sharded(ctx, in_layouts):
-    """Ring attention keeps what flash attention keeps, whatever the device."""
-    return _sdpa_saved_on_gpu(ctx) if _sharding_axis(in_layouts[1], 2) is not None else None
+    """Ring attention keeps what flash attention keeps, whatever the device, but an explicit mask as it
+    is given (each block of it is made additive while it is attended to)."""
+    import dataclasses
+
+    if _sharding_axis(in_layouts[1], 2) is None:
+        return None
+    return dataclasses.replace(_sdpa_saved_on_gpu(ctx), inputs=(True,) * len(ctx.ins), converted=())
 
 
 @register_rule(aten.scaled_dot_product_attention.default, flops=_sdpa_flops, saved_on_gpu=_sdpa_saved_on_gpu,

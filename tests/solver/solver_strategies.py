@@ -6,7 +6,7 @@ to exercise the ILP's scaling; bytes come in MB.
 """
 from hypothesis import strategies as st
 
-from autopar.solver import Choice, Edge, MemoryConstraint, Problem, SharedEdge
+from autopar.solver import Choice, Edge, MemoryConstraint, Problem, SharedBytes, SharedEdge
 
 MB = 1e6
 
@@ -36,14 +36,18 @@ def problems(draw, max_choices=8, memory=None):
     for _ in range(draw(st.integers(0, 2 * n))):
         s, d = draw(st.integers(0, n - 1)), draw(st.integers(0, n - 1))   # self-edges and repeats too
         edges.append(Edge(s, d, draw(matrices(sizes[s], sizes[d], unit)), count=draw(st.integers(1, 4))))
-    shared = []
-    for _ in range(draw(st.integers(0, n))):   # one value read by several choices, each request paid once
-        src = draw(st.integers(0, n - 1))
+    def requests(src):
+        """(readers, a table of n_req rows over the source's options, always) of one shared value."""
         n_req = draw(st.integers(1, 3))
         readers = tuple((c, tuple(draw(st.integers(-1, n_req - 1)) for _ in range(sizes[c])))
                         for c in draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=3)))
+        return readers, n_req, tuple(draw(st.lists(st.integers(0, n_req - 1), max_size=1)))
+
+    shared = []
+    for _ in range(draw(st.integers(0, n))):   # one value read by several choices, each request paid once
+        src = draw(st.integers(0, n - 1))
+        readers, n_req, always = requests(src)
         cost = tuple(tuple(unit * draw(st.integers(0, 20)) for _ in range(sizes[src])) for _ in range(n_req))
-        always = tuple(draw(st.lists(st.integers(0, n_req - 1), max_size=1)))
         shared.append(SharedEdge(src, readers, cost, always, count=draw(st.integers(1, 3))))
     p = Problem(choices=choices, edges=edges, shared=shared)
     if memory if memory is not None else draw(st.booleans()):
@@ -55,12 +59,21 @@ def problems(draw, max_choices=8, memory=None):
                                        for _ in range(sizes[a])))
                           for a, b in draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)),
                                                     max_size=2)))
-            p.memory.append(MemoryConstraint(f"m{k}", terms, constant=MB * draw(st.integers(0, 20)), pairs=pairs))
+            # Copies of a value, each request's held once however many readers make it (a fixed source too).
+            copies = []
+            for _ in range(draw(st.integers(0, 2))):
+                src = draw(st.sampled_from([None, *range(n)]))
+                readers, n_req, always = requests(src)
+                table = tuple(tuple(MB * draw(st.integers(0, 30)) for _ in range(1 if src is None else sizes[src]))
+                              for _ in range(n_req))
+                copies.append(SharedBytes(src, readers, table, always))
+            p.memory.append(MemoryConstraint(f"m{k}", terms, constant=MB * draw(st.integers(0, 20)), pairs=pairs,
+                                             shared=tuple(copies)))
         # A limit between the least and the most any constraint could need: some fit, some do not.
         lo = min(m.constant + sum(min(per) for _, per in m.terms) + sum(min(map(min, per)) for *_, per in m.pairs)
                  for m in p.memory)
         hi = max(m.constant + sum(max(per) for _, per in m.terms) + sum(max(map(max, per)) for *_, per in m.pairs)
-                 for m in p.memory)
+                 + sum(max(row) for c in m.shared for row in c.bytes) for m in p.memory)
         p.memory_budget = MB * draw(st.integers(int(lo / MB), int(hi / MB)))
     return p
 
