@@ -75,7 +75,7 @@ def alternatives(prob, idx: ProblemIndex, assignment, cm: CostModel, axis_names,
 
 
 def _op_collectives(cm, node, s, axis_names):
-    return [c.record(axis_names, neighbor=node.name, value=node.name) for c in cm.priced_op_collectives(node, s)]
+    return [c.alternative_entry(axis_names, node.name, node.name) for c in cm.priced_op_collectives(node, s)]
 
 
 def _edge_collectives(cm, v, src, dst_strategy, k, neighbor, axis_names):
@@ -85,4 +85,4 @@ def _edge_collectives(cm, v, src, dst_strategy, k, neighbor, axis_names):
     if steps is None:
         return [{"kind": "impossible", "neighbor": neighbor, "value": v.node.name}]
     priced = cm.priced_steps(steps, value_info(v).dtype.itemsize, requires_grad(v.node))
-    return [c.record(axis_names, neighbor=neighbor, value=v.node.name) for _, c in priced]
+    return [c.alternative_entry(axis_names, neighbor, v.node.name) for _, c in priced]

@@ -141,8 +141,8 @@ def check_plan(plan: Plan, model: nn.Module, example_inputs=(), example_kwargs=N
         raise PlanFormatError(f"mesh_shape={tuple(mesh_shape)} but the plan's mesh is {plan.mesh_shape}")
     if axis_names is not None and tuple(axis_names) != plan.axis_names:
         raise PlanFormatError(f"axis_names={tuple(axis_names)} but the plan's mesh axes are {plan.axis_names}")
-    if memory_budget is not None and plan.memory["peak"] > float(memory_budget):
-        raise InfeasiblePlanError(f"the plan's predicted peak, {plan.memory['peak']:.0f} bytes per device, exceeds "
+    if memory_budget is not None and plan.memory.peak > float(memory_budget):
+        raise InfeasiblePlanError(f"the plan's predicted peak, {plan.memory.peak:.0f} bytes per device, exceeds "
                                   f"memory_budget={float(memory_budget):.0f}; plan again with this budget",
                                   memory_budget=float(memory_budget))
     for pattern, pin in (pins or {}).items():
@@ -158,8 +158,8 @@ def _check_pin(plan: Plan, pattern: str, pin) -> None:
     want = pin if isinstance(pin, dict) else {"output": pin}
     layouts = {**{k: {"output": v} for k, v in plan.params.items()},
                **{k: {"output": v} for k, v in plan.inputs.items()},
-               **{n["name"]: {"output": n["outputs"][0] if n["outputs"] else None, "inputs": n["inputs"]}
-                  for n in plan.nodes}}
+               **{n.name: {"output": list(n.outputs[0]) if n.outputs else None,
+                           "inputs": [list(lay) for lay in n.inputs]} for n in plan.nodes}}
     matched = [name for name in layouts if fnmatch.fnmatchcase(name, pattern)]
     if not matched:
         raise unmatched_pin_error(pattern, list(layouts))

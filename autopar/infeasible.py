@@ -18,12 +18,12 @@ def check_host_memory(plan: Plan, cluster: ClusterSpec) -> None:
     (``StepMemory.host_constraint``), checked again on the plan."""
     if not plan.offload or cluster.host_is_device:
         return
-    need = plan.memory["host"] * cluster.devices_per_node
+    need = plan.memory.host * cluster.devices_per_node
     if need > cluster.host_memory:
         raise InfeasiblePlanError(
             f"the plan offloads {len(plan.offload)} parameters' optimizer states, {need / 1e9:.1f} GB per node of "
             f"host memory, more than the node's {cluster.host_memory / 1e9:.1f} GB (host_memory); raise the device "
-            f"budget, add devices, or give the host's real memory", memory_budget=plan.memory.get("memory_budget"))
+            f"budget, add devices, or give the host's real memory", memory_budget=plan.memory.memory_budget)
 
 
 def _smallest_valid_budget(prob, sm: StepMemory, above: float | None = None):
@@ -62,15 +62,14 @@ def raise_infeasible(prep, infeasible: list[MeshCandidate], cluster, memory_budg
                                   f"budget: the pinned layouts cannot be reached; relax the pins",
                                   memory_budget=memory_budget)
     need, assignment, mesh = best
-    p = assemble_plan(prep, mesh.idx, assignment, mesh.cm, mesh.shape, mesh.names, cluster, memory_budget,
-                      mesh.memory)
-    consumers = [(f"param {k} (+grad, optimizer)", v) for k, v in p.memory["by_param"].items()]
-    consumers += [(f"activations of {n['name']}", n["activation_bytes"]) for n in p.nodes]
+    p = assemble_plan(prep, mesh.solved(), assignment, cluster, memory_budget)
+    consumers = [(f"param {k} (+grad, optimizer)", v) for k, v in p.memory.by_param.items()]
+    consumers += [(f"activations of {n.name}", n.activation_bytes) for n in p.nodes]
     consumers = sorted(consumers, key=lambda x: -x[1])[:5]
     top = ", ".join(f"{name} ({b / 2**20:.1f} MiB)" for name, b in consumers)
     host = ""
-    if p.offload and not cluster.host_is_device and p.memory["host"] * cluster.devices_per_node > cluster.host_memory:
-        host = (f" That plan offloads optimizer states, {p.memory['host'] * cluster.devices_per_node / 1e9:.1f} GB per "
+    if p.offload and not cluster.host_is_device and p.memory.host * cluster.devices_per_node > cluster.host_memory:
+        host = (f" That plan offloads optimizer states, {p.memory.host * cluster.devices_per_node / 1e9:.1f} GB per "
                 f"node of host memory, more than the node's {cluster.host_memory / 1e9:.1f} GB (host_memory): the "
                 f"smallest budget within the host's memory is higher.")
     raise InfeasiblePlanError(

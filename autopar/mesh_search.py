@@ -13,7 +13,7 @@ from autopar.errors import AutoparError
 from autopar.passes.costs import INFEASIBLE, CostModel
 from autopar.passes.ilp_build import ProblemIndex
 from autopar.passes.memory import StepMemory, solve_under_budget
-from autopar.plan_assembly import assemble_plan, serial_seconds
+from autopar.plan_assembly import SolvedMesh, assemble_plan, objective_seconds
 
 SOLVER_THREADS = 2   # candidate meshes solved at once
 
@@ -43,21 +43,24 @@ class MeshCandidate:
                                       sharded_outputs=self.sharded_outputs)
         return self._memory
 
+    def solved(self) -> SolvedMesh:
+        return SolvedMesh(self.shape, self.names, self.idx, self.cm, self.memory)
+
 
 def search(meshes: list[MeshCandidate], best, prep, cluster, memory_budget, sharded_outputs, time_limit,
            report):
     """Solve the candidate meshes and keep the plan of least step time (``best``: one already found).
 
-    Plans are compared by their serial step time (``serial_seconds``), which the solver minimizes. The
-    mesh whose greedy layout is fastest goes first, and the serial step time of the best plan so far
-    bounds the rest: a mesh whose lower bound is no better is not solved, and the solver stops a mesh
-    as soon as it proves it cannot beat it. A plan's serial step time is never below its problem's
-    objective (it adds the reshardings recomputed layers run again), so neither shortcut loses the best
+    Plans are compared by what the solver minimizes (``objective_seconds``: the serial step time less
+    the solver's hiding credits). The mesh whose greedy layout is fastest goes first, and the best plan
+    so far bounds the rest: a mesh whose lower bound is no better is not solved, and the solver stops a
+    mesh as soon as it proves it cannot beat it. A plan's figure is never below its problem's objective
+    (it adds the reshardings recomputed layers run again), so neither shortcut loses the best
     plan. Two meshes are solved at a time (the solver runs outside Python's lock), in waves whose bound is
     the best plan of the waves before; the plans are evaluated here.
     """
     order = sorted(meshes, key=lambda m: (m.estimate, m.lower_bound, m.position))
-    best_key = None if best is None else (serial_seconds(best), -1)
+    best_key = None if best is None else (objective_seconds(best), -1)
     tried, infeasible, t_eval = {}, [], 0.0
     workers = max(1, min(SOLVER_THREADS, len(order)))
     with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -65,7 +68,7 @@ def search(meshes: list[MeshCandidate], best, prep, cluster, memory_budget, shar
             # A wave of meshes solved together under the bound of the waves before it, its results taken
             # in order: which mesh finishes first never changes a bound, so the plan does not depend on
             # the machine's load.
-            bound = None if best is None else serial_seconds(best)
+            bound = None if best is None else objective_seconds(best)
             wave = []
             while order and len(wave) < workers:
                 m = order.pop(0)
@@ -93,17 +96,16 @@ def search(meshes: list[MeshCandidate], best, prep, cluster, memory_budget, shar
                     continue
                 report(f"mesh {m.shape}: evaluating")
                 t0 = time.perf_counter()
-                p = assemble_plan(prep, m.idx, sol.assignment, m.cm, m.shape, m.names, cluster, memory_budget, m.memory,
-                             sharded_outputs)
-                if p.memory["peak"] > memory_budget * (1 + 1e-9):
+                p = assemble_plan(prep, m.solved(), sol.assignment, cluster, memory_budget, sharded_outputs)
+                if p.memory.peak > memory_budget * (1 + 1e-9):
                     raise AutoparError(f"internal error: the plan for mesh {list(m.shape)} peaks at "
-                                       f"{p.memory['peak']:.0f} bytes, over its budget of {memory_budget:.0f}; please "
+                                       f"{p.memory.peak:.0f} bytes, over its budget of {memory_budget:.0f}; please "
                                        f"report this")
                 p.alternatives = alternatives(m.prob, m.idx, sol.assignment, m.cm, m.names)
                 p.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
                                 constraints=sol.num_constraints, backend=sol.backend, gap=sol.gap)
-                if best is None or (serial_seconds(p), m.position) < best_key:
-                    best, best_key = p, (serial_seconds(p), m.position)
+                if best is None or (objective_seconds(p), m.position) < best_key:
+                    best, best_key = p, (objective_seconds(p), m.position)
                 t_eval += time.perf_counter() - t0
     infeasible.sort(key=lambda m: m.position)
     return best, [tried[k] for k in sorted(tried)], infeasible, t_eval

@@ -14,8 +14,8 @@ from autopar.passes.memory import StepMemory, solve_under_budget
 from autopar.passes.meta import meta_of
 from autopar.passes.ilp_build import build_problem
 from autopar.pass_pipeline import mesh_passes
-from autopar.plan import Plan
-from autopar.plan_assembly import assemble_plan
+from autopar.plan import Plan, PlanCollective
+from autopar.plan_assembly import SolvedMesh, assemble_plan
 
 def pipeline_meshes(cluster: ClusterSpec) -> list:
     """Pipeline meshes to try beside ``cluster.mesh_candidates()``, after Megatron-LM's rule: tensor
@@ -95,7 +95,7 @@ def plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, 
         # them). Every rank is checked against the budget under each schedule below.
         scaled = _per_microbatch(cost_model)(sub_cluster, sub_shape, optimizer, fused=fused)
         scaled.microbatches, scaled.stages = m, p
-        prob, idx = build_problem(prep.gm, scaled, memory_budget, pins, sharded_outputs, False)
+        prob, idx = build_problem(prep.gm, scaled, memory_budget, pins, sharded_outputs, False, overlap=False)
         sm = StepMemory(prep.gm, scaled, idx, [len(c.costs) for c in prob.choices], sharded_outputs=sharded_outputs)
         report(f"mesh {shape}, {m} microbatches: solving {len(prob.choices)} decisions")
         timings["build"] += time.perf_counter() - t0
@@ -116,9 +116,9 @@ def plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, 
         if sol.status == "infeasible" or prob.objective(sol.assignment) >= INFEASIBLE:
             continue
         t0 = time.perf_counter()
-        sub = assemble_plan(prep, idx, sol.assignment, cm, sub_shape, sub_names, sub_cluster, memory_budget, sm,
-                       sharded_outputs)
-        _deferred_to_parameters(prep.gm, sub.collectives, cm, sub_names)
+        sub = assemble_plan(prep, SolvedMesh(sub_shape, sub_names, idx, cm, sm), sol.assignment, sub_cluster,
+                            memory_budget, sharded_outputs)
+        sub.collectives = _deferred_to_parameters(prep.gm, sub.collectives, cm, sub_names)
         chosen = idx.chosen(sol.assignment)
         instance_of = {n: meta_of(n).layer.layer for n in chosen if n.op == "call_function" and meta_of(n).layer}
         costs = PL.LayerCosts(prep.gm, sub, _boundary_bytes(instance_of, chosen, cm),
@@ -150,20 +150,21 @@ def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
         microbatches = 1
         stages = 1
 
-        def transition_seconds(self, value, src_layout, dst_layout, partial_axes):
+        def transition_phase_seconds(self, value, src_layout, dst_layout, partial_axes):
             param = reduced_param(value.node)
             if param is None:
-                return super().transition_seconds(value, src_layout, dst_layout, partial_axes)
+                return super().transition_phase_seconds(value, src_layout, dst_layout, partial_axes)
             info = value_info(value)
             steps = _transition_cached(tuple(src_layout), tuple(dst_layout), info.shape, self.mesh_shape,
                                        partial_axes)
             if steps is None:
-                return INFEASIBLE
+                return None
             grad = requires_grad(value.node)
             # The gradient all-reduce, once per step, sums the parameter's own (float32 master) gradient.
-            return sum(self.steps_seconds([st], param.meta["val"].dtype.itemsize, grad) / self.microbatches
-                       if st.op == "grad_all_reduce" else self.steps_seconds([st], info.dtype.itemsize, grad)
-                       for st in steps)
+            phases = [self.steps_phase_seconds([st], param.meta["val"].dtype.itemsize, grad,
+                                               lambda _: 1 / self.microbatches) if st.op == "grad_all_reduce"
+                      else self.steps_phase_seconds([st], info.dtype.itemsize, grad) for st in steps]
+            return sum(f for f, _ in phases), sum(b for _, b in phases)
 
         def param_bytes(self, node, layout, zero=None, offload=False):
             return tuple(x / self.stages for x in super().param_bytes(node, layout, zero, offload))
@@ -190,18 +191,21 @@ def reduced_param(node) -> object | None:
     return src if src is not None and is_param(src) and len(src.users) == 1 else None
 
 
-def _deferred_to_parameters(gm, collectives: list, cm: CostModel, axis_names) -> None:
-    """Record the gradient all-reduces of parameters' bfloat16 copies as the parameters' own, as the
-    pipeline runs them: once per step, on the float32 gradient (its bytes and seconds)."""
+def _deferred_to_parameters(gm, collectives: list[PlanCollective], cm: CostModel, axis_names) -> list[PlanCollective]:
+    """The collectives, with the gradient all-reduces of parameters' bfloat16 copies recorded as the
+    parameters' own, as the pipeline runs them: once per step, on the float32 gradient (its bytes and
+    seconds)."""
     nodes = {n.name: n for n in gm.graph.nodes}
+    out = []
     for c in collectives:
-        node = nodes.get(c["value"])
-        param = reduced_param(node) if c.get("step") == "grad_all_reduce" and node is not None else None
-        if param is None or param is node:
-            continue
-        nbytes = c["bytes"] * param.meta["val"].dtype.itemsize / node.meta["val"].dtype.itemsize
-        c.update(value=param.name, bytes=int(nbytes),
-                 seconds=cm.collective_seconds(c["kind"], nbytes, axis_names.index(c["axis"])))
+        node = nodes.get(c.value)
+        param = reduced_param(node) if c.step == "grad_all_reduce" and node is not None else None
+        if param is not None and param is not node:
+            nbytes = c.bytes * param.meta["val"].dtype.itemsize / node.meta["val"].dtype.itemsize
+            c = dataclasses.replace(c, value=param.name, bytes=int(nbytes),
+                                    seconds=cm.collective_seconds(c.kind, nbytes, axis_names.index(c.axis)))
+        out.append(c)
+    return out
 
 
 def _recompute_seconds(instance_of: dict, chosen: dict, cm: CostModel, collectives: list) -> dict:
@@ -212,9 +216,9 @@ def _recompute_seconds(instance_of: dict, chosen: dict, cm: CostModel, collectiv
         out[inst] = out.get(inst, 0.0) + cm.forward_compute_seconds(n, chosen[n])
     inst_of_name = {n.name: inst for n, inst in instance_of.items()}
     for c in collectives:
-        if c["phase"] == "forward" and c["node"] in inst_of_name:
-            inst = inst_of_name[c["node"]]
-            out[inst] += c["seconds"]
+        if c.phase == "forward" and c.node in inst_of_name:
+            inst = inst_of_name[c.node]
+            out[inst] += c.seconds
     return out
 
 
@@ -239,19 +243,21 @@ def _pipeline_plan(sub: Plan, found: dict, shape, names, axis, cluster, memory_b
     def widen(lay):
         return ["R", *lay] if len(shape) > 1 else ["R"]
 
+    def widen_all(lays):
+        return tuple(tuple(widen(lay)) for lay in lays)
+
     sub.mesh = {"shape": list(shape), "axes": list(names)}
     sub.cluster = cluster.to_dict()
     sub.params = {k: widen(v) for k, v in sub.params.items()}
     sub.inputs = {k: widen(v) for k, v in sub.inputs.items()}
-    for n in sub.nodes:
-        n["inputs"] = [widen(l) for l in n["inputs"]]
-        n["outputs"] = [widen(l) for l in n["outputs"]]
+    sub.nodes = [dataclasses.replace(n, inputs=widen_all(n.inputs), outputs=widen_all(n.outputs)) for n in sub.nodes]
     m = found["microbatches"]
     worst = max(found["ranks"], key=lambda r: r["peak"])
-    scale = worst["static_bytes"] / max(sub.memory["params"] + sub.memory["grads"] + sub.memory["optimizer"], 1.0)
-    sub.memory.update(peak=found["peak"], memory_budget=memory_budget, activations=worst["activation_bytes"],
-                      params=sub.memory["params"] * scale, grads=sub.memory["grads"] * scale,
-                      optimizer=sub.memory["optimizer"] * scale)
+    mem = sub.memory
+    scale = worst["static_bytes"] / max(mem.params + mem.grads + mem.optimizer, 1.0)
+    sub.memory = dataclasses.replace(mem, peak=found["peak"], memory_budget=memory_budget,
+                                     activations=worst["activation_bytes"], params=mem.params * scale,
+                                     grads=mem.grads * scale, optimizer=mem.optimizer * scale)
     slow = found["ranks"][found["slowest_rank"]]
     comm = {a: m * slow["comm_seconds"].get(a, 0.0) for a in names}
     comm["pp"] += m * slow["p2p_seconds"]

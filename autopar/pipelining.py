@@ -148,13 +148,13 @@ class LayerCosts:
         for c in sub_plan.collectives:
             # A parameter's gradient all-reduce runs once per step, after the last microbatch
             # (codegen/stages.py); every other collective runs in every microbatch.
-            once = c.get("step") == "grad_all_reduce" and c["value"] in params
-            per = (sync_of_node if once else comm_of_node).setdefault(c["node"], {})
-            per[c["axis"]] = per.get(c["axis"], 0.0) + c["seconds"]
+            once = c.step == "grad_all_reduce" and c.value in params
+            per = (sync_of_node if once else comm_of_node).setdefault(c.node, {})
+            per[c.axis] = per.get(c.axis, 0.0) + c.seconds
         first_layer_seen = False
         region_of_node = {}
         for entry in sub_plan.nodes:
-            inst = entry["layer"]
+            inst = entry.layer
             if inst is not None:
                 if inst not in self.compute:
                     self.layers.append(inst)
@@ -162,17 +162,17 @@ class LayerCosts:
                 key = inst
             else:
                 key = "post" if first_layer_seen else "pre"
-            region_of_node[entry["name"]] = key
-            self.compute[key] = self.compute.get(key, 0.0) + entry["compute_seconds"]
+            region_of_node[entry.name] = key
+            self.compute[key] = self.compute.get(key, 0.0) + entry.compute_seconds
             for table, of_node in ((self.comm, comm_of_node), (self.sync, sync_of_node)):
                 comm = table.setdefault(key, {})
-                for a, t in of_node.get(entry["name"], {}).items():
+                for a, t in of_node.get(entry.name, {}).items():
                     comm[a] = comm.get(a, 0.0) + t
-            self.activations[key] = self.activations.get(key, 0.0) + entry["activation_bytes"]
+            self.activations[key] = self.activations.get(key, 0.0) + entry.activation_bytes
         self.boundary = boundary_bytes
         # Parameter bytes (weights, gradients, optimizer states) per region; a parameter read in several
         # regions (tied embeddings) is held by each.
-        by_param = sub_plan.memory["by_param"]
+        by_param = sub_plan.memory.by_param
         self.param_bytes: dict = {}
         self.param_regions: dict = {}
         for n in gm.graph.nodes:

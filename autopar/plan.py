@@ -4,11 +4,13 @@ The schema is documented in docs/plan-format.md. Loading validates the file and 
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from autopar.errors import PlanFormatError, ShardingError
 from autopar.layout import Placement
@@ -23,6 +25,144 @@ MEMORY_KEYS = ("peak", "params", "grads", "optimizer", "activations")
 PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 
 
+# --- typed entries -----------------------------------------------------------------------------
+# A plan's per-node decisions, collectives and memory summary are frozen records. Their attributes
+# are typed (a layout is a tuple of placement strings); indexing one reads its JSON object, so
+# ``plan.memory["peak"]`` and ``node["inputs"]`` (lists, as in the file) keep working.
+
+def _to_json(v):
+    if isinstance(v, _Record):
+        return v.to_dict()
+    if isinstance(v, (tuple, list)):
+        return [_to_json(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _to_json(x) for k, x in v.items()}
+    return v
+
+
+def _layouts(v) -> tuple:
+    return tuple(tuple(lay) for lay in v)
+
+
+class _Record(Mapping):
+    """A frozen plan entry that reads as its JSON object too (``Mapping``: ``[key]``, ``get``, ``items``)."""
+
+    # fields left out of the JSON object while they hold their default
+    OMITTED_AT_DEFAULT: ClassVar[frozenset] = frozenset()
+
+    def _written(self, f) -> bool:
+        if f.name not in self.OMITTED_AT_DEFAULT:
+            return True
+        default = f.default_factory() if f.default is MISSING else f.default
+        return getattr(self, f.name) != default
+
+    def to_dict(self) -> dict:
+        return {f.name: _to_json(getattr(self, f.name)) for f in fields(self) if self._written(f)}
+
+    def __getitem__(self, key):
+        f = self.__dataclass_fields__.get(key) if isinstance(key, str) else None
+        if f is None or not self._written(f):
+            raise KeyError(key)
+        return _to_json(getattr(self, key))
+
+    def __iter__(self):
+        return (f.name for f in fields(self) if self._written(f))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+@dataclass(frozen=True, eq=True)
+class PlanNode(_Record):
+    """The decision for one graph node: its layouts and what it costs per device."""
+
+    name: str
+    op: str                            # the ATen op's name, e.g. "mm.default"
+    inputs: tuple                      # one layout per tensor input, e.g. (("S(0)", "R"), ("R", "S(1)"))
+    outputs: tuple                     # one layout per tensor output
+    split_axes: tuple                  # the mesh axes along which the op's work is divided
+    compute_seconds: float             # forward + backward
+    comm_seconds: float                # its inputs' reshardings and the collectives it runs itself
+    activation_bytes: float            # kept for backward, per device
+    layer: str | None = None           # the layer instance it belongs to
+    layer_class: str | None = None
+    follows: str | None = None         # the node whose decision fixes this one's
+    shape: tuple | None = None         # the output's global shape
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "PlanNode":
+        return cls(d["name"], d["op"], _layouts(d["inputs"]), _layouts(d["outputs"]), tuple(d["split_axes"]),
+                   d["compute_seconds"], d["comm_seconds"], d["activation_bytes"], d.get("layer"),
+                   d.get("layer_class"), d.get("follows"), None if d.get("shape") is None else tuple(d["shape"]))
+
+
+@dataclass(frozen=True, eq=True)
+class PlanCollective(_Record):
+    """One collective the generated program runs on one mesh axis, priced (passes/costs.py)."""
+
+    OMITTED_AT_DEFAULT: ClassVar[frozenset] = frozenset({"value", "step", "recompute", "exposed"})
+
+    kind: str                          # all_reduce, all_gather, reduce_scatter, all_to_all or send_recv
+    axis: str                          # the mesh axis's name
+    phase: str                         # forward, backward or optimizer
+    bytes: float                       # per device (docs/plan-format.md)
+    seconds: float
+    node: str                          # the first consumer
+    value: str | None = None           # the tensor moved
+    step: str | None = None            # the runtime call that runs it, or the op that runs it itself
+    recompute: bool = False            # a forward collective of a recomputed layer, run again in backward
+    exposed: float | None = None       # the seconds of it that compute does not hide
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "PlanCollective":
+        return cls(d["kind"], d["axis"], d["phase"], d["bytes"], d["seconds"], d["node"], d.get("value"),
+                   d.get("step"), d.get("recompute", False), d.get("exposed"))
+
+
+@dataclass(frozen=True, eq=True)
+class MemoryPoint(_Record):
+    """Live bytes per device at one point of the step, per category (passes/memory.py: CATEGORIES)."""
+
+    phase: str                         # forward, recompute, backward or optimizer
+    node: str                          # the node, layer instance or parameter at that point
+    params: float
+    optimizer: float
+    grads: float
+    activations: float
+    transient: float
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "MemoryPoint":
+        return cls(d["phase"], d["node"], d["params"], d["optimizer"], d["grads"], d["activations"], d["transient"])
+
+
+@dataclass(frozen=True, eq=True)
+class PlanMemory(_Record):
+    """Bytes per device over one training step (docs/cost-model.md, "Memory")."""
+
+    OMITTED_AT_DEFAULT: ClassVar[frozenset] = frozenset(
+        {"memory_budget", "host", "by_param", "timeline", "peak_point", "peak_at"})
+
+    peak: float                        # the step's highest point, never above memory_budget
+    params: float
+    grads: float
+    optimizer: float
+    activations: float                 # kept for backward at the end of forward
+    memory_budget: float | None = None
+    host: float | None = None          # host memory of offloaded optimizer states
+    by_param: dict = field(default_factory=dict)    # FQN -> parameter + gradient + optimizer state
+    timeline: tuple = ()               # MemoryPoints, sampled to about 200 keeping each window's highest
+    peak_point: int | None = None      # the peak's index among the step's points
+    peak_at: MemoryPoint | None = None
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "PlanMemory":
+        return cls(d["peak"], d["params"], d["grads"], d["optimizer"], d["activations"], d.get("memory_budget"),
+                   d.get("host"), dict(d.get("by_param", {})),
+                   tuple(MemoryPoint.from_dict(p) for p in d.get("timeline", ())), d.get("peak_point"),
+                   None if d.get("peak_at") is None else MemoryPoint.from_dict(d["peak_at"]))
+
+
 @dataclass
 class Plan:
     model: dict                      # class, fingerprint, num_params
@@ -30,9 +170,9 @@ class Plan:
     mesh: dict                       # {"shape": [...], "axes": [...]}
     params: dict                     # FQN -> layout strings, one per mesh axis
     inputs: dict                     # user input name -> layout strings
-    nodes: list                      # per-node entries (see docs/plan-format.md)
-    collectives: list                # per-collective entries
-    memory: dict                     # bytes per device: peak, params, grads, optimizer, activations, ...
+    nodes: list[PlanNode]            # one per graph node, in execution order
+    collectives: list[PlanCollective]
+    memory: PlanMemory               # bytes per device: peak, params, grads, optimizer, activations, ...
     step_time: float                 # predicted seconds per training step
     breakdown: dict                  # seconds: compute, communication per axis, optimizer
     solver: dict                     # status, seconds, variables, constraints, backend, candidates
@@ -61,7 +201,7 @@ class Plan:
 
     # --- serialization -------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return asdict(self)
+        return copy.deepcopy({f.name: _to_json(getattr(self, f.name)) for f in fields(self)})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -73,7 +213,10 @@ class Plan:
     def from_dict(cls, d: Any) -> "Plan":
         d = _renamed_keys(d)
         _validate(d)
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        entries = {"nodes": [PlanNode.from_dict(n) for n in d["nodes"]],
+                   "collectives": [PlanCollective.from_dict(c) for c in d["collectives"]],
+                   "memory": PlanMemory.from_dict(d["memory"])}
+        return cls(**{k: entries.get(k, d[k]) for k in cls.__dataclass_fields__ if k in d})
 
     @classmethod
     def load(cls, path) -> "Plan":
@@ -95,9 +238,9 @@ class Plan:
     def axis_names(self) -> tuple[str, ...]:
         return tuple(self.mesh["axes"])
 
-    def node(self, name: str) -> dict:
+    def node(self, name: str) -> PlanNode:
         for n in self.nodes:
-            if n["name"] == name:
+            if n.name == name:
                 return n
         raise KeyError(f"plan has no node {name!r}")
 
@@ -105,7 +248,7 @@ class Plan:
         """{(kind, axis, phase): count}."""
         out: dict = {}
         for c in self.collectives:
-            k = (c["kind"], c["axis"], c["phase"])
+            k = (c.kind, c.axis, c.phase)
             out[k] = out.get(k, 0) + 1
         return out
 
@@ -113,8 +256,7 @@ class Plan:
         """Parameter FQN -> (ZeRO stage, mesh axis) for every parameter whose state is sharded: 1 or 2
         from ``zero``, 3 where the parameter itself is sharded along an axis its readers gather it on."""
         out = {fqn: (z["stage"], z["axis"]) for fqn, z in self.zero.items()}
-        gathered = {(c["value"], c["axis"]) for c in self.collectives
-                    if c["kind"] == "all_gather" and c["phase"] == "forward"}
+        gathered = {(c.value, c.axis) for c in self.collectives if c.kind == "all_gather" and c.phase == "forward"}
         for fqn, lay in self.params.items():
             value = "p_" + fqn.replace(".", "_")          # torch.export's name for the parameter
             for axis, p in zip(self.axis_names, lay):
@@ -308,9 +450,8 @@ def _schema(axes) -> dict:
                                {"axis": _one_of(axes), "phase": _one_of(PHASES), "bytes": _number,
                                 "seconds": _number}))})
     memory_phases = ("forward", "recompute", "backward", "optimizer")
-    timeline = _object({"phase": _one_of(memory_phases), "node": _string, "params": _number,
-                        "optimizer": _number, "grads": _number, "activations": _number, "transient": _number})
-    peak_at = _object({"phase": _one_of(memory_phases), "node": _string})
+    point = _object({"phase": _one_of(memory_phases), "node": _string, "params": _number,
+                     "optimizer": _number, "grads": _number, "activations": _number, "transient": _number})
     return {
         "model": _object({"class": _string, "fingerprint": _string, "num_params": _integer(0)},
                          {"input_shapes": _list_of(_optional(_list_of(_integer(0)))),
@@ -322,12 +463,12 @@ def _schema(axes) -> dict:
         "nodes": _list_of(_node(axes)),
         "collectives": _list_of(collective),
         "memory": _object({k: _number for k in MEMORY_KEYS},
-                          {"memory_budget": _number, "host": _number, "by_param": _dict_of(_number), "timeline": _list_of(timeline),
-                           "peak_point": _integer(0), "peak_at": peak_at}),
+                          {"memory_budget": _number, "host": _number, "by_param": _dict_of(_number), "timeline": _list_of(point),
+                           "peak_point": _integer(0), "peak_at": point}),
         "step_time": _number,
         "breakdown": _object({"compute": _number, "communication": _dict_of(_number), "optimizer": _number},
                              {"recompute": _number, "offload": _number, "exposed": _number, "hidden": _number,
-                              "serial": _number}),
+                              "serial": _number, "credit": _number}),
         "solver": _object({}, {"status": _string, "seconds": _number, "variables": _integer(0),
                                "constraints": _integer(0), "backend": _string, "planning_seconds": _number,
                                "candidates": _list_of(_object({"mesh": _list_of(_integer(1)), "status": _string},

@@ -2,6 +2,7 @@
 and the memory timeline of the step memory model (passes/memory.py)."""
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,21 +16,42 @@ from autopar.passes.layers import layer_counts, layer_instances
 from autopar.passes.memory import StepMemory
 from autopar.passes.meta import meta_of, op_name
 from autopar.passes.reshard_plan import collectives, plan_reshards
-from autopar.plan import Plan
+from autopar.plan import MemoryPoint, Plan, PlanMemory, PlanNode
 
 if TYPE_CHECKING:
     from autopar.planner import Prepared
 
 
 def serial_seconds(plan: Plan) -> float:
-    """The plan's step time with no communication hidden: what the solver minimizes, an upper bound
-    of ``plan.step_time`` (docs/cost-model.md). Pipeline plans price no overlap."""
+    """The plan's step time with no communication hidden, an upper bound of ``plan.step_time``
+    (docs/cost-model.md). Pipeline plans price no overlap."""
     return plan.breakdown.get("serial", plan.step_time)
 
 
-def assemble_plan(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, mesh_shape, axis_names,
-             cluster: ClusterSpec, memory_budget: float, sm: StepMemory, sharded_outputs: bool = False) -> Plan:
+def objective_seconds(plan: Plan) -> float:
+    """What the solver minimizes, as the plan's figures give it: the serial step time less the
+    communication the solver's hiding credits count as hidden (``breakdown["credit"]``). Plans of
+    different meshes are compared by it, so that the bounds of the mesh search hold."""
+    return serial_seconds(plan) - plan.breakdown.get("credit", 0.0)
+
+
+@dataclass(frozen=True)
+class SolvedMesh:
+    """One mesh as plan assembly reads it: its shape and axis names, the solver's index of its
+    strategies, its cost model and the step's memory model on it."""
+
+    shape: tuple
+    names: tuple
+    idx: ProblemIndex
+    cm: CostModel
+    memory: StepMemory
+
+
+def assemble_plan(prep: Prepared, mesh: SolvedMesh, assignment, cluster: ClusterSpec, memory_budget: float,
+                  sharded_outputs: bool = False) -> Plan:
+    """The Plan of ``assignment`` (the solver's choice per decision) on ``mesh``."""
     gm, cap = prep.gm, prep.captured
+    idx, cm, axis_names, sm = mesh.idx, mesh.cm, mesh.names, mesh.memory
     chosen = idx.chosen(assignment)
     low = plan_reshards(gm, chosen, cm.mesh_shape, sharded_outputs)
     colls = collectives(low, cm, axis_names)
@@ -42,17 +64,16 @@ def assemble_plan(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, 
     # Recomputed layers and attention cores run their forward again in backward, with the collectives
     # they read through.
     recomputed_nodes = {n.name for n in instance_of}
-    rerun = [{**c, "phase": "backward", "recompute": True} for c in colls
-             if c["phase"] == "forward" and c["node"] in recomputed_nodes]
+    rerun = [replace(c, phase="backward", recompute=True) for c in colls
+             if c.phase == "forward" and c.node in recomputed_nodes]
     recompute_compute = sum(cm.forward_compute_seconds(n, chosen[n]) for n in instance_of)
     colls += rerun
-    serial_comm = sum(c["seconds"] for c in colls)
+    serial_comm = sum(c.seconds for c in colls)
     resharded_for: dict = {}
     for (consumer, _), key in low.uses.items():
         resharded_for.setdefault(key.value.node.name, set()).add(consumer.name)
     ex = exposure(gm, chosen, colls, cm, axis_names, recomputed_nodes, resharded_for=resharded_for)
-    for c, seconds, exposed in zip(colls, ex.seconds, ex.exposed):
-        c.update(seconds=seconds, exposed=exposed)
+    colls = [replace(c, seconds=seconds, exposed=exposed) for c, seconds, exposed in zip(colls, ex.seconds, ex.exposed)]
     # Offloaded layers' saved activations go to host memory in forward and come back in backward.
     off_layers = set(recompute.get("offload", {}).get("layers", ()))
     offload_seconds = 0.0
@@ -63,7 +84,7 @@ def assemble_plan(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, 
         offload_seconds = 2 * saved / cluster.host_link_bandwidth
     comm_by_node: dict = {}
     for c in colls:
-        comm_by_node[c["node"]] = comm_by_node.get(c["node"], 0.0) + c["seconds"]
+        comm_by_node[c.node] = comm_by_node.get(c.node, 0.0) + c.seconds
 
     params, inputs, nodes, param_bytes, zero, offload = {}, {}, [], {}, {}, {}
     mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "host": 0.0}
@@ -96,23 +117,20 @@ def assemble_plan(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, 
         compute += c
         tag = meta_of(n).layer
         root = idx.strategies.root_of(n)
-        nodes.append({
-            "name": n.name, "op": op_name(n),
-            "inputs": [format_layout(l) for l in s.inputs], "outputs": [format_layout(l) for l in s.outputs],
-            "split_axes": [axis_names[a] for a, f in enumerate(s.splits_work) if f],
-            "compute_seconds": c, "comm_seconds": comm_by_node.get(n.name, 0.0), "activation_bytes": a,
-            "layer": tag.layer if tag else None, "layer_class": tag.cls if tag else None,
-            "follows": None if root is n else root.name,
-            "shape": list(n.meta["val"].shape) if isinstance(n.meta.get("val"), torch.Tensor) else None,
-        })
+        nodes.append(PlanNode(
+            n.name, op_name(n), tuple(tuple(format_layout(l)) for l in s.inputs),
+            tuple(tuple(format_layout(l)) for l in s.outputs),
+            tuple(axis_names[a] for a, f in enumerate(s.splits_work) if f), c, comm_by_node.get(n.name, 0.0), a,
+            layer=tag.layer if tag else None, layer_class=tag.cls if tag else None,
+            follows=None if root is n else root.name,
+            shape=tuple(n.meta["val"].shape) if isinstance(n.meta.get("val"), torch.Tensor) else None))
     comm_axis = {name: 0.0 for name in axis_names}
     for c in colls:
-        comm_axis[c["axis"]] += c["seconds"]
+        comm_axis[c.axis] += c.seconds
     timeline, peak_point = memory_timeline(sm.walk(assignment))
-    mem.update(activations=timeline["end_of_forward"]["activations"], peak=peak_point.total,
-               peak_point=timeline["peak_index"], peak_at={"phase": peak_point.phase, "node": peak_point.name,
-                                                           **peak_point.bytes},
-               memory_budget=memory_budget, timeline=timeline["points"], by_param=param_bytes)
+    memory = PlanMemory(peak_point.total, mem["params"], mem["grads"], mem["optimizer"],
+                        timeline["end_of_forward"]["activations"], memory_budget, mem["host"], param_bytes,
+                        timeline["points"], timeline["peak_index"], memory_point(peak_point))
     serial = compute + recompute_compute + serial_comm + optim + offload_seconds
     step = compute + recompute_compute + sum(comm_axis.values()) - ex.hidden + optim + offload_seconds
     return Plan(
@@ -122,11 +140,12 @@ def assemble_plan(prep: Prepared, idx: ProblemIndex, assignment, cm: CostModel, 
                "input_shapes": [list(s) if s is not None else None for s in cap.input_shapes],
                "layers": layer_counts(gm)},
         cluster=cluster.to_dict(),
-        mesh={"shape": list(mesh_shape), "axes": list(axis_names)},
-        params=params, inputs=inputs, nodes=nodes, collectives=colls, memory=mem, step_time=step,
+        mesh={"shape": list(mesh.shape), "axes": list(axis_names)},
+        params=params, inputs=inputs, nodes=nodes, collectives=colls, memory=memory, step_time=step,
         breakdown={"compute": compute, "communication": comm_axis, "optimizer": optim,
                    "recompute": recompute_compute, "exposed": sum(comm_axis.values()) - ex.hidden, "hidden": ex.hidden,
-                   "serial": serial, **({"offload": offload_seconds} if off_layers else {})},
+                   "serial": serial, **({"offload": offload_seconds} if off_layers else {}),
+                   **({"credit": idx.hiding_credit(assignment)} if idx.credit is not None else {})},
         solver={}, sharded_outputs=sharded_outputs, recompute=recompute, zero=zero, offload=offload,
     )
 
@@ -171,6 +190,11 @@ def memory_timeline(walk) -> tuple[dict, object]:
     stride = max(1, len(walk) // 200)
     keep = [max(range(i, min(i + stride, len(walk))), key=totals.__getitem__) for i in range(0, len(walk), stride)]
     fwd = [p for p in walk if p.phase == "forward"]
-    points = [{"phase": walk[i].phase, "node": walk[i].name, **walk[i].bytes} for i in keep]
+    points = tuple(memory_point(walk[i]) for i in keep)
     return {"points": points, "peak_index": k, "end_of_forward": (fwd[-1] if fwd else walk[0]).bytes}, walk[k]
+
+
+def memory_point(point) -> MemoryPoint:
+    """The plan's record of one point of the step (a passes.memory.StepPoint)."""
+    return MemoryPoint(point.phase, point.name, **point.bytes)
 

@@ -26,7 +26,7 @@ from autopar.passes.runner import PassRunner
 from autopar.pass_pipeline import FrontEnd, analysis_passes, front_end, mesh_passes, new_runner
 from autopar.pipeline_search import pipeline_meshes, plan_pipeline
 from autopar.plan import Plan
-from autopar.plan_assembly import serial_seconds
+from autopar.plan_assembly import objective_seconds
 from autopar.solver import GAP, greedy
 
 log = logging.getLogger("autopar")
@@ -175,7 +175,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
                     # A pipeline mesh the planner added itself: this model cannot use it.
                     tried.append({"mesh": list(shape), "status": "skipped", "reason": str(e)})
                     continue
-                if p is not None and (best is None or serial_seconds(p) < serial_seconds(best)):
+                if p is not None and (best is None or objective_seconds(p) < objective_seconds(best)):
                     best = p
                 continue
             report(f"mesh {shape}: strategies")
@@ -234,7 +234,7 @@ def idle_axis_warnings(gm, p: Plan) -> list[str]:
     thing), and for inputs whose batch dim does not divide by an axis, so the data cannot be split along
     it and the plan falls back to other dims (or to none)."""
     out = []
-    split = {a for n in p.nodes for a in n["split_axes"]}
+    split = {a for n in p.nodes for a in n.split_axes}
     batches = [(meta_of(n).role.target, tuple(n.meta["val"].shape)) for n in gm.graph.nodes
                if n.op == "placeholder" and meta_of(n).role and meta_of(n).role.kind == "input"
                and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0]

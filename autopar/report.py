@@ -60,30 +60,30 @@ def summary(plan) -> str:
     # One block per layer class (shown once, with its instance count) and one for the rest.
     groups: "OrderedDict[str, list]" = OrderedDict()
     for n in plan.nodes:
-        groups.setdefault(n["layer_class"] or "(outside layers)", []).append(n)
+        groups.setdefault(n.layer_class or "(outside layers)", []).append(n)
     counts = plan.model.get("layers", {})
     first_instance = {}
     for n in plan.nodes:
-        if n["layer_class"] and n["layer_class"] not in first_instance:
-            first_instance[n["layer_class"]] = n["layer"]
+        if n.layer_class and n.layer_class not in first_instance:
+            first_instance[n.layer_class] = n.layer
     colls_by_node: dict = {}
     for c in plan.collectives:
-        colls_by_node.setdefault(c["node"], []).append(c)
+        colls_by_node.setdefault(c.node, []).append(c)
     for group, nodes in groups.items():
         inst = first_instance.get(group)
         if inst is not None:
-            nodes = [n for n in nodes if n["layer"] == inst]
+            nodes = [n for n in nodes if n.layer == inst]
             lines.append(f"\n[{group}] x{counts.get(group, 1)} (showing {inst})")
         else:
             lines.append(f"\n[{group}]")
         lines.append(f"  {'node':<34} {'op':<28} {'output layout':<16} {'compute':>10}  collectives")
         for n in nodes:
-            if n["follows"] and not colls_by_node.get(n["name"]) and n["compute_seconds"] == 0:
+            if n.follows and not colls_by_node.get(n.name) and n.compute_seconds == 0:
                 continue
-            out = ",".join("[" + ",".join(l) + "]" for l in n["outputs"])
-            cs = ", ".join(f"{c['kind']}({c['axis']},{c['phase'][:3]}) {_b(c['bytes'])} {_s(c['seconds'])}"
-                           for c in colls_by_node.get(n["name"], []))
-            lines.append(f"  {n['name'][:34]:<34} {n['op'][:28]:<28} {out[:16]:<16} {_s(n['compute_seconds']):>10}  {cs}")
+            out = ",".join("[" + ",".join(l) + "]" for l in n.outputs)
+            cs = ", ".join(f"{c.kind}({c.axis},{c.phase[:3]}) {_b(c.bytes)} {_s(c.seconds)}"
+                           for c in colls_by_node.get(n.name, []))
+            lines.append(f"  {n.name[:34]:<34} {n.op[:28]:<28} {out[:16]:<16} {_s(n.compute_seconds):>10}  {cs}")
     for w in plan.extra.get("warnings", []):
         lines.append(f"\nwarning: {w}")
     stages = plan.zero_stages()
@@ -101,9 +101,9 @@ def summary(plan) -> str:
         lines.append(f"  ... {len(sharded) - 12} more")
     lines += offload_lines(plan)
     m = plan.memory
-    lines.append(f"\nmemory per device: peak {_b(m['peak'])} of budget {_b(m.get('memory_budget', 0))} "
-                 f"(params {_b(m['params'])}, grads {_b(m['grads'])}, optimizer {_b(m['optimizer'])}, "
-                 f"activations {_b(m['activations'])})"
+    lines.append(f"\nmemory per device: peak {_b(m.peak)} of budget {_b(m.memory_budget or 0)} "
+                 f"(params {_b(m.params)}, grads {_b(m.grads)}, optimizer {_b(m.optimizer)}, "
+                 f"activations {_b(m.activations)})"
                  + ("; nothing offloaded: host and device are one memory on CPU processes"
                     if plan.cluster.get("device_type") == "cpu" and not plan.offload else ""))
     comm = plan.breakdown["communication"]

@@ -1,20 +1,32 @@
 """Does the cost model rank plans as they run? Predicted against measured step time of several plans of
 one model, forced with pins, on a profiled cluster, and the Spearman rank correlation between them.
 
-    OMP_NUM_THREADS=1 python bench/calibration.py [--arch gpt-probe] [--world 2] [--rounds 5] [--steps 2]
+    OMP_NUM_THREADS=1 python bench/calibration.py [--arch gpt-probe] [--world 2] [--rounds 8] [--steps 3]
 
 On CPU it runs ``--world`` gloo processes; under torchrun on GPUs (``--gpu``) it measures there. Every
 rank profiles the cluster (``ClusterSpec.profile()``: matmul FLOP/s, copy bandwidth, op overhead,
-all-reduce latency and bandwidth), plans each kind with that spec, compiles and trains it. The plans'
-steps are timed round-robin (``--rounds`` rounds of ``--steps`` steps each, after two warm-up steps per
-plan), so that drift in the machine's load falls on every plan alike; a plan's figure is its fastest
-round (the one other processes disturbed least), each round the slowest rank's mean step, in wall time
-and in the process's CPU time (all its threads: compute, and gloo's copies; not the time it waits). On a
-machine shared with other work the CPU time is the steadier figure: the wall time of a rank also counts
-the time the scheduler gives to other processes. The model is
-one of tests/memory_cases.py's (default ``gpt-probe``: the built-in GPT, 4 layers, d_model 256, vocab
-2048), and the plan kinds are that file's, plus one that keeps the whole batch on every rank (no
-parallelism: twice the compute) and Megatron with every layer recomputed.
+all-reduce latency and bandwidth), plans each kind with that spec, compiles and trains it. Kinds whose
+pins give the same plan (``auto`` is often Megatron's) are measured once, under the first kind's name.
+The plans' steps are timed round-robin (``--rounds`` rounds of ``--steps`` steps each, after two
+warm-up steps per plan), so that drift in the machine's load falls on every plan alike; each round
+gives the slowest rank's mean step, in wall time and in the process's CPU time (all its threads:
+compute, and gloo's copies; not the time it waits). A plan's figure is its fastest round (the one
+other processes disturbed least). On a machine shared with other work the CPU time is the steadier
+figure: the wall time of a rank also counts the time the scheduler gives to other processes.
+
+What the script reports, so that one run's ranking can be judged:
+- Spearman's rank correlation of predicted against measured (fastest round), wall and CPU time;
+- the same for each round alone (lowest and median over the rounds): a ranking that only the
+  fastest rounds give is noise;
+- each plan's spread (median round over fastest round);
+- the pairs of plans the model prices at least ``--clear`` apart (default 10%) and how many of them
+  measure in the predicted order: plans priced closer than that are ties the model does not claim
+  to order, and their measured order is the noise of the run.
+
+The model is one of tests/memory_cases.py's (default ``gpt-probe``: the built-in GPT, 4 layers, d_model
+256, vocab 2048), and the plan kinds are that file's, plus one that keeps the whole batch on every rank
+(no parallelism: twice the compute), data parallel with half the layers recomputed, and Megatron with
+every layer recomputed.
 """
 from __future__ import annotations
 
@@ -30,7 +42,8 @@ import torch
 import torch.distributed as dist
 
 # Each kind forces a different plan of the same model (tests/memory_cases.py's options).
-KINDS = ("dp", "megatron", "zero3", "vocab", "recompute", "auto", "replicated", "megatron-recompute")
+KINDS = ("dp", "megatron", "zero3", "vocab", "recompute-half", "recompute", "auto", "replicated",
+         "megatron-recompute")
 
 
 def spearman(xs, ys) -> float:
@@ -51,7 +64,8 @@ def spearman(xs, ys) -> float:
     rx, ry = ranks(xs), ranks(ys)
     mx, my = statistics.fmean(rx), statistics.fmean(ry)
     cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    scale = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / scale if scale else float("nan")       # all tied: no ranking
 
 
 def plan_options(kind: str, world: int, model) -> dict:
@@ -59,6 +73,8 @@ def plan_options(kind: str, world: int, model) -> dict:
 
     if kind == "replicated":       # every rank computes the whole step: nothing split, nothing reduced
         return {"mesh_shape": (world,), "recompute": False, "pins": {"*": ["R"]}}
+    if kind == "recompute-half":   # data parallel, half the layers recomputed: between dp and recompute
+        return {**options("gpt", "dp", world, model), "recompute": {"*": len(model.blocks) // 2}}
     if kind == "megatron-recompute":
         return {**options("gpt", "megatron", world, model), "recompute": {"*": "all"}}
     return options("gpt", kind, world, model)
@@ -76,12 +92,18 @@ def _run(rank, world, args):
     if rank == 0:
         print(f"cluster: {cluster}", flush=True)
     sync = torch.cuda.synchronize if args.gpu else (lambda: None)
-    runs = {}
+    runs, seen = {}, {}
     for kind in args.kinds:
         opts = plan_options(kind, world, model)
         with warnings.catch_warnings():       # the replicated plan's idle axis is the point of it
             warnings.simplefilter("ignore", autopar.AutoparWarning)
             pm = autopar.compile(model, cluster, (ids,), {"labels": labels}, **opts)
+        key = layout_key(pm.plan)
+        if key in seen:
+            if rank == 0:
+                print(f"{kind}: the same plan as {seen[key]}, measured once", flush=True)
+            continue
+        seen[key] = kind
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
 
         def step(pm=pm, opt=opt):
@@ -105,32 +127,65 @@ def _run(rank, world, args):
                              device=device) / args.steps
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             times.append(t.tolist())
-    if rank != 0:
-        return
-    print(f"\n{'plan':<20} {'predicted ms':>12} {'wall ms':>9} {'wall/pred':>9} {'CPU ms':>8} {'CPU/pred':>8}  "
-          f"{'exposed comm ms':>15} {'hidden comm ms':>14}")
-    predicted, wall, cpu = [], [], []
-    for kind, (plan, _, times) in runs.items():
-        w, c = min(t[0] for t in times), min(t[1] for t in times)
-        predicted.append(plan.step_time)
-        wall.append(w)
-        cpu.append(c)
+    if rank == 0:
+        report({kind: (plan, times) for kind, (plan, _, times) in runs.items()}, args.clear)
+
+
+def layout_key(plan) -> str:
+    """What makes two plans run the same program: layouts, recompute, ZeRO and offload."""
+    d = plan.to_dict()
+    return repr([d[k] for k in ("mesh", "params", "inputs", "nodes", "recompute", "zero", "offload")])
+
+
+def report(runs: dict, clear: float) -> None:
+    """``runs``: kind -> (plan, [(wall, cpu) seconds per round])."""
+    kinds = list(runs)
+    predicted = [runs[k][0].step_time for k in kinds]
+    per_round = {clock: [[t[clock] for t in runs[k][1]] for k in kinds] for clock in (0, 1)}
+    fastest = {clock: [min(ts) for ts in per_round[clock]] for clock in (0, 1)}
+    print(f"\n{'plan':<20} {'predicted ms':>12} {'wall ms':>9} {'wall/pred':>9} {'spread':>7} {'CPU ms':>8} "
+          f"{'CPU/pred':>8} {'spread':>7}  {'exposed comm ms':>15} {'hidden comm ms':>14}")
+    for i, kind in enumerate(kinds):
+        plan = runs[kind][0]
+        w, c = fastest[0][i], fastest[1][i]
+        sw, sc = (statistics.median(per_round[clock][i]) / fastest[clock][i] for clock in (0, 1))
         b = plan.breakdown
-        print(f"{kind:<20} {plan.step_time * 1e3:>12.1f} {w * 1e3:>9.1f} {w / plan.step_time:>9.2f} {c * 1e3:>8.1f} "
-              f"{c / plan.step_time:>8.2f}  {b.get('exposed', 0.0) * 1e3:>15.1f} {b.get('hidden', 0.0) * 1e3:>14.1f}")
-    print(f"\nSpearman rank correlation of predicted step time over {len(runs)} plans (target >= 0.9): "
-          f"with wall time {spearman(predicted, wall):.3f}, with CPU time {spearman(predicted, cpu):.3f}")
+        print(f"{kind:<20} {plan.step_time * 1e3:>12.1f} {w * 1e3:>9.1f} {w / plan.step_time:>9.2f} {sw:>6.2f}x "
+              f"{c * 1e3:>8.1f} {c / plan.step_time:>8.2f} {sc:>6.2f}x  {b.get('exposed', 0.0) * 1e3:>15.1f} "
+              f"{b.get('hidden', 0.0) * 1e3:>14.1f}")
+    if len(kinds) < 3:
+        print("\nfewer than 3 different plans: no ranking to compare")
+        return
+    rounds = len(runs[kinds[0]][1])
+    print(f"\nSpearman rank correlation of predicted step time over {len(kinds)} different plans (target >= 0.9):")
+    for clock, name in ((1, "CPU time"), (0, "wall time")):
+        each = sorted(spearman(predicted, [ts[r] for ts in per_round[clock]]) for r in range(rounds))
+        print(f"  {name:<9}: fastest round {spearman(predicted, fastest[clock]):.3f}; each of the {rounds} rounds "
+              f"alone: lowest {each[0]:.3f}, median {statistics.median(each):.3f}")
+    pairs = [(i, j) for i in range(len(kinds)) for j in range(i + 1, len(kinds))
+             if max(predicted[i], predicted[j]) >= (1 + clear) * min(predicted[i], predicted[j])]
+    for clock, name in ((1, "CPU time"), (0, "wall time")):
+        agree = sum((predicted[i] < predicted[j]) == (fastest[clock][i] < fastest[clock][j]) for i, j in pairs)
+        print(f"  pairs priced at least {clear:.0%} apart, measured in the predicted order ({name}): "
+              f"{agree} of {len(pairs)}")
+    close = [(kinds[i], kinds[j]) for i in range(len(kinds)) for j in range(i + 1, len(kinds))
+             if max(predicted[i], predicted[j]) < (1 + clear) * min(predicted[i], predicted[j])]
+    if close:
+        print(f"  priced within {clear:.0%} of each other (their order is not a prediction): "
+              + ", ".join(f"{a}/{b}" for a, b in close))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--arch", default="gpt-probe", choices=("gpt", "gpt-probe"))
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--clear", type=float, default=0.1,
+                    help="plans priced at least this fraction apart are the pairs whose order is checked")
     ap.add_argument("--no-profile", action="store_true", help="plan with ClusterSpec's default figures")
     ap.add_argument("--gpu", action="store_true", help="under torchrun, one GPU per rank (NCCL)")
     args = ap.parse_args()

@@ -1,8 +1,9 @@
 """Training step time and peak live-tensor memory on 2 gloo ranks, side by side in one run:
 autopar's plan, DDP, FSDP2 (fully_shard) and manual tensor parallel (parallelize_module), on one
-GPT-2-small-shaped model; plus a 1-rank autopar plan against plain eager.
+GPT-2-shaped model; plus a 1-rank autopar plan against plain eager.
 
-    OMP_NUM_THREADS=1 python bench/train_cpu.py [--rounds 3] [--steps 4] [--layers 4] [--d-model 768]
+    OMP_NUM_THREADS=1 python bench/train_cpu.py [--model gpt|hf-gpt2] [--rounds 3] [--steps 4]
+                                                [--layers N] [--d-model N] [--vocab N] [--batch N]
 
 autopar plans on the profiled cluster (``ClusterSpec.profile()``; ``--no-profile`` keeps local_cpu's
 rough figures), and the table prints, beside each system's measured step, the step time autopar's cost
@@ -10,8 +11,11 @@ model predicts for that system's layout (forced through pins: DDP's replicated p
 batch, FSDP2's parameters sharded on dim 0, Megatron's column/row split). Systems are timed in rounds,
 in turn, and each keeps its fastest round.
 
-The model is autopar's built-in GPT (GPT-2's architecture with nn.Linear projections, so that
-parallelize_module's ColwiseParallel/RowwiseParallel apply to it as they do not to HF GPT-2's Conv1D).
+``--model gpt`` (the default) is autopar's built-in GPT (GPT-2's architecture with nn.Linear
+projections, so that parallelize_module's ColwiseParallel/RowwiseParallel apply to it), 4 layers,
+d_model 768, vocab 8192, batch 8 x 128. ``--model hf-gpt2`` is Hugging Face's GPT2LMHeadModel, 6 layers,
+hidden 512, 8 heads, vocab 2048, batch 16 x 128, no dropout; manual tensor parallel is skipped for it
+(parallelize_module's column/row styles split nn.Linear, and GPT-2's projections are Conv1D).
 Memory is the peak of live tensors per rank (torch.distributed._tools.mem_tracker.MemTracker) over a
 training step, parameters, gradients and optimizer states included.
 """
@@ -29,30 +33,49 @@ import torch
 import torch.distributed as dist
 
 
-def model_and_batch(args):
-    from autopar.models import GPT, GPTConfig
+# Each model's shape when not given on the command line.
+DEFAULTS = {"gpt": {"layers": 4, "d_model": 768, "heads": 12, "vocab": 8192, "batch": 8},
+            "hf-gpt2": {"layers": 6, "d_model": 512, "heads": 8, "vocab": 2048, "batch": 16}}
 
+
+def model_and_batch(args):
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=args.vocab, n_layer=args.layers, n_head=args.heads, d_model=args.d_model,
-                    d_ff=4 * args.d_model, max_seq=args.seq)
+    if args.model == "hf-gpt2":
+        import transformers as tf
+
+        cfg = tf.GPT2Config(n_layer=args.layers, n_embd=args.d_model, n_head=args.heads, vocab_size=args.vocab,
+                            n_positions=args.seq, use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0,
+                            attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        model = tf.GPT2LMHeadModel(cfg)
+    else:
+        from autopar.models import GPT, GPTConfig
+
+        model = GPT(GPTConfig(vocab_size=args.vocab, n_layer=args.layers, n_head=args.heads,
+                              d_model=args.d_model, d_ff=4 * args.d_model, max_seq=args.seq))
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
-    return GPT(cfg), ids, ids.clone()
+    return model, ids, ids.clone()
 
 
-def measure(step, steps, warmup=2, cpu=False):
-    """Median seconds of ``step()`` (which runs one full training step): wall-clock, or with ``cpu`` the
-    process's CPU time (all its threads; not the time it waits, nor the time other processes run)."""
-    clock = time.process_time if cpu else time.perf_counter
+def blocks(model):
+    """The model's repeated layers, each wrapped by fully_shard as FSDP2's examples do."""
+    return model.transformer.h if hasattr(model, "transformer") else model.blocks
+
+
+def measure(step, steps, warmup=2):
+    """Median seconds of ``step()`` (which runs one full training step) over ``steps`` steps, wall-clock
+    and the process's CPU time (all its threads; not the time it waits, nor the time other processes
+    run), both taken over the same steps."""
     for _ in range(warmup):
         step()
-    times = []
+    wall, cpu = [], []
     for _ in range(steps):
         dist.barrier() if dist.is_initialized() else None
-        t0 = clock()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
-        times.append(clock() - t0)
-    return statistics.median(times)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def peak_memory(model, opt, step):
@@ -76,17 +99,19 @@ def trainer(model, opt, call):
     return step
 
 
-def like_pins(model, world) -> dict:
+def like_pins(model, world, manual_tp: bool) -> dict:
     """Pins that make autopar's plan lay the model out as each other system does: DDP (every parameter
-    replicated with its optimizer state, the batch split), FSDP2 (every parameter sharded on dim 0) and
-    Megatron's tensor parallel split (column then row, attention by heads)."""
+    replicated with its optimizer state, the batch split), FSDP2 (every parameter sharded on dim 0) and,
+    with ``manual_tp``, Megatron's tensor parallel split (column then row, attention by heads)."""
     plain = {"output": ["R"], "zero": 0}
     batch = {"input_ids": ["S(0)"], "labels": ["S(0)"]}
-    return {"DDP": {**{name: plain for name, _ in model.named_parameters()}, **batch},
+    pins = {"DDP": {**{name: plain for name, _ in model.named_parameters()}, **batch},
             "FSDP2": {**{name: ["S(0)"] if p.shape[0] % world == 0 else plain for name, p in model.named_parameters()},
-                      **batch},
-            "manual TP": {"*.q.weight": ["S(0)"], "*.k.weight": ["S(0)"], "*.v.weight": ["S(0)"],
-                          "*.o.weight": ["S(1)"], "*.fc1.weight": ["S(0)"], "*.fc2.weight": ["S(1)"]}}
+                      **batch}}
+    if manual_tp:
+        pins["manual TP"] = {"*.q.weight": ["S(0)"], "*.k.weight": ["S(0)"], "*.v.weight": ["S(0)"],
+                             "*.o.weight": ["S(1)"], "*.fc1.weight": ["S(0)"], "*.fc2.weight": ["S(1)"]}
+    return pins
 
 
 def systems(args, rank, world, predicted: dict):
@@ -111,7 +136,8 @@ def systems(args, rank, world, predicted: dict):
         print(pm.plan.summary().splitlines()[0], "|", pm.plan.summary().splitlines()[-2])
     predicted["autopar"] = pm.plan.step_time
     # Each other system's layout, priced by the same cost model through pins.
-    for name, pins in like_pins(base, world).items():
+    manual_tp = args.model == "gpt"
+    for name, pins in like_pins(base, world, manual_tp).items():
         predicted[name] = autopar.plan(base, cluster, (ids,), {"labels": labels}, pins=pins, progress=False).step_time
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
     out.append(("autopar", pm, opt, trainer(pm, opt, lambda: pm(ids, labels=labels).loss)))
@@ -122,11 +148,13 @@ def systems(args, rank, world, predicted: dict):
     out.append(("DDP", ddp, opt, trainer(ddp, opt, lambda: ddp(ids[local], labels=labels[local]).loss)))
 
     fsdp = copy.deepcopy(base)
-    for block in fsdp.blocks:
+    for block in blocks(fsdp):
         fully_shard(block)
     fully_shard(fsdp)
     opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-4)
     out.append(("FSDP2", fsdp, opt, trainer(fsdp, opt, lambda: fsdp(ids[local], labels=labels[local]).loss)))
+    if not manual_tp:
+        return out
 
     tp = copy.deepcopy(base)
     mesh = init_device_mesh("cpu", (world,))
@@ -155,8 +183,7 @@ def two_ranks(rank, world, args):
     cpu = {name: [] for name in results}
     for _ in range(args.rounds):
         for name, _, _, step in built:
-            t = torch.tensor([measure(step, args.steps, warmup=1), measure(step, 1, warmup=0, cpu=True)],
-                             dtype=torch.float64)
+            t = torch.tensor(measure(step, args.steps, warmup=1), dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             results[name].append(t[0].item())
             cpu[name].append(t[1].item())
@@ -170,6 +197,9 @@ def two_ranks(rank, world, args):
             print(f"{name:<10} {s * 1e3:>10.1f} {s / a_time:>10.2f}x {cpu[name] * 1e3:>9.1f} "
                   f"{cpu[name] / cpu['autopar']:>10.2f}x {m / 2**20:>14.1f} {m / a_mem:>10.2f}x "
                   f"{predicted[name] * 1e3:>15.1f} {s / predicted[name]:>19.2f}")
+        if "manual TP" not in results:
+            print("manual TP: skipped (parallelize_module's column/row styles split nn.Linear; GPT-2's "
+                  "projections are Conv1D)")
 
 
 def one_rank(rank, world, args):
@@ -185,8 +215,8 @@ def one_rank(rank, world, args):
     # Interleave the two so that drift in machine load hits both alike.
     e, p = [], []
     for _ in range(3):
-        e.append(measure(eager_step, args.steps))
-        p.append(measure(plan_step, args.steps))
+        e.append(measure(eager_step, args.steps)[0])
+        p.append(measure(plan_step, args.steps)[0])
     e, p = min(e), min(p)
     print(f"\n1 rank: eager {e * 1e3:.1f} ms, autopar {p * 1e3:.1f} ms, overhead {100 * (p / e - 1):+.1f}% "
           f"(target within 5%)")
@@ -196,21 +226,26 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=4, help="timed steps per round")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--d-model", type=int, default=768)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--model", choices=tuple(DEFAULTS), default="gpt")
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--d-model", type=int)
+    ap.add_argument("--heads", type=int)
+    ap.add_argument("--vocab", type=int)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", type=int)
     ap.add_argument("--no-profile", action="store_true",
                     help="plan with ClusterSpec.local_cpu's rough figures instead of profiled ones")
     ap.add_argument("--no-one-rank", action="store_true", help="skip the 1-rank comparison with eager")
     args = ap.parse_args()
+    for key, value in DEFAULTS[args.model].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # the repository's test helpers
     from tests.distributed_utils import run_distributed
 
-    print(f"built-in GPT: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, vocab {args.vocab}, "
+    name = "HF GPT-2 (GPT2LMHeadModel)" if args.model == "hf-gpt2" else "built-in GPT"
+    print(f"{name}: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, vocab {args.vocab}, "
           f"batch {args.batch} x seq {args.seq}; {args.steps} timed steps; OMP_NUM_THREADS="
           f"{os.environ['OMP_NUM_THREADS']}")
     run_distributed(two_ranks, 2, args, timeout=3600)

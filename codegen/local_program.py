@@ -47,7 +47,7 @@ def strategies_from_plan(gm: fx.GraphModule, plan: Plan) -> dict:
     """Rebuild each node's Strategy from the plan, checking that the plan describes this graph."""
     axes = plan.axis_names
     nax = len(axes)
-    by_name = {n["name"]: n for n in plan.nodes}
+    by_name = {n.name: n for n in plan.nodes}
     rep = tuple(parse_layout(["R"] * nax))
     out, legal = {}, {}
     for node in gm.graph.nodes:
@@ -81,18 +81,18 @@ def strategies_from_plan(gm: fx.GraphModule, plan: Plan) -> dict:
         elif node.op == "call_function":
             entry = by_name.get(node.name)
             val = node.meta.get("val")
-            shape = list(val.shape) if isinstance(val, torch.Tensor) else None
-            if entry is None or entry["op"] != op_name(node) or entry.get("shape") != shape:
+            shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+            if entry is None or entry.op != op_name(node) or entry.shape != shape:
                 raise PlanFormatError(f"the plan does not match this model at node {node.name!r} "
                                       f"({op_name(node)}): it was made for another model or another "
                                       f"version of it ({plan.model.get('class')}); plan this model again")
-            s = Strategy(tuple(parse_layout(l) for l in entry["inputs"]),
-                         tuple(parse_layout(l) for l in entry["outputs"]),
-                         tuple(a in entry["split_axes"] for a in axes))
+            s = Strategy(tuple(parse_layout(l) for l in entry.inputs), tuple(parse_layout(l) for l in entry.outputs),
+                         tuple(a in entry.split_axes for a in axes))
             if node.target is not operator.getitem and s not in node_strategies(node, plan.mesh_shape, legal):
-                raise PlanFormatError(f"plan node {node.name!r} ({op_name(node)}): inputs {entry['inputs']} -> "
-                                      f"outputs {entry['outputs']} splitting work on {entry['split_axes']} is "
-                                      f"not a strategy of its op for shape {shape} on mesh {list(plan.mesh_shape)}; "
+                raise PlanFormatError(f"plan node {node.name!r} ({op_name(node)}): inputs "
+                                      f"{[list(l) for l in entry.inputs]} -> outputs {[list(l) for l in entry.outputs]} "
+                                      f"splitting work on {list(entry.split_axes)} is not a strategy of its op for "
+                                      f"shape {None if shape is None else list(shape)} on mesh {list(plan.mesh_shape)}; "
                                       f"the plan was edited or made by another version: plan this model again")
             out[node] = s
     return out

@@ -22,6 +22,7 @@ import torch.fx as fx
 
 from autopar.cluster import ClusterSpec
 from autopar.layout import local_fraction, local_shape
+from autopar.plan import PlanCollective
 from autopar.passes.meta import meta_of, set_meta
 from autopar.passes.resharding import Step, collective_seconds, grad_partial_axes, transition
 from autopar.passes.rules import context_for, rule_for, tensor_inputs
@@ -40,8 +41,9 @@ VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.transpose.int, at
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective a step runs on one mesh axis, with its price: what ``plan.collectives`` and the
-    alternatives of ``explain`` list (``record``) and what the ILP's edge and op costs sum."""
+    """One collective a step runs on one mesh axis, with its price: what ``plan.collectives`` (``record``)
+    and the alternatives of ``explain`` (``alternative_entry``) list and what the ILP's edge and op costs
+    sum."""
 
     kind: str          # all_reduce, all_gather, reduce_scatter or all_to_all
     axis: int
@@ -49,10 +51,15 @@ class Collective:
     nbytes: float      # per device (passes.resharding.Step.collectives)
     seconds: float
 
-    def record(self, axis_names, **where) -> dict:
-        """The plan's JSON entry, with where it runs (``node``, ``value``, ``step`` or ``neighbor``)."""
+    def record(self, axis_names, node: str, value: str, step: str) -> PlanCollective:
+        """The plan's entry: ``node`` (its first consumer) runs ``step`` on ``value``."""
+        return PlanCollective(self.kind, axis_names[self.axis], self.phase, int(self.nbytes), self.seconds, node,
+                              value, step)
+
+    def alternative_entry(self, axis_names, neighbor: str, value: str) -> dict:
+        """An alternative's entry in ``plan.alternatives``: what it would run with ``neighbor``."""
         return {"kind": self.kind, "axis": axis_names[self.axis], "phase": self.phase, "bytes": int(self.nbytes),
-                "seconds": self.seconds, **where}
+                "seconds": self.seconds, "neighbor": neighbor, "value": value}
 
 
 @dataclass(frozen=True)
@@ -81,7 +88,7 @@ class CostModel:
         self.links = [cluster.axis_link(self.mesh_shape, a) for a in range(len(self.mesh_shape))]
         self._compute_cache: dict = {}
         self._activation_cache: dict = {}
-        self._transition_cache: dict = {}     # a value's (layouts, shape, dtype, grad) -> seconds
+        self._transition_cache: dict = {}     # a value's (layouts, shape, dtype, grad) -> (forward, backward) seconds
 
     # --- compute -------------------------------------------------------------------------------
     def compute_seconds(self, node: fx.Node, s: Strategy) -> float:
@@ -173,10 +180,6 @@ class CostModel:
         return [(st, Collective(kind, st.axis, phase, nbytes, self.collective_seconds(kind, nbytes, st.axis)))
                 for st in steps for kind, phase, nbytes in st.collectives(itemsize, needs_grad)]
 
-    def steps_seconds(self, steps: list[Step], itemsize: int, needs_grad: bool) -> float:
-        return sum(self.collective_seconds(kind, nbytes, st.axis)
-                   for st in steps for kind, _phase, nbytes in st.collectives(itemsize, needs_grad))
-
     def resharding(self, value: Value, src_layout, consumer: fx.Node | None, dst_strategy: Strategy | None,
                    position: int, dst_layout=None):
         """Steps to bring ``value`` from ``src_layout`` to what the consumer's strategy reads."""
@@ -189,14 +192,28 @@ class CostModel:
     def transition_seconds(self, value: Value, src_layout, dst_layout, partial_axes: frozenset) -> float:
         """Seconds to bring ``value`` from ``src_layout`` to ``dst_layout``, reducing its gradient over
         ``partial_axes`` on the way back; INFEASIBLE when no resharding can."""
+        phases = self.transition_phase_seconds(value, src_layout, dst_layout, partial_axes)
+        return INFEASIBLE if phases is None else phases[0] + phases[1]
+
+    def transition_phase_seconds(self, value: Value, src_layout, dst_layout,
+                                 partial_axes: frozenset) -> tuple[float, float] | None:
+        """``transition_seconds`` as (forward, backward) seconds; None when no resharding can."""
         info = value_info(value)
         key = (tuple(src_layout), tuple(dst_layout), info.shape, info.dtype, requires_grad(value.node), partial_axes)
-        seconds = self._transition_cache.get(key)
-        if seconds is None:
+        if key not in self._transition_cache:
             steps = _transition_cached(*key[:3], self.mesh_shape, partial_axes)
-            seconds = INFEASIBLE if steps is None else self.steps_seconds(steps, info.dtype.itemsize, key[4])
-            self._transition_cache[key] = seconds
-        return seconds
+            self._transition_cache[key] = None if steps is None else self.steps_phase_seconds(
+                steps, info.dtype.itemsize, key[4])
+        return self._transition_cache[key]
+
+    def steps_phase_seconds(self, steps: list[Step], itemsize: int, needs_grad: bool,
+                            share=lambda step: 1.0) -> tuple[float, float]:
+        """(forward, backward) seconds of a resharding's steps, each step's collectives times ``share(step)``."""
+        phases = [0.0, 0.0]
+        for st in steps:
+            for kind, phase, nbytes in st.collectives(itemsize, needs_grad):
+                phases[phase == "backward"] += self.collective_seconds(kind, nbytes, st.axis) * share(st)
+        return phases[0], phases[1]
 
     # --- parameters and memory -----------------------------------------------------------------
     def param_bytes(self, node: fx.Node, layout, zero=None, offload: bool = False) -> tuple[float, float, float]:
@@ -264,12 +281,18 @@ class CostModel:
         """``transition_seconds`` from a parameter's strategy: a ZeRO-2 parameter's gradient is reduced
         along its axis by its own reduce-scatter, so a reader must leave it partial there (a reader
         that does not split its work along that axis cannot read it)."""
+        phases = self.param_transition_phase_seconds(value, src, dst_layout, partial_axes)
+        return INFEASIBLE if phases is None else phases[0] + phases[1]
+
+    def param_transition_phase_seconds(self, value: Value, src: Strategy, dst_layout,
+                                       partial_axes: frozenset) -> tuple[float, float] | None:
+        """``param_transition_seconds`` as (forward, backward) seconds; None where it is INFEASIBLE."""
         z = src.zero
         if z is not None and z.stage >= 2:
             if not (dst_layout[z.axis].is_replicate and z.axis in partial_axes):
-                return INFEASIBLE
+                return None
             partial_axes = partial_axes - {z.axis}
-        return self.transition_seconds(value, src.outputs[value.index], dst_layout, partial_axes)
+        return self.transition_phase_seconds(value, src.outputs[value.index], dst_layout, partial_axes)
 
     def activation_bytes(self, node: fx.Node, s: Strategy) -> float:
         """Bytes ``node`` keeps for backward under ``s``, per device.

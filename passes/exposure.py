@@ -22,9 +22,14 @@ bucket's one all-reduce, by bytes) and the seconds of it that no compute hides.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch.fx as fx
+
+from autopar.passes.meta import meta_of
+from autopar.passes.strategies import requires_grad
+from autopar.plan import PlanCollective
 
 # DDP's default bucket size, and the default of ``autopar.compile(bucket_mb=25)``.
 GRAD_BUCKET_BYTES = 25 * 2**20
@@ -41,16 +46,16 @@ class Exposure:
         return max(0.0, sum(self.seconds) - sum(self.exposed))
 
 
-def bucketed_params(gm: fx.GraphModule, colls: list[dict], strategy: dict,
+def bucketed_params(gm: fx.GraphModule, colls: list[PlanCollective], strategy: dict,
                     resharded_for: dict[str, set[str]] | None = None) -> dict[str, str]:
     """Parameter name -> mesh axis, for the parameters whose gradient the runtime reduces in buckets:
     every use of it reads it through a backward all-reduce alone, on one axis (a ZeRO-2 parameter's
     gradient is reduce-scattered instead, an offloaded one copied to the host). ``resharded_for``:
     value name -> the consumers that read it through a resharding (a resharding several consumers
     share is listed once in ``colls``, at its first); without it, those of ``colls``."""
-    by_value: dict[str, list[dict]] = {}
+    by_value: dict[str, list[PlanCollective]] = {}
     for c in colls:
-        by_value.setdefault(c["value"], []).append(c)
+        by_value.setdefault(c.value, []).append(c)
     out = {}
     for n in gm.graph.nodes:
         if n.op != "placeholder" or n.name not in by_value or n not in strategy:
@@ -59,16 +64,16 @@ def bucketed_params(gm: fx.GraphModule, colls: list[dict], strategy: dict,
         if (s.zero is not None and s.zero.stage >= 2) or s.offload:
             continue
         own = by_value[n.name]
-        axes = {c["axis"] for c in own}
-        readers = resharded_for.get(n.name, set()) if resharded_for is not None else {c["node"] for c in own}
-        if (len(axes) == 1 and all(c["kind"] == "all_reduce" and c["phase"] == "backward" and not c.get("recompute")
-                                   and c["node"] != c["value"] for c in own)
+        axes = {c.axis for c in own}
+        readers = resharded_for.get(n.name, set()) if resharded_for is not None else {c.node for c in own}
+        if (len(axes) == 1 and all(c.kind == "all_reduce" and c.phase == "backward" and not c.recompute
+                                   and c.node != c.value for c in own)
                 and readers >= {u.name for u in n.users}):
             out[n.name] = axes.pop()
     return out
 
 
-def exposure(gm: fx.GraphModule, strategy: dict, colls: list[dict], cm, axis_names, recomputed: set[str],
+def exposure(gm: fx.GraphModule, strategy: dict, colls: list[PlanCollective], cm, axis_names, recomputed: set[str],
              bucket_bytes: int = GRAD_BUCKET_BYTES, resharded_for: dict[str, set[str]] | None = None) -> Exposure:
     """Replay the step on a compute and a communication stream (module docstring). ``strategy``: node ->
     Strategy; ``colls``: the plan's collective entries; ``cm``: the CostModel; ``recomputed``: names of
@@ -81,26 +86,26 @@ def exposure(gm: fx.GraphModule, strategy: dict, colls: list[dict], cm, axis_nam
                                                for n in ops}
     for name in recomputed:          # the forward again, at the layer's backward
         backward[name] += forward[name]
-    seconds = [c["seconds"] for c in colls]
+    seconds = [c.seconds for c in colls]
     exposed = list(seconds)
     buckets = bucketed_params(gm, colls, strategy, resharded_for)
 
     # Forward: the split collectives, in program order (their first consumer's, then their steps').
     split = sorted((i for i, c in enumerate(colls)
-                    if c["phase"] == "forward" and c["node"] != c["value"] and c["node"] not in recomputed
-                    and c["node"] in position and c["value"] in position),
-                   key=lambda i: (position[colls[i]["node"]], i))
+                    if c.phase == "forward" and c.node != c.value and c.node not in recomputed
+                    and c.node in position and c.value in position),
+                   key=lambda i: (position[colls[i].node], i))
     at_consumer: dict[str, list[int]] = {}
     for i in split:
-        at_consumer.setdefault(colls[i]["node"], []).append(i)
+        at_consumer.setdefault(colls[i].node, []).append(i)
     blocking: dict[str, list[int]] = {}
     for i, c in enumerate(colls):
-        if c["phase"] == "forward" and i not in set(split):
-            blocking.setdefault(c["node"], []).append(i)
+        if c.phase == "forward" and i not in set(split):
+            blocking.setdefault(c.node, []).append(i)
     clock, last_wait, done = 0.0, 0.0, {}
     for n in order:
         for i in at_consumer.get(n.name, ()):
-            issue = max(done[colls[i]["value"]], last_wait)
+            issue = max(done[colls[i].value], last_wait)
             before = clock
             clock = max(clock, issue + seconds[i])
             exposed[i] = clock - before
@@ -113,16 +118,16 @@ def exposure(gm: fx.GraphModule, strategy: dict, colls: list[dict], cm, axis_nam
                     for n in order if (p := n.name) in buckets}
     members: dict[str, list[int]] = {}
     for i, c in enumerate(colls):
-        if c["value"] in buckets:
-            members.setdefault(c["value"], []).append(i)
+        if c.value in buckets:
+            members.setdefault(c.value, []).append(i)
     at_node: dict[str, list[int]] = {}
     for i, c in enumerate(colls):
-        if c["phase"] == "backward" and c["value"] not in buckets:
-            at_node.setdefault(c["node"], []).append(i)
+        if c.phase == "backward" and c.value not in buckets:
+            at_node.setdefault(c.node, []).append(i)
     ready_at: dict[str, list[str]] = {}
     for p, reader in first_reader.items():
         ready_at.setdefault(reader, []).append(p)
-    grad_bytes = {p: float(max(colls[i]["bytes"] for i in members[p])) for p in buckets}
+    grad_bytes = {p: float(max(colls[i].bytes for i in members[p])) for p in buckets}
     stream_free, bucket = clock, []
     runs: list[tuple[list[str], float, float]] = []     # (parameters, start, finish) per bucket
 
@@ -155,3 +160,81 @@ def exposure(gm: fx.GraphModule, strategy: dict, colls: list[dict], cm, axis_nam
                 seconds[i] = share * (finish - start)
                 exposed[i] = share * (finish - start - hidden)
     return Exposure(seconds, exposed)
+
+
+class HidingWindows:
+    """The compute the generated program can hide a resharding behind, as constants the solver's
+    objective can carry (passes/ilp_build.py's hiding credits; docs/cost-model.md, "What the solver
+    minimizes"). Each window is what the runtime's schedule guarantees whatever the other decisions,
+    so a credit never counts hiding that some layout would not get; an op's compute is the least over
+    its strategies.
+
+    - ``forward(value, first_reader)``: a forward collective is issued once its input is computed and
+      the previous split collective has been waited, and is waited at its first reader. The previous
+      one may be waited at any op that reads a value from another decision (``boundaries``: such
+      readers, each with the first of its input positions that does), so the window is the forward
+      compute from the later of the value's producer and the last such op before the reader, up to the
+      reader. A reader's collectives are issued in input order, each after the wait of the one before,
+      just before the reader: only its first input that may be resharded has a window.
+    - ``backward(param, nbytes)``: a bucketed gradient all-reduce starts when the last gradient of its
+      bucket is accumulated (at the backward of that parameter's first reader; buckets packed as the
+      runtime packs them, in the order gradients become ready, every parameter at its whole size), and
+      after the buckets before it, on one stream. It hides behind the backward compute of the ops before
+      that reader, less the all-reduces of the earlier buckets (at their whole size, on the slowest
+      axis); the bucket's members share that window by bytes.
+
+    The replay (``exposure``) prices the plan the solver picks exactly; what the windows leave out
+    makes a credit smaller than the replay's hiding, never larger, but for collectives inside
+    recomputed layers (they wait where they are issued: the ILP decides recompute with the layouts).
+    """
+
+    def __init__(self, gm: fx.GraphModule, strategies, cm, boundaries, bucket_bytes: int = GRAD_BUCKET_BYTES):
+        order = list(gm.graph.nodes)
+        self.position = {n: i for i, n in enumerate(order)}
+        self._forward_before, self._backward_before = [0.0], [0.0]     # compute of the ops before position i
+        for n in order:
+            fwd = bwd = 0.0
+            if n.op == "call_function" and n in strategies:
+                fwd = min(cm.forward_compute_seconds(n, s) for s in strategies[n])
+                bwd = min(cm.compute_seconds(n, s) - cm.forward_compute_seconds(n, s) for s in strategies[n])
+            self._forward_before.append(self._forward_before[-1] + fwd)
+            self._backward_before.append(self._backward_before[-1] + bwd)
+        self._boundaries = sorted(self.position[n] for n in boundaries)
+        self._first_input = boundaries     # reader -> its first input position that may be resharded
+        params = [n for n in order if n.op == "placeholder" and n.users and requires_grad(n)
+                  and meta_of(n).role is not None and meta_of(n).role.kind == "param"]
+        first_reader = {p: min(self.position[u] for u in p.users) for p in params}
+        buckets, size = [[]], 0
+        for p in sorted(params, key=lambda p: -first_reader[p]):     # the order gradients become ready
+            if buckets[-1] and size >= bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(p)
+            size += _nbytes(p)
+        self._bucket_window: dict = {}        # parameter -> (its bucket's window, the bucket's bytes)
+        earlier = 0.0                         # the all-reduces of the buckets launched before
+        for b in buckets:
+            total = sum(_nbytes(p) for p in b)
+            window = max(0.0, self._backward_before[first_reader[b[-1]]] - earlier)   # ready when its latest is
+            self._bucket_window.update({p: (window, total) for p in b})
+            earlier += max((cm.collective_seconds("all_reduce", total, axis) for axis in range(len(cm.mesh_shape))),
+                           default=0.0)
+
+    def forward(self, value: fx.Node, first_reader: fx.Node, index: int) -> float:
+        """The window of ``value`` read by ``first_reader`` as its input ``index``."""
+        if index != self._first_input[first_reader]:
+            return 0.0
+        end = self.position[first_reader]
+        k = bisect.bisect_left(self._boundaries, end)
+        start = max(self.position[value] + 1, self._boundaries[k - 1] if k else 0)
+        return max(0.0, self._forward_before[end] - self._forward_before[start])
+
+    def backward(self, param: fx.Node) -> float:
+        """The part of its bucket's window that ``param``'s gradient reduction may hide behind."""
+        window, total = self._bucket_window.get(param, (0.0, 1.0))
+        return window * _nbytes(param) / total if total else 0.0
+
+
+def _nbytes(node: fx.Node) -> int:
+    val = node.meta["val"]
+    return val.numel() * val.element_size()

@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from autopar.layout import Placement, R
 from autopar.passes.costs import INFEASIBLE, CostModel
+from autopar.passes.exposure import HidingWindows
 from autopar.passes.meta import meta_of
 from autopar.passes.strategies import MeshStrategies, Value, input_values, requires_grad, strategies_on
 from autopar.solver import Choice, Edge, Problem, SharedEdge
@@ -36,6 +37,12 @@ class ProblemIndex:
     # activations to host memory)
     recompute: dict = field(default_factory=dict)
     roots_of_key: dict = field(default_factory=lambda: defaultdict(list))
+    # the problem's edges priced by their hiding credits alone (build_problem's ``overlap``), or None
+    credit: Problem | None = None
+
+    def hiding_credit(self, assignment) -> float:
+        """Seconds of communication the objective counts as hidden under an assignment."""
+        return 0.0 if self.credit is None else self.credit.objective(assignment)
 
     def recompute_counts(self, assignment) -> dict:
         """Layer class -> how many of its instances recompute their activations in backward."""
@@ -162,13 +169,17 @@ def _unmatched(pattern, decided_names, strategies: MeshStrategies):
 
 def build_problem(gm: fx.GraphModule, cm: CostModel, memory_budget: float | None,
                   pins: dict | None = None, sharded_outputs: bool = False,
-                  recompute: bool | dict = True) -> tuple[Problem, ProblemIndex]:
+                  recompute: bool | dict = True, overlap: bool = True) -> tuple[Problem, ProblemIndex]:
     """``pins`` maps a glob over decision names (parameter FQNs, input names, node names) to a layout
     that decision must take. A pin on one copy of a repeated layer applies to every copy. With
     ``sharded_outputs`` only scalar user outputs are priced as gathered (passes.reshard_plan). With
     ``recompute``, each layer class gets a decision of how many of its instances recompute their
-    activations in backward (``_recompute_choices``); a dict fixes it for the classes it names. The
-    strategies are those ``strategies_pass`` made for the cost model's mesh."""
+    activations in backward (``_recompute_choices``); a dict fixes it for the classes it names. With
+    ``overlap``, each resharding costs its seconds less a *hiding credit*, the part of it the compute
+    in its window can hide (``passes.exposure.HidingWindows``), so the solver prefers layouts whose
+    communication hides; ``idx.credit`` holds the credits alone, so that ``objective + credit`` is the
+    serial step time. Without it the objective is the serial step time. The strategies are those
+    ``strategies_pass`` made for the cost model's mesh."""
     strategies = strategies_on(gm, cm.mesh_shape)
     nodes = list(strategies)
     root_of = strategies.root_of
@@ -238,14 +249,33 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_budget: float | None
             rc = root_of(c) if c.op != "output" else None
             if root_of(v.node) is not rc:
                 readers[v].append((c, k, rc))
+    boundaries: dict = {}           # reader -> its first input read from another decision
+    for rs in readers.values():
+        for c, k, rc in rs:
+            if rc is not None:
+                boundaries[c] = min(k, boundaries.get(c, k))
+    windows = HidingWindows(gm, strategies, cm, boundaries) if overlap else None
     groups = defaultdict(list)
     for v, rs in readers.items():
         signature = (key_of(v.node), v.index, tuple(sorted((str(key_of(c)) if rc is not None else "output", k)
                                                            for c, k, rc in rs)))
         groups[signature].append(v)
+    edges = [_shared_edge(values[0], readers[values[0]], len(values), idx, cm, windows)
+             for values in groups.values()]
+    if windows is not None:
+        idx.credit = Problem([Choice(c.name, (0.0,) * len(c.costs), c.count) for c in prob.choices])
+        _add_edges(idx.credit, [credit for _, credit in edges])
+    _add_edges(prob, [e for e, _ in edges])
+    prob.validate()
+    return prob, idx
+
+
+def _add_edges(prob: Problem, edges: list[SharedEdge]) -> None:
+    """Add each value's edge to ``prob``: a shared edge where several requests can be made of it, a
+    cost of its source's option where only a user output reads it, else a plain edge (the edges between
+    one pair of decisions summed into one)."""
     matrices = {}
-    for signature, values in groups.items():
-        e = _shared_edge(values[0], readers[values[0]], len(values), idx, cm)
+    for e in edges:
         if len(e.readers) + len(e.always) > 1:
             prob.shared.append(e)
         elif e.always:                       # only a user output reads it: a cost of the source's option
@@ -260,8 +290,6 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_budget: float | None
                                                               for r1, r2 in zip(acc, mat)]
     for (s, d), mat in matrices.items():
         prob.edges.append(Edge(s, d, tuple(tuple(r) for r in mat)))
-    prob.validate()
-    return prob, idx
 
 
 def recompute_counts_for(n: int) -> tuple[int, ...]:
@@ -356,7 +384,10 @@ def _recompute_choices(gm, prob: Problem, idx: ProblemIndex, forward: dict, core
                                                      for f, c, a in zip(fwd, fc, kept))))
 
 
-def _shared_edge(v: Value, rs, count: int, idx: ProblemIndex, cm: CostModel) -> SharedEdge:
+def _shared_edge(v: Value, rs, count: int, idx: ProblemIndex, cm: CostModel,
+                 windows: HidingWindows | None) -> tuple[SharedEdge, SharedEdge]:
+    """The edge of value ``v`` read by ``rs``, its requests priced less their hiding credits, and the
+    same edge priced by the credits alone (all zero without ``windows``)."""
     from autopar.passes.resharding import grad_partial_axes
 
     strategies = idx.strategies
@@ -380,9 +411,34 @@ def _shared_edge(v: Value, rs, count: int, idx: ProblemIndex, cm: CostModel) -> 
             partial = grad_partial_axes(dst, st.splits_work, grad)
             row.append(request(dst, partial))
         reader_rows.append((idx.choice_of_key[key_of(rc)], tuple(row)))
-    cost = tuple(tuple(cm.param_transition_seconds(v, strategies.strategy_of(v.node, i), dst, partial)
-                       for i in range(n_src)) for (dst, partial) in requests)
-    return SharedEdge(idx.choice_of_key[key_of(rp)], tuple(reader_rows), cost, tuple(sorted(always)), count)
+    first = min(((windows.position[c], k, c) for c, k, rc in rs if rc is not None), default=None) \
+        if windows is not None else None
+    forward_window = windows.forward(v.node, first[2], first[1]) if first is not None else 0.0
+    is_param = v.node.op == "placeholder" and meta_of(v.node).role is not None and meta_of(v.node).role.kind == "param"
+    backward_window = windows.backward(v.node) if windows is not None and is_param else 0.0
+    cost, credit = [], []
+    for dst, partial in requests:
+        cost_row, credit_row = [], []
+        for i in range(n_src):
+            src = strategies.strategy_of(v.node, i)
+            phases = cm.param_transition_phase_seconds(v, src, dst, partial)
+            if phases is None:
+                cost_row.append(INFEASIBLE)
+                credit_row.append(0.0)
+                continue
+            fwd, bwd = phases
+            hidden = min(fwd, forward_window)
+            # Only a parameter's gradient all-reduce alone runs in the runtime's buckets (passes.exposure
+            # .bucketed_params): not a ZeRO-2 one (reduce-scattered), nor an offloaded one.
+            if fwd == 0.0 and not src.offload and (src.zero is None or src.zero.stage < 2):
+                hidden += min(bwd, backward_window)
+            cost_row.append(fwd + bwd - hidden)
+            credit_row.append(hidden)
+        cost.append(tuple(cost_row))
+        credit.append(tuple(credit_row))
+    src_choice = idx.choice_of_key[key_of(rp)]
+    return (SharedEdge(src_choice, tuple(reader_rows), tuple(cost), tuple(sorted(always)), count),
+            SharedEdge(src_choice, tuple(reader_rows), tuple(credit), tuple(sorted(always)), count))
 
 
 def _output_values(out_node: fx.Node, sharded_outputs: bool) -> list[Value]:

@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 
 from autopar.layout import R
+from autopar.plan import PlanCollective
 from autopar.passes.meta import op_name
 from autopar.passes.resharding import global_transition, grad_partial_axes
 from autopar.passes.strategies import Strategy, Value, input_values, requires_grad, value_info
@@ -81,7 +82,7 @@ def _reshard(low: ReshardPlan, mesh_shape, v: Value, dst, s: Strategy | None, co
     return key if low.reshards[key] else None
 
 
-def collectives(low: ReshardPlan, cm, axis_names) -> list[dict]:
+def collectives(low: ReshardPlan, cm, axis_names) -> list[PlanCollective]:
     """The plan's collectives under ``low``, priced by ``cm`` (a passes.costs.CostModel)."""
     out = []
     for key, steps in low.reshards.items():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import sys
 import time
@@ -15,8 +16,24 @@ from torch.multiprocessing.spawn import ProcessException
 _HOST = "127.0.0.1"
 _ERROR_KEY = "run_distributed/error/"
 
+# Ranks are forked from one server process that has imported these once per test session: a spawned
+# rank spends seconds of CPU importing torch, torch.export, transformers and autopar, which on two cores
+# made up most of a small parity test's time. A module missing here is skipped by the server.
+_RANK_PRELOAD = [
+    "torch", "torch._dynamo", "torch._inductor", "torch.export", "torch.distributed.tensor",
+    "torch.distributed.pipelining", "torch.distributed.checkpoint", "torch.utils.checkpoint",
+    "networkx", "highspy", "autopar.compiler", "autopar.checkpoint", "autopar.pass_pipeline", "autopar.planner",
+    "pytest", "transformers", "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
+    "transformers.models.bert.modeling_bert",
+]
+START_METHOD = "forkserver"
+multiprocessing.get_context(START_METHOD).set_forkserver_preload(_RANK_PRELOAD)
 
-def _worker(rank, fn, world_size, port, timeout, args):
+
+def _worker(rank, fn, world_size, port, timeout, args, environ):
+    # The fork server was started with the environment of the first launch; a rank sees the caller's.
+    os.environ.clear()
+    os.environ.update(environ)
     # The ranks share a few CPU cores; more threads per rank only oversubscribe them.
     torch.set_num_threads(1)
     store = dist.TCPStore(_HOST, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
@@ -69,10 +86,10 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> None:
     store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False)
     ctx = mp.start_processes(
         _worker,
-        args=(fn, world_size, store.port, timeout, args),
+        args=(fn, world_size, store.port, timeout, args, dict(os.environ)),
         nprocs=world_size,
         join=False,
-        start_method="spawn",
+        start_method=START_METHOD,
     )
     deadline = time.monotonic() + timeout
     try:

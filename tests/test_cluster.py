@@ -10,6 +10,7 @@ import torch.multiprocessing as mp
 
 from autopar.cluster import ClusterSpec, DeviceSpec, default_axis_names
 from autopar.errors import ClusterMismatchError, MeshError, PlanFormatError
+from tests.distributed_utils import START_METHOD
 
 
 @pytest.mark.parametrize("name,devices,per_node,nodes", [
@@ -237,10 +238,11 @@ def _free_port():
 
 
 def test_from_env_and_profile_on_two_gloo_ranks():
-    ctx = mp.get_context("spawn")
+    # Forked from run_distributed's fork server, which has torch and autopar imported already.
+    ctx = mp.get_context(START_METHOD)
     queue = ctx.SimpleQueue()
     mp.start_processes(_profile_worker, args=(2, _free_port(), queue), nprocs=2, join=True,
-                       start_method="spawn")
+                       start_method=START_METHOD)
     results = sorted(queue.get() for _ in range(2))
     (_, env0, m0, err0), (_, env1, m1, _) = results
     assert env0 == env1

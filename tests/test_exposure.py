@@ -10,6 +10,7 @@ import torch.fx as fx
 
 import autopar
 from autopar.passes.exposure import exposure
+from autopar.plan import PlanCollective
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,7 @@ def _chain(n_ops: int, weights: int = 0):
 
 
 def _coll(kind, phase, value, node, seconds, nbytes=0, axis="dp"):
-    return {"kind": kind, "axis": axis, "phase": phase, "bytes": nbytes, "seconds": seconds, "node": node,
-            "value": value}
+    return PlanCollective(kind, axis, phase, nbytes, seconds, node, value)
 
 
 def test_forward_collective_hides_behind_the_compute_between_issue_and_first_use():

@@ -1,5 +1,6 @@
 """The planner: known-good layouts found by the solver, published memory figures, offline planning,
 optimality on a real graph, and clear errors."""
+import dataclasses
 import json
 import math
 
@@ -8,6 +9,7 @@ import torch
 
 import autopar
 from autopar.errors import InfeasiblePlanError, MeshError, PlanFormatError, ShardingError
+from autopar.plan import MemoryPoint, PlanCollective, PlanMemory, PlanNode
 from tests.toy_models import wide_stack
 
 
@@ -142,6 +144,48 @@ def test_plan_round_trips_through_json(tmp_path, megatron_plan):
     old["memory"]["budget"] = old["memory"].pop("memory_budget")
     path.write_text(json.dumps(old))
     assert autopar.Plan.load(path).memory == megatron_plan.memory
+
+
+def test_plan_entries_are_frozen_typed_records_that_read_as_their_json(megatron_plan):
+    d = json.loads(megatron_plan.to_json())
+    node, coll, mem = megatron_plan.nodes[0], megatron_plan.collectives[0], megatron_plan.memory
+    assert isinstance(node, PlanNode) and isinstance(coll, PlanCollective) and isinstance(mem, PlanMemory)
+    assert isinstance(mem.peak_at, MemoryPoint) and all(isinstance(p, MemoryPoint) for p in mem.timeline)
+    # Attributes are typed (a layout is a tuple); indexing reads the file's JSON object.
+    assert node.inputs == tuple(tuple(lay) for lay in d["nodes"][0]["inputs"]) and node["inputs"] == d["nodes"][0]["inputs"]
+    assert [dict(n) for n in megatron_plan.nodes] == d["nodes"]
+    assert [dict(c) for c in megatron_plan.collectives] == d["collectives"]
+    assert mem["peak"] == mem.peak == d["memory"]["peak"] and mem.get("timeline") == d["memory"]["timeline"]
+    assert "recompute" not in coll and coll.get("recompute") is None and coll.recompute is False
+    assert megatron_plan.node(node.name) is node
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        mem.peak = 0.0
+
+
+def test_plan_written_before_its_optional_entries_existed_loads(megatron_plan, tmp_path):
+    """A plan file without the entries later versions added (a collective's value, step and exposed
+    seconds; the memory timeline, its peak point and per-parameter bytes; the budget under its old name)
+    loads, with their defaults, and every reader handles it."""
+    old = json.loads(megatron_plan.to_json())
+    for c in old["collectives"]:
+        for k in ("value", "step", "exposed"):
+            c.pop(k, None)
+    old["memory"] = {k: old["memory"][k] for k in ("peak", "params", "grads", "optimizer", "activations")}
+    old["memory"]["budget"] = megatron_plan.memory.memory_budget
+    old["breakdown"] = {k: old["breakdown"][k] for k in ("compute", "communication", "optimizer")}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    plan = autopar.Plan.load(path)
+    assert plan.collectives[0].step is None and plan.collectives[0].exposed is None
+    assert plan.memory.memory_budget == megatron_plan.memory.memory_budget
+    assert plan.memory.timeline == () and plan.memory.by_param == {} and "timeline" not in plan.memory
+    renamed = {("memory_budget" if k == "budget" else k): v for k, v in old["memory"].items()}
+    assert plan.to_dict()["memory"] == renamed
+    assert "exposed" not in plan.to_dict()["collectives"][0]
+    assert "memory per device" in plan.summary()
+    assert plan.explain(plan.nodes[0].name).startswith(f"node {plan.nodes[0].name}")
+    plan.to_html(tmp_path / "old.html")
+    assert autopar.diff(plan, megatron_plan).nodes == []
 
 
 def test_infeasible_budget_names_the_smallest_feasible_one():

@@ -83,7 +83,7 @@ def _describe(plan) -> str:
     stages = (f", pipeline of {len(pipe['stages'])} stages ({pipe['schedule']}, {pipe['microbatches']} microbatches, "
               f"bubble {_s(pipe['bubble_seconds'])})") if pipe else ""
     return (f"{plan.model['class']} on {plan.cluster.get('name') or plan.cluster.get('num_devices')} "
-            f"(mesh {mesh}{stages}), step {_s(plan.step_time)}, peak {_b(plan.memory['peak'])}")
+            f"(mesh {mesh}{stages}), step {_s(plan.step_time)}, peak {_b(plan.memory.peak)}")
 
 
 def _axis_layout(layout, plan) -> str:
@@ -130,7 +130,7 @@ def diff(a, b) -> PlanDiff:
     def nodes(plan):
         def side(lays):
             return " ".join(_axis_layout(lay, plan) for lay in lays)
-        return {n["name"]: f"{side(n['inputs'])} -> {side(n['outputs'])}" for n in plan.nodes}
+        return {n.name: f"{side(n.inputs)} -> {side(n.outputs)}" for n in plan.nodes}
 
     def changed(x, y):
         return {k: (x.get(k), y.get(k)) for k in list(x) + [k for k in y if k not in x] if x.get(k) != y.get(k)}
@@ -139,10 +139,10 @@ def diff(a, b) -> PlanDiff:
     tot = defaultdict(lambda: [0, 0, 0.0, 0.0, 0.0, 0.0])
     for i, plan in enumerate((a, b)):
         for c in plan.collectives:
-            t = tot[(c["kind"], c["axis"], c["phase"])]
+            t = tot[(c.kind, c.axis, c.phase)]
             t[i] += 1
-            t[2 + i] += c["bytes"]
-            t[4 + i] += c["seconds"]
+            t[2 + i] += c.bytes
+            t[4 + i] += c.seconds
     colls = [CollectiveChange(k, ax, ph, *v) for (k, ax, ph), v in sorted(tot.items())
              if v[0] != v[1] or abs(v[4] - v[5]) > 1e-12]
     return PlanDiff(
@@ -150,5 +150,5 @@ def diff(a, b) -> PlanDiff:
         params=_group_changes(changed(pa, pb), lambda f: (ia if f in a.params else ib).rep_param(f)),
         nodes=_group_changes(changed(na, nb), lambda n: (ia if n in ia.nodes else ib).rep_node(n)),
         collectives=colls, step_time=(a.step_time, b.step_time),
-        peak_memory=(a.memory["peak"], b.memory["peak"]),
+        peak_memory=(a.memory.peak, b.memory.peak),
         num_params=len(set(a.params) | set(b.params)), num_nodes=len(set(na) | set(nb)))

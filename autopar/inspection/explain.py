@@ -54,8 +54,9 @@ def _decision_lines(ix: PlanIndex, key: str) -> list[str]:
     entries = ix.plan.alternatives.get(key)
     if not entries:
         return [f"decision {key}: only one layout was possible here, so there was nothing to choose."]
-    node = ix.nodes.get(key, {})
-    op, shape, axes = node.get("op", ""), node.get("shape"), ix.plan.axis_names
+    node = ix.nodes.get(key)            # None for a parameter's or an input's decision
+    op, shape = (node.op, node.shape) if node is not None else ("", None)
+    axes = ix.plan.axis_names
     lines = [(f"options for {key} (costs per layer instance, neighbours held at their chosen layouts; own = compute "
               f"and optimizer step; memory = bytes held at the end of forward):"),
              f"      {'layout':<22} {'total':>10} {'own':>10} {'resharding':>11} {'memory':>11}  vs chosen"]
@@ -111,8 +112,8 @@ def _stage_lines(plan, layer, node_name) -> list[str]:
     stages = pipe["stages"]
     st = next((s for s in stages if layer in s["layers"]), None)
     if st is None:           # outside the layers: before the first one (embedding) or after the last
-        names = [n["name"] for n in plan.nodes]
-        first = next((n["name"] for n in plan.nodes if n["layer"]), None)
+        names = [n.name for n in plan.nodes]
+        first = next((n.name for n in plan.nodes if n.layer), None)
         st = stages[0] if first is not None and names.index(node_name) < names.index(first) else stages[-1]
     return [f"  pipeline stage {st['index']} of {len(stages)} (rank {st['pp_rank']} of axis '{pipe['axis']}'), "
             f"schedule {pipe['schedule']} over {pipe['microbatches']} microbatches; the figures below are "
@@ -121,24 +122,24 @@ def _stage_lines(plan, layer, node_name) -> list[str]:
 
 def _node_lines(ix: PlanIndex, name: str) -> list[str]:
     plan, n = ix.plan, ix.nodes[name]
-    lines = [f"node {name}: {n['op']}" + (f", output shape {n['shape']}" if n["shape"] is not None else "")]
-    if n["layer"]:
-        lines.append(f"  {ix.instances_note(n['layer'])}")
-    lines += _stage_lines(ix.plan, n["layer"], n["name"])
-    ins = " ".join(layout_text(l) for l in n["inputs"])
-    outs = " ".join(layout_text(l) for l in n["outputs"])
-    role = _role(n["op"], ",".join(layout_text(l) for l in n["outputs"]), n["shape"], plan.axis_names)
+    lines = [f"node {name}: {n.op}" + (f", output shape {list(n.shape)}" if n.shape is not None else "")]
+    if n.layer:
+        lines.append(f"  {ix.instances_note(n.layer)}")
+    lines += _stage_lines(ix.plan, n.layer, n.name)
+    ins = " ".join(layout_text(l) for l in n.inputs)
+    outs = " ".join(layout_text(l) for l in n.outputs)
+    role = _role(n.op, ",".join(layout_text(l) for l in n.outputs), n.shape, plan.axis_names)
     lines.append(f"  chosen: inputs {ins} -> outputs {outs}" + (f" ({role})" if role else "")
-                 + (f"; work split over {', '.join(n['split_axes'])}" if n["split_axes"] else "; work not split"))
-    lines.append(f"  here: compute {_s(n['compute_seconds'])}, communication {_s(n['comm_seconds'])}, "
-                 f"saved activations {_b(n['activation_bytes'])}")
+                 + (f"; work split over {', '.join(n.split_axes)}" if n.split_axes else "; work not split"))
+    lines.append(f"  here: compute {_s(n.compute_seconds)}, communication {_s(n.comm_seconds)}, "
+                 f"saved activations {_b(n.activation_bytes)}")
     for c in ix.colls_at.get(name, []):
-        hidden = c["seconds"] - c.get("exposed", c["seconds"])
-        lines.append(f"    runs {c['kind']}({c['axis']}, {c['phase']}) {_b(c['bytes'])} {_s(c['seconds'])} "
-                     f"on {ix.value_name(c['value'])}" + (f", {_s(hidden)} of it hidden behind compute" if hidden > 0 else ""))
+        hidden = c.seconds - (c.seconds if c.exposed is None else c.exposed)
+        lines.append(f"    runs {c.kind}({c.axis}, {c.phase}) {_b(c.bytes)} {_s(c.seconds)} "
+                     f"on {ix.value_name(c.value)}" + (f", {_s(hidden)} of it hidden behind compute" if hidden > 0 else ""))
     key = ix.decision_of(name)
     if key != name:
-        why = "follows " + n["follows"] + " (its layout is fixed by that decision)" if n["follows"] else \
+        why = "follows " + n.follows + " (its layout is fixed by that decision)" if n.follows else \
             "has the same position in the first instance"
         lines.append(f"  decided by {key}: this node {why}")
     return lines + _decision_lines(ix, key)
@@ -160,7 +161,7 @@ def _param_lines(ix: PlanIndex, fqn: str) -> list[str]:
     if fqn in plan.offload:
         lines.append(f"  optimizer state, its gradient and the copy it steps in host memory "
                      f"({_b(plan.offload[fqn]['host_bytes'])}), stepped there and uploaded after each step")
-    held = plan.memory.get("by_param", {}).get(fqn)
+    held = plan.memory.by_param.get(fqn)
     if held is not None:
         lines.append(f"  per device: {_b(held)} of parameter, gradient and optimizer state")
     if rep != fqn:
@@ -168,7 +169,7 @@ def _param_lines(ix: PlanIndex, fqn: str) -> list[str]:
     placeholder = placeholder_name(rep)
     # The plan records no graph edges; a parameter's consumers are the nodes its collectives (chosen or
     # alternative) are exchanged with.
-    consumers = {c["node"] for c in plan.collectives if c["value"] == placeholder and c["node"] in ix.nodes}
+    consumers = {c.node for c in plan.collectives if c.value == placeholder and c.node in ix.nodes}
     consumers |= {c["neighbor"] for e in plan.alternatives.get(rep, []) for c in e["collectives"]
                   if c["value"] == placeholder and c["neighbor"] in ix.nodes}
     lines += _decision_lines(ix, rep)
@@ -176,10 +177,10 @@ def _param_lines(ix: PlanIndex, fqn: str) -> list[str]:
     for cname in sorted(consumers, key=order.__getitem__):
         c = ix.nodes[cname]
         key = ix.decision_of(cname)
-        role = _role(c["op"], ",".join(layout_text(l) for l in c["outputs"]), c["shape"], plan.axis_names)
+        role = _role(c.op, ",".join(layout_text(l) for l in c.outputs), c.shape, plan.axis_names)
         lines.append("")
-        lines.append(f"consumed by {cname} ({c['op']}): inputs {' '.join(layout_text(l) for l in c['inputs'])} -> "
-                     f"outputs {' '.join(layout_text(l) for l in c['outputs'])}" + (f" ({role})" if role else ""))
+        lines.append(f"consumed by {cname} ({c.op}): inputs {' '.join(layout_text(l) for l in c.inputs)} -> "
+                     f"outputs {' '.join(layout_text(l) for l in c.outputs)}" + (f" ({role})" if role else ""))
         lines += ["  " + x for x in _decision_lines(ix, key)]
     return lines
 

@@ -52,7 +52,7 @@ def _summary_html(plan) -> str:
     # The bar adds up to the step: each axis's communication less what compute hides of it.
     hidden = {a: 0.0 for a in comm}
     for c in plan.collectives if bd.get("hidden") else ():
-        hidden[c["axis"]] = hidden.get(c["axis"], 0.0) + c["seconds"] - c.get("exposed", c["seconds"])
+        hidden[c.axis] = hidden.get(c.axis, 0.0) + c.seconds - (c.seconds if c.exposed is None else c.exposed)
     parts += [(f"exposed communication on {a} {_s(t - hidden.get(a, 0.0))}", max(t - hidden.get(a, 0.0), 0.0),
                _PALETTE[i % len(_PALETTE)]) for i, (a, t) in enumerate(comm.items())]
     parts.append((f"optimizer {_s(bd['optimizer'])}", bd["optimizer"], "#9c755f"))
@@ -61,9 +61,10 @@ def _summary_html(plan) -> str:
     total_comm = sum(comm.values())
     exposed = bd.get("exposed", total_comm)
     m = plan.memory
-    budget = m.get("memory_budget") or 0.0
-    frac = m["peak"] / budget if budget else 0.0
-    mem_parts = [(f"{k} {_b(m[k])}", m[k], _MEM_COLORS[k]) for k in ("params", "grads", "optimizer", "activations")]
+    budget = m.memory_budget or 0.0
+    frac = m.peak / budget if budget else 0.0
+    mem_parts = [(f"{k} {_b(getattr(m, k))}", getattr(m, k), _MEM_COLORS[k])
+                 for k in ("params", "grads", "optimizer", "activations")]
     mesh = " &times; ".join(f"{_e(a)}={s}" for a, s in zip(plan.axis_names, plan.mesh_shape))
     c = plan.cluster
     dev = c.get("device", {})
@@ -84,8 +85,8 @@ def _summary_html(plan) -> str:
 <p id="exposed">Communication {_s(total_comm)} in all
  ({", ".join(f"{_e(a)} {_s(t)}" for a, t in comm.items())}); exposed (not hidden behind compute):
  <b>{_s(exposed)}</b>, hidden {_s(total_comm - exposed)}{" &mdash; none of it overlaps compute" if exposed >= total_comm * 0.999 else ""}.</p>
-<h3>Peak memory per device: {_b(m['peak'])} of {_b(budget)} budget ({100 * frac:.1f}%)</h3>
-{_stacked_bar(mem_parts + [("free", max(budget - m['peak'], 0.0), "#e8e8e8")], max(budget, m['peak']))}
+<h3>Peak memory per device: {_b(m.peak)} of {_b(budget)} budget ({100 * frac:.1f}%)</h3>
+{_stacked_bar(mem_parts + [("free", max(budget - m.peak, 0.0), "#e8e8e8")], max(budget, m.peak))}
 {_legend([(p[0], p[2]) for p in mem_parts])}
 {_offload_html(plan)}
 {_pipeline_html(plan)}"""
@@ -142,18 +143,18 @@ def _graph_data(plan, ix: PlanIndex, color) -> dict:
     nodes = plan.nodes
     while i < len(nodes):
         n = nodes[i]
-        if not n["layer"]:
-            items.append({"t": "n", "id": n["name"], "op": n["op"], "c": color(n)})
+        if not n.layer:
+            items.append({"t": "n", "id": n.name, "op": n.op, "c": color(n)})
             i += 1
             continue
         j = i
-        while j < len(nodes) and nodes[j]["layer_class"] == n["layer_class"]:
-            group_of[nodes[j]["name"]] = f"g{gi}"
+        while j < len(nodes) and nodes[j].layer_class == n.layer_class:
+            group_of[nodes[j].name] = f"g{gi}"
             j += 1
         run = nodes[i:j]
-        insts = list(dict.fromkeys(x["layer"] for x in run))
-        first = ix.first[n["layer_class"]]
-        members = [{"t": "n", "id": x["name"], "op": x["op"], "c": color(x)} for x in run if x["layer"] == first]
+        insts = list(dict.fromkeys(x.layer for x in run))
+        first = ix.first[n.layer_class]
+        members = [{"t": "n", "id": x.name, "op": x.op, "c": color(x)} for x in run if x.layer == first]
         items.append({"t": "g", "id": f"g{gi}", "nodes": members,
                       "label": f"{n['layer_class']} \u00d7{len(insts)}, {len(run) // len(insts)} ops each",
                       "tip": f"{insts[0]} \u2026 {insts[-1]}; click to show the nodes of {first}"})
@@ -163,20 +164,20 @@ def _graph_data(plan, ix: PlanIndex, color) -> dict:
     items.append({"t": "n", "id": "output", "op": "graph output", "c": "#7f7f7f"})
     edges: dict = {}
     for c in plan.collectives:
-        src = c["value"]
-        s = src if src in ix.nodes and _shown(ix, ix.nodes[src]["layer"]) else None
-        dst = ix.nodes.get(c["node"])
-        d = c["node"] if dst is None or _shown(ix, dst["layer"]) else None
-        key = (s, group_of.get(src), d, group_of.get(c["node"]), ix.value_name(src) if src not in ix.nodes else None)
+        src = c.value
+        s = src if src in ix.nodes and _shown(ix, ix.nodes[src].layer) else None
+        dst = ix.nodes.get(c.node)
+        d = c.node if dst is None or _shown(ix, dst.layer) else None
+        key = (s, group_of.get(src), d, group_of.get(c.node), ix.value_name(src) if src not in ix.nodes else None)
         edges.setdefault(key, []).append(c)
     out = []
     for (s, sg, d, dg, stub), cs in edges.items():
         tot = defaultdict(float)
         for c in cs:
-            tot[(c["kind"], c["axis"], c["phase"][:3])] += c["bytes"]
+            tot[(c.kind, c.axis, c.phase[:3])] += c.bytes
         parts = [f"{k}({a},{ph}) {_b(v)}" for (k, a, ph), v in tot.items()]
         label = ", ".join(parts[:2]) + (f" +{len(parts) - 2} more" if len(parts) > 2 else "")
-        src_name = stub or cs[0]["value"]
+        src_name = stub or cs[0].value
         out.append({"s": s, "sg": sg, "d": d, "dg": dg, "stub": stub, "l": label,
                     "tip": f"{src_name} \u2192 {cs[0]['node']}" + (f" (and {len(cs)} collectives in all)" if len(cs) > 2 else "")
                            + ": " + "; ".join(parts)})
@@ -196,19 +197,19 @@ def _td(text, value=None) -> str:
 def _ops_html(plan, ix: PlanIndex) -> str:
     rows, summary = [], defaultdict(lambda: [0, 0.0, 0.0, {}])
     for n in plan.nodes:
-        if _shown(ix, n["layer"]):
-            ins = " ".join(layout_text(l) for l in n["inputs"])
-            outs = " ".join(layout_text(l) for l in n["outputs"])
-            rows.append(f'<tr data-name="{_e(n["name"])}" tabindex="0">{_td(n["name"])}{_td(n["op"])}'
-                        f'{_td(n["layer"] or "")}{_td(ins)}{_td(outs)}{_td(",".join(n["split_axes"]))}'
-                        f'{_td(_s(n["compute_seconds"]), n["compute_seconds"])}{_td(_s(n["comm_seconds"]), n["comm_seconds"])}'
-                        f'{_td(_b(n["activation_bytes"]), n["activation_bytes"])}</tr>')
+        if _shown(ix, n.layer):
+            ins = " ".join(layout_text(l) for l in n.inputs)
+            outs = " ".join(layout_text(l) for l in n.outputs)
+            rows.append(f'<tr data-name="{_e(n.name)}" tabindex="0">{_td(n.name)}{_td(n.op)}'
+                        f'{_td(n.layer or "")}{_td(ins)}{_td(outs)}{_td(",".join(n.split_axes))}'
+                        f'{_td(_s(n.compute_seconds), n.compute_seconds)}{_td(_s(n.comm_seconds), n.comm_seconds)}'
+                        f'{_td(_b(n.activation_bytes), n.activation_bytes)}</tr>')
         else:
-            t = summary[n["layer_class"]]
+            t = summary[n.layer_class]
             t[0] += 1
-            t[1] += n["compute_seconds"]
-            t[2] += n["comm_seconds"]
-            t[3][n["layer"]] = None
+            t[1] += n.compute_seconds
+            t[2] += n.comm_seconds
+            t[3][n.layer] = None
     foot = "".join(
         f'<tr class="summary" data-ops="{k}"><td colspan="6">{_e(cls)}: {len(insts)} more instances '
         f'({_e(next(iter(insts)))} \u2026 {_e(list(insts)[-1])}) &mdash; {k} ops with the same '
@@ -221,7 +222,7 @@ def _ops_html(plan, ix: PlanIndex) -> str:
 
 def _params_html(plan, ix: PlanIndex) -> tuple[str, list[str]]:
     rows, names, hidden = [], [], 0
-    by_param = plan.memory.get("by_param", {})
+    by_param = plan.memory.by_param
     for fqn, lay in plan.params.items():
         if ix.rep_param(fqn) != fqn:
             hidden += 1
@@ -239,14 +240,14 @@ def _params_html(plan, ix: PlanIndex) -> tuple[str, list[str]]:
 
 
 def _memory_svg(plan) -> str:
-    tl = plan.memory.get("timeline") or []
+    tl = plan.memory.timeline
     if not tl:
         return "<p>The plan records no memory timeline.</p>"
     keys = tuple(_MEM_COLORS)
     W, H, L, T, B = 820, 280, 80, 12, 34
     pw, ph = W - L - 12, H - T - B
-    totals = [sum(p[k] for k in keys) for p in tl]
-    peak, budget = max(max(totals), plan.memory["peak"]), plan.memory.get("memory_budget") or 0.0
+    totals = [sum(getattr(p, k) for k in keys) for p in tl]
+    peak, budget = max(max(totals), plan.memory.peak), plan.memory.memory_budget or 0.0
     # A budget far above the peak would flatten the stack; then the budget is named, not drawn to scale.
     ymax = budget * 1.05 if budget and budget <= 4 * peak else peak * 1.15
     n = len(tl)
@@ -259,7 +260,7 @@ def _memory_svg(plan) -> str:
 
     out, base = [], [0.0] * n
     for k in keys:
-        top = [b + p[k] for b, p in zip(base, tl)]
+        top = [b + getattr(p, k) for b, p in zip(base, tl)]
         pts = " ".join(f"{px(i):.1f},{py(v):.1f}" for i, v in enumerate(top))
         pts += " " + " ".join(f"{px(i):.1f},{py(v):.1f}" for i, v in reversed(list(enumerate(base))))
         out.append(f'<polygon points="{pts}" fill="{_MEM_COLORS[k]}" fill-opacity="0.85"><title>{k}</title></polygon>')
@@ -268,7 +269,7 @@ def _memory_svg(plan) -> str:
         v = ymax * t / 4
         out.append(f'<line x1="{L}" x2="{L + pw}" y1="{py(v):.1f}" y2="{py(v):.1f}" class="grid"/>'
                    f'<text x="{L - 6}" y="{py(v) + 4:.1f}" text-anchor="end">{_b(v)}</text>')
-    bwd = next((i for i, p in enumerate(tl) if p["phase"] == "backward"), n)
+    bwd = next((i for i, p in enumerate(tl) if p.phase == "backward"), n)
     out.append(f'<line x1="{px(bwd):.1f}" x2="{px(bwd):.1f}" y1="{T}" y2="{T + ph}" class="phase"/>'
                f'<text x="{(L + px(bwd)) / 2:.1f}" y="{H - 10}" text-anchor="middle">forward</text>'
                f'<text x="{(px(bwd) + L + pw) / 2:.1f}" y="{H - 10}" text-anchor="middle">backward</text>')
@@ -289,10 +290,10 @@ def _memory_svg(plan) -> str:
 def _comm_html(plan) -> str:
     agg = defaultdict(lambda: [0, 0.0, 0.0])
     for c in plan.collectives:
-        t = agg[(c["axis"], c["kind"], c["phase"])]
+        t = agg[(c.axis, c.kind, c.phase)]
         t[0] += 1
-        t[1] += c["bytes"]
-        t[2] += c["seconds"]
+        t[1] += c.bytes
+        t[2] += c.seconds
     if not agg:
         return "<p>This plan runs no collectives.</p>"
     per_axis = defaultdict(lambda: defaultdict(float))
@@ -325,9 +326,9 @@ def _comm_html(plan) -> str:
 
 def _layout_colors(plan, ix: PlanIndex):
     def key(n):
-        return " ".join(layout_text(l) for l in n["outputs"]) or "-"
+        return " ".join(layout_text(l) for l in n.outputs) or "-"
 
-    freq = Counter(key(n) for n in plan.nodes if _shown(ix, n["layer"]))
+    freq = Counter(key(n) for n in plan.nodes if _shown(ix, n.layer))
     index = {k: i for i, (k, _) in enumerate(freq.most_common(len(_PALETTE)))}
 
     def color(n):
@@ -345,7 +346,7 @@ def render_html(plan) -> str:
     ix = PlanIndex(plan)
     color, legend = _layout_colors(plan, ix)
     params_table, shown_params = _params_html(plan, ix)
-    names = [n["name"] for n in plan.nodes if _shown(ix, n["layer"])] + shown_params
+    names = [n.name for n in plan.nodes if _shown(ix, n.layer)] + shown_params
     data = {"graph": _graph_data(plan, ix, color), "explain": {k: explain_in(ix, k) for k in names}}
     body = {
         "summary": _summary_html(plan),

@@ -21,13 +21,13 @@ class PlanIndex:
 
     def __init__(self, plan):
         self.plan = plan
-        self.nodes = {n["name"]: n for n in plan.nodes}
+        self.nodes = {n.name: n for n in plan.nodes}
         self.instances: dict[str, list[str]] = {}          # instance path -> node names, program order
         self.cls_of: dict[str, str] = {}                    # instance path -> layer class
         for n in plan.nodes:
-            if n["layer"]:
-                self.instances.setdefault(n["layer"], []).append(n["name"])
-                self.cls_of[n["layer"]] = n["layer_class"]
+            if n.layer:
+                self.instances.setdefault(n.layer, []).append(n.name)
+                self.cls_of[n.layer] = n.layer_class
         self.first: dict[str, str] = {}                     # layer class -> its first instance
         for inst, cls in self.cls_of.items():
             self.first.setdefault(cls, inst)
@@ -36,14 +36,14 @@ class PlanIndex:
         self.param_of = {placeholder_name(f): f for f in plan.params}
         self.colls_at: dict[str, list] = defaultdict(list)
         for c in plan.collectives:
-            self.colls_at[c["node"]].append(c)
+            self.colls_at[c.node].append(c)
 
     def value_name(self, value: str) -> str:
         return self.param_of.get(value, value)
 
     def rep_node(self, name: str) -> str:
         """The node at the same position in the first instance of its layer class."""
-        layer = self.nodes[name]["layer"]
+        layer = self.nodes[name].layer
         if not layer:
             return name
         return self.instances[self.first[self.cls_of[layer]]][self.pos[name]]
@@ -56,7 +56,7 @@ class PlanIndex:
 
     def decision_of(self, name: str) -> str:
         """The alternatives key of the decision that fixes node ``name``'s layout."""
-        root = self.nodes[name]["follows"] or name
+        root = self.nodes[name].follows or name
         if root in self.param_of:
             return self.rep_param(self.param_of[root])
         return self.rep_node(root) if root in self.nodes else root
