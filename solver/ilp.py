@@ -481,9 +481,9 @@ def solve(problem: Problem, *, time_limit: float = 60.0, backend: str = "auto", 
     elif status == "infeasible":
         best = fallback
     else:
-        raise AutoparError(f"the {name} solver found no layout within the memory budget in its time limit "
-                           f"of {time_limit:g} s, and neither did the greedy heuristic; raise the time limit "
-                           f"or the memory budget")
+        limit = f"time limit of {time_limit:g} s" + ("" if node_limit is None else f" or {node_limit} nodes")
+        raise AutoparError(f"the {name} solver found no layout within the memory budget in its {limit}, and neither "
+                           f"did the greedy heuristic; raise the time limit or the memory budget")
     if bound is not None and status in ("optimal", "feasible") and problem.objective(best) >= bound:
         # Nothing cheaper than the bound: HiGHS stops there and keeps its start; CBC takes no cutoff.
         status, solver_gap = "bounded", None
