@@ -97,7 +97,7 @@ def default_optimizer(model, precision: str | None = None) -> OptimizerSpec:
 
 
 def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), example_kwargs=None, *,
-         memory_budget: float | None = None, mesh_shape=None, axis_names=None, time_limit: float = 60.0,
+         memory_budget: float | None = None, mesh_shape=None, axis_names=None, time_limit: float | None = None,
          optimizer: OptimizerSpec | None = None, progress: bool | None = None, skip_passes=(),
          insert_passes=(), pins: dict | None = None, kernels: str = "aten", sharded_outputs: bool = False,
          recompute: bool | dict = True, cost_model: type[CostModel] = CostModel,
@@ -123,6 +123,9 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     ``microbatches`` and ``schedule`` (one of ``pipelining.SCHEDULES``) fix what is otherwise chosen by
     predicted step time. With the mesh left to the planner, ``pipeline=None`` also tries pipeline meshes
     on clusters of several nodes (``pipeline_meshes``), ``True`` on any cluster, ``False`` never.
+    ``time_limit`` bounds each solver run in seconds; None (the default) stops each at a number of
+    branch-and-bound nodes instead (``solver.NODE_LIMIT``, with ``solver.GUARD_SECONDS`` of wall clock as
+    a guard), so the plan does not depend on the machine's load.
     ``precision`` is Lightning's name of the training precision: "32-true", "bf16-mixed" (autocast's
     bfloat16 compute and activations over float32 master weights and optimizer states) or "bf16-true";
     None trains in the model's own dtype (passes/precision.py).

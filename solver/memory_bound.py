@@ -13,6 +13,9 @@ _GAP = 1e-7   # the budget an error message reports: off the hot path, so solved
 # A deterministic cut-off for that solve, in place of a wall-clock limit (which would make the budget
 # reported depend on the machine's load); the min-max models of the test models close in tens of nodes.
 NODE_LIMIT = 20_000
+# The layout solves stop at NODE_LIMIT nodes too, where the caller gives no time limit; this wall clock only
+# guards against a solve that would never end (the test and zoo models close in tens of nodes).
+GUARD_SECONDS = 600.0
 
 
 def minimum_feasible_budget(problem: Problem, *, time_limit: float = math.inf, backend: str = "auto",

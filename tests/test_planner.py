@@ -55,6 +55,21 @@ def test_data_parallel_wins_for_large_batch_and_small_model():
     assert {c["kind"] for c in p.collectives if c["phase"] == "backward"} == {"all_reduce"}
 
 
+def test_layout_solves_stop_at_a_node_limit_by_default(monkeypatch):
+    """The plan must not depend on the machine's load: by default every layout solve stops at the
+    solver's node limit, the wall clock only a guard."""
+    from autopar.solver import GUARD_SECONDS, NODE_LIMIT, ilp
+
+    limits, run = [], ilp.run
+    monkeypatch.setattr(ilp, "run", lambda model, backend, **kw: limits.append(
+        (kw["time_limit"], kw["node_limit"])) or run(model, backend, **kw))
+    model = wide_stack(h=32, heads=2, layers=2)
+    x = torch.randn(4, 8, 32)
+    cluster = autopar.ClusterSpec.local_cpu(2)
+    autopar.plan(model, cluster, (x,), progress=False)
+    assert limits and set(limits) == {(GUARD_SECONDS, NODE_LIMIT)}
+
+
 def test_activation_memory_agrees_with_korthikanti():
     """GPT-2 with eager attention and plain GELU, 16-bit, no parallelism: s*b*h*(34 + 5*a*s/h) per layer."""
     import transformers as tf

@@ -39,7 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pipeline plans: the schedule (default: chosen by predicted step time)")
     p.add_argument("--no-pipeline", action="store_true",
                    help="do not try pipeline meshes (tried by default on clusters of several nodes)")
-    p.add_argument("--time-limit", type=float, default=60.0, metavar="S", help="ILP time limit per mesh (s)")
+    p.add_argument("--time-limit", type=float, default=None, metavar="S",
+                   help="ILP time limit per solve (s); by default each solve stops at a node limit, so the plan "
+                        "does not depend on the machine's load")
     p.add_argument("--sharded-outputs", action="store_true",
                    help="plan for compile(..., sharded_outputs=True): logits stay sharded, only the loss is "
                         "gathered (what a training loop needs)")
