@@ -325,6 +325,11 @@ class CostModel:
             if keep and k < len(ctx.ins) and not _is_param(ctx.input_nodes[k]):
                 sharers = meta_of(ctx.input_nodes[k]).saved_by
                 total += ctx.ins[k].nbytes * local_fraction(s.inputs[k], self.mesh_shape) / sharers
+        # A copy of an input in another dtype (an additive mask) is the op's own, shared with no one.
+        for k, itemsize in enumerate(saved.converted):
+            if itemsize and k < len(ctx.ins):
+                elements = ctx.ins[k].nbytes / ctx.ins[k].dtype.itemsize
+                total += elements * itemsize * local_fraction(s.inputs[k], self.mesh_shape)
         return total
 
 

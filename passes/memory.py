@@ -1280,11 +1280,15 @@ def solve_under_budget(problem, sm: StepMemory, memory_budget: float, *, time_li
         time_limit, node_limit = GUARD_SECONDS, node_limit or NODE_LIMIT
 
     problem.memory_budget = memory_budget
-    have = set(_initial_points(sm, problem))
-    problem.memory = sm.constraints(sorted(have))
     host = sm.host_constraint(memory_budget)
-    if host is not None:
-        problem.memory.append(host)
+    # The fastest assignment ignoring device memory is the answer whenever its walked peak fits, and
+    # without memory rows HiGHS solves it at its first relaxation: most plans stop here.
+    problem.memory = [host] if host is not None else []
+    sol = solve(problem, time_limit=time_limit, bound=bound, node_limit=node_limit)
+    if sol.status in ("infeasible", "bounded") or sm.peak(sol.assignment)[1] <= memory_budget * (1 + 1e-9):
+        return sol
+    have = set(_initial_points(sm, problem))
+    problem.memory.extend(sm.constraints(sorted(have)))
     for _ in range(_MAX_ROUNDS):
         sol = solve(problem, time_limit=time_limit, bound=bound, node_limit=node_limit)
         if sol.status in ("infeasible", "bounded"):

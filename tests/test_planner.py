@@ -98,9 +98,9 @@ def test_flash_attention_drops_the_quadratic_term():
     p = autopar.plan(model, autopar.ClusterSpec.preset("1xH100"), (ids,), {"labels": ids.clone()}, progress=False)
     sdpa = [n for n in p.nodes if n["op"].startswith("scaled_dot_product_attention")][0]
     # q, k, v and the output (4 sbh in 16 bits), a fp32 logsumexp per head and token, and the causal
-    # mask HF passes (one s x s boolean, broadcast over batch and heads), which the kernel applies again
-    # in backward: never the a x s x s scores.
-    assert sdpa["activation_bytes"] == 4 * s * b * h * 2 + a * s * b * 4 + s * s
+    # mask HF passes (one s x s boolean, broadcast over batch and heads), which ATen makes additive in
+    # the query's 16 bits and the kernel applies again in backward: never the a x s x s scores.
+    assert sdpa["activation_bytes"] == 4 * s * b * h * 2 + a * s * b * 4 + s * s * 2
 
 
 def test_offline_plan_at_1024_devices_needs_no_process_group():
