@@ -64,6 +64,10 @@ def pipeline_grid():
                 except autopar.InfeasiblePlanError:
                     rows.append((f"Megatron pp={pp} m={m}: does not fit", grid, None, None, None))
                     continue
+                except autopar.AutoparError:
+                    # The solver's node limit ran out before any layout within the budget was found.
+                    rows.append((f"Megatron pp={pp} m={m}: none found", grid, None, None, None))
+                    continue
                 for sched, t in p.solver["candidates"][0]["pipeline"]["schedules"].items():
                     rows.append((f"Megatron pp={pp} m={m} {sched}", grid, t, p.memory["peak"] if t is not None
                                  and sched == p.pipeline["schedule"] else None, None))
