@@ -11,7 +11,7 @@ from autopar.errors import AutoparError
 from autopar.passes.costs import INFEASIBLE, CostModel
 from autopar.passes.layers import layer_instances
 from autopar.passes.memory import StepMemory, solve_under_budget
-from autopar.passes.meta import meta_of
+from autopar.passes.meta import is_param, meta_of
 from autopar.passes.ilp_build import build_problem
 from autopar.pass_pipeline import mesh_passes
 from autopar.plan import Plan, PlanCollective
@@ -180,10 +180,6 @@ def reduced_param(node) -> object | None:
     gradient is all-reduced (codegen/stages.py): a parameter itself, or the one bfloat16 copy that is
     its only use under bf16-mixed. None for any other value."""
     from autopar.passes.precision import cast_source
-
-    def is_param(n):
-        role = meta_of(n).role if n.op == "placeholder" else None
-        return role is not None and role.kind == "param"
 
     if is_param(node):
         return node

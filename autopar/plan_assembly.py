@@ -14,7 +14,7 @@ from autopar.passes.exposure import exposure
 from autopar.passes.ilp_build import ProblemIndex
 from autopar.passes.layers import layer_counts, layer_instances
 from autopar.passes.memory import StepMemory
-from autopar.passes.meta import meta_of, op_name
+from autopar.passes.meta import is_param, meta_of, op_name
 from autopar.passes.reshard_plan import collectives, plan_reshards
 from autopar.plan import MemoryPoint, Plan, PlanMemory, PlanNode
 
@@ -136,7 +136,7 @@ def assemble_plan(prep: Prepared, mesh: SolvedMesh, assignment, cluster: Cluster
     return Plan(
         model={"class": cap.model_class, "fingerprint": prep.fingerprint,
                "num_params": sum(int(n.meta["val"].numel()) for n in gm.graph.nodes
-                                 if n.op == "placeholder" and meta_of(n).role and meta_of(n).role.kind == "param"),
+                                 if is_param(n)),
                "input_shapes": [list(s) if s is not None else None for s in cap.input_shapes],
                "layers": layer_counts(gm)},
         cluster=cluster.to_dict(),

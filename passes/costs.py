@@ -23,7 +23,7 @@ import torch.fx as fx
 from autopar.cluster import ClusterSpec
 from autopar.layout import local_fraction, local_shape
 from autopar.plan import PlanCollective
-from autopar.passes.meta import meta_of, set_meta
+from autopar.passes.meta import is_param, meta_of, set_meta
 from autopar.passes.resharding import Step, collective_seconds, grad_partial_axes, transition
 from autopar.passes.rules import context_for, rule_for, tensor_inputs
 from autopar.passes.runner import requires
@@ -322,7 +322,7 @@ class CostModel:
         # work, not with its output: a loss summed over sharded tokens has a Partial scalar output.
         total += saved.internal / self.work_split(s)
         for k, keep in enumerate(saved.inputs):
-            if keep and k < len(ctx.ins) and not _is_param(ctx.input_nodes[k]):
+            if keep and k < len(ctx.ins) and not is_param(ctx.input_nodes[k]):
                 sharers = meta_of(ctx.input_nodes[k]).saved_by
                 total += ctx.ins[k].nbytes * local_fraction(s.inputs[k], self.mesh_shape) / sharers
         # A copy of an input in another dtype (an additive mask) is the op's own, shared with no one.
@@ -331,11 +331,6 @@ class CostModel:
                 elements = ctx.ins[k].nbytes / ctx.ins[k].dtype.itemsize
                 total += elements * itemsize * local_fraction(s.inputs[k], self.mesh_shape)
         return total
-
-
-def _is_param(node: fx.Node) -> bool:
-    role = meta_of(node).role
-    return node.op == "placeholder" and role is not None and role.kind == "param"
 
 
 def _pointwise(node: fx.Node) -> bool:
@@ -378,7 +373,7 @@ def count_saving_consumers_pass(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         ins = context_for(node).input_nodes
         for k, keep in enumerate(saved.inputs):
-            if keep and k < len(ins) and not _is_param(ins[k]):
+            if keep and k < len(ins) and not is_param(ins[k]):
                 counts[ins[k]] += 1
     for n, c in counts.items():
         set_meta(n, saved_by=c)

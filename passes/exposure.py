@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from autopar.passes.meta import meta_of
+from autopar.passes.meta import is_param
 from autopar.passes.strategies import requires_grad
 from autopar.plan import PlanCollective
 
@@ -201,8 +201,7 @@ class HidingWindows:
             self._backward_before.append(self._backward_before[-1] + bwd)
         self._boundaries = sorted(self.position[n] for n in boundaries)
         self._first_input = boundaries     # reader -> its first input position that may be resharded
-        params = [n for n in order if n.op == "placeholder" and n.users and requires_grad(n)
-                  and meta_of(n).role is not None and meta_of(n).role.kind == "param"]
+        params = [n for n in order if is_param(n) and n.users and requires_grad(n)]
         first_reader = {p: min(self.position[u] for u in p.users) for p in params}
         buckets, size = [[]], 0
         for p in sorted(params, key=lambda p: -first_reader[p]):     # the order gradients become ready

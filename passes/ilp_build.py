@@ -15,7 +15,7 @@ import torch.fx as fx
 from autopar.layout import Placement, R
 from autopar.passes.costs import INFEASIBLE, CostModel
 from autopar.passes.exposure import HidingWindows
-from autopar.passes.meta import meta_of
+from autopar.passes.meta import is_param, meta_of
 from autopar.passes.strategies import MeshStrategies, Value, input_values, requires_grad, strategies_on
 from autopar.solver import Choice, Edge, Problem, SharedEdge
 
@@ -210,7 +210,7 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_budget: float | None
                 a += cm.activation_bytes(m, s)
                 if m in in_core:
                     fc += cm.forward_seconds(m, s)
-                if m.op == "placeholder" and meta_of(m).role.kind == "param":
+                if is_param(m):
                     c += (cm.optimizer_seconds(m, s.outputs[0], s.zero, s.offload)
                           + cm.zero_seconds(m, s.outputs[0], s.zero))
             costs.append(c)
@@ -414,8 +414,7 @@ def _shared_edge(v: Value, rs, count: int, idx: ProblemIndex, cm: CostModel,
     first = min(((windows.position[c], k, c) for c, k, rc in rs if rc is not None), default=None) \
         if windows is not None else None
     forward_window = windows.forward(v.node, first[2], first[1]) if first is not None else 0.0
-    is_param = v.node.op == "placeholder" and meta_of(v.node).role is not None and meta_of(v.node).role.kind == "param"
-    backward_window = windows.backward(v.node) if windows is not None and is_param else 0.0
+    backward_window = windows.backward(v.node) if windows is not None and is_param(v.node) else 0.0
     cost, credit = [], []
     for dst, partial in requests:
         cost_row, credit_row = [], []

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from autopar.passes.costs import VIEW_OPS
-from autopar.passes.meta import SavedForBackward, meta_of, set_meta
+from autopar.passes.meta import SavedForBackward, is_param, meta_of, set_meta
 from autopar.passes.rules import rule_for, tensor_inputs
 
 log = logging.getLogger(__name__)
@@ -683,10 +683,6 @@ class StepMemory:
                     break
                 v = ins[0]
             return v
-
-        def is_param(n):
-            role = meta_of(n).role
-            return n.op == "placeholder" and role is not None and role.kind == "param"
 
         inst_of = {}          # node -> the recomputed regions it is in (a layer and its attention core)
         for inst, (_, _, nodes) in instances.items():

@@ -106,6 +106,12 @@ def set_meta(node: fx.Node, **fields) -> AutoparMeta:
     return m
 
 
+def is_param(node: fx.Node) -> bool:
+    """Whether ``node`` is a model parameter's placeholder."""
+    role = meta_of(node).role
+    return node.op == "placeholder" and role is not None and role.kind == "param"
+
+
 def program_meta(gm: fx.GraphModule) -> ProgramMeta:
     return gm.meta.get(KEY, ProgramMeta())
 
