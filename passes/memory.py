@@ -486,14 +486,10 @@ class StepMemory:
                 rows = []
                 for i in self._options(ca):
                     src = self._strategy(v.node, i)
-                    z = None if src is None else src.zero
-                    zero_axis = z.axis if z is not None and z.stage >= 2 else None
-                    src = None if src is None else tuple(src.outputs[v.index])
-                    pair = (src or dst, dst, partial, zero_axis)
+                    pair = (dst, dst, partial) if src is None else (
+                        tuple(src.outputs[v.index]), dst, src.readers_grad_partial(partial))
                     if pair not in found:
-                        steps = self.cm.resharding(v, pair[0], node, s, k) or []
-                        if zero_axis is not None:       # its own reduce-scatter reduces it instead
-                            steps = [st for st in steps if not (st.op == "grad_all_reduce" and st.axis == zero_axis)]
+                        steps = self.cm.transition(v, *pair) or []
                         # A local chunk's backward all-gathers the gradient; along a dim with larger
                         # dims before it, the gathered blocks stand beside their contiguous copy.
                         gathered = max((info.dtype.itemsize * prod(st.in_shape) for st in steps if st.op == "local_chunk"
