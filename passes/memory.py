@@ -26,6 +26,7 @@ from typing import Any, Sequence
 from autopar.passes.costs import VIEW_OPS
 from autopar.passes.meta import SavedForBackward, is_param, meta_of, set_meta
 from autopar.passes.rules import rule_for, tensor_inputs
+from autopar.plan import pack_buckets
 
 log = logging.getLogger(__name__)
 
@@ -1097,14 +1098,7 @@ def zero_gather_buckets(candidates) -> list[list]:
     """Parameters that may be ZeRO-1/2-sharded, as (parameter, its largest local bytes), in order,
     packed into buckets of about ``ZERO_GATHER_BUCKET_BYTES``. The buckets do not depend on which of them
     the plan shards, so the memory each bucket's gather holds is a sum of one term per parameter."""
-    buckets, size = [], 0.0
-    for n, nbytes in candidates:
-        if not buckets or size >= ZERO_GATHER_BUCKET_BYTES:
-            buckets.append([])
-            size = 0.0
-        buckets[-1].append(n)
-        size += nbytes
-    return buckets
+    return [[n for n, _ in b] for b in pack_buckets(candidates, lambda c: c[1], ZERO_GATHER_BUCKET_BYTES)]
 
 
 def _memoized(f):
