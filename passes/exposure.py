@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from autopar.passes.meta import is_param
 from autopar.passes.strategies import requires_grad
-from autopar.plan import PlanCollective
+from autopar.plan import PlanCollective, pack_buckets
 
 # DDP's default bucket size, and the default of ``autopar.compile(bucket_mb=25)``.
 GRAD_BUCKET_BYTES = 25 * 2**20
@@ -128,29 +128,18 @@ def exposure(gm: fx.GraphModule, strategy: dict, colls: list[PlanCollective], cm
     for p, reader in first_reader.items():
         ready_at.setdefault(reader, []).append(p)
     grad_bytes = {p: float(max(colls[i].bytes for i in members[p])) for p in buckets}
-    stream_free, bucket = clock, []
-    runs: list[tuple[list[str], float, float]] = []     # (parameters, start, finish) per bucket
-
-    def launch(ready):
-        nonlocal stream_free
-        axis = axis_names.index(buckets[bucket[0]])
-        start = max(ready, stream_free)
-        stream_free = start + cm.collective_seconds("all_reduce", sum(grad_bytes[p] for p in bucket), axis)
-        runs.append((bucket, start, stream_free))
-
-    last_ready = clock
+    ready: dict[str, float] = {}          # parameter -> when its gradient is accumulated, in that order
     for n in reversed(order):
         clock += backward[n.name] + sum(seconds[i] for i in at_node.get(n.name, ()))
-        for p in ready_at.get(n.name, ()):
-            # The runtime's packing: a bucket closes once it holds bucket_bytes, or at another axis;
-            # it starts when its last gradient is ready.
-            if bucket and (buckets[bucket[0]] != buckets[p] or sum(grad_bytes[q] for q in bucket) >= bucket_bytes):
-                launch(last_ready)
-                bucket = []
-            bucket.append(p)
-            last_ready = clock
-    if bucket:
-        launch(last_ready)
+        ready.update(dict.fromkeys(ready_at.get(n.name, ()), clock))
+    # The runtime's packing; a bucket starts when its last gradient is ready and the one before has.
+    stream_free = 0.0
+    runs: list[tuple[list[str], float, float]] = []     # (parameters, start, finish) per bucket
+    for bucket in pack_buckets(ready, grad_bytes.__getitem__, bucket_bytes, key=buckets.__getitem__):
+        start = max(ready[bucket[-1]], stream_free)
+        stream_free = start + cm.collective_seconds("all_reduce", sum(grad_bytes[p] for p in bucket),
+                                                    axis_names.index(buckets[bucket[0]]))
+        runs.append((bucket, start, stream_free))
     for params, start, finish in runs:
         total = sum(grad_bytes[p] for p in params)
         hidden = max(0.0, min(finish, clock) - start)
@@ -203,13 +192,8 @@ class HidingWindows:
         self._first_input = boundaries     # reader -> its first input position that may be resharded
         params = [n for n in order if is_param(n) and n.users and requires_grad(n)]
         first_reader = {p: min(self.position[u] for u in p.users) for p in params}
-        buckets, size = [[]], 0
-        for p in sorted(params, key=lambda p: -first_reader[p]):     # the order gradients become ready
-            if buckets[-1] and size >= bucket_bytes:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(p)
-            size += _nbytes(p)
+        # In the order gradients become ready; one stream for every axis (no layout is assumed).
+        buckets = pack_buckets(sorted(params, key=lambda p: -first_reader[p]), _nbytes, bucket_bytes)
         self._bucket_window: dict = {}        # parameter -> (its bucket's window, the bucket's bytes)
         earlier = 0.0                         # the all-reduces of the buckets launched before
         for b in buckets:

@@ -47,6 +47,18 @@ class Strategy:
     zero: ZeroState | None = None    # a parameter's state sharded where the parameter is replicated
     offload: bool = False            # a parameter's optimizer state kept, and stepped, in host memory
 
+    @property
+    def grad_scatter_axis(self) -> int | None:
+        """The mesh axis along which a ZeRO-2 parameter's own reduce-scatter reduces its gradient,
+        once for all its readers; None for every other value."""
+        return self.zero.axis if self.zero is not None and self.zero.stage >= 2 else None
+
+    def readers_grad_partial(self, partial_axes: frozenset) -> frozenset:
+        """Of the axes along which a reader leaves this value's gradient partial (``grad_partial_axes``),
+        those the reader's resharding reduces: all but ``grad_scatter_axis``."""
+        axis = self.grad_scatter_axis
+        return partial_axes if axis is None else partial_axes - {axis}
+
     def label(self) -> str:
         outs = ",".join("[" + ",".join(map(str, lay)) + "]" for lay in self.outputs)
         if self.zero is not None:

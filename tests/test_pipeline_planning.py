@@ -372,7 +372,10 @@ def test_wide_stack_pipeline_is_balanced_on_8_layers():
     assert math.isclose(plan.pipeline["bubble_fraction"], 3 / 8)
 
 
-def test_multi_node_clusters_try_pipeline_meshes():
+def test_multi_node_clusters_try_pipeline_meshes(monkeypatch):
+    """Pipeline meshes join the search on clusters of several nodes; they are planned in forked child
+    processes beside the other meshes, and the plan is the one planning them in this process gives."""
+    import autopar.planner as planner
     from autopar.pipeline_search import pipeline_meshes
 
     assert pipeline_meshes(autopar.ClusterSpec.preset("1024xH100")) == [
@@ -385,8 +388,20 @@ def test_multi_node_clusters_try_pipeline_meshes():
     tried = [c for c in plan.solver["candidates"] if "pipeline" in c]
     assert [c["mesh"] for c in tried] and all(c["mesh"] == [2, 8] for c in tried)
     assert any(t is not None for c in tried for t in c["pipeline"]["schedules"].values())
+    monkeypatch.setattr(planner, "FORK_PIPELINE_MESHES", False)
+    assert _without_timings(plan) == _without_timings(autopar.plan(model, autopar.ClusterSpec.preset("16xH100"),
+                                                                   (x,), progress=False))
     single = autopar.plan(model, autopar.ClusterSpec.preset("16xH100"), (x,), progress=False, pipeline=False)
     assert not any("pipeline" in c for c in single.solver["candidates"])
+
+
+def _without_timings(p) -> dict:
+    d = p.to_dict()
+    for k in ("timings", "planning_seconds", "seconds", "passes"):
+        d["solver"].pop(k, None)
+    for c in d["solver"]["candidates"]:
+        c.pop("seconds", None)
+    return d
 
 
 def test_explain_report_and_diff_show_the_pipeline(tmp_path):
@@ -454,13 +469,7 @@ def test_pipeline_planning_derives_microbatch_programs_and_plans_the_same(monkey
         return got
 
     monkeypatch.setattr(planner, "rebatch", counted)
-    derived = _stack_plan().to_dict()
+    derived = _without_timings(_stack_plan())
     assert derived_batches == [8, 4]
     monkeypatch.setattr(planner, "_derived", lambda *a, **k: None)
-    captured = _stack_plan().to_dict()
-    for p in (derived, captured):
-        p["solver"].pop("timings"), p["solver"].pop("planning_seconds"), p["solver"].pop("seconds", None)
-        for c in p["solver"]["candidates"]:
-            c.pop("seconds", None)
-        p["solver"].pop("passes")
-    assert derived == captured
+    assert derived == _without_timings(_stack_plan())
