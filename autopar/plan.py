@@ -163,6 +163,24 @@ class PlanMemory(_Record):
                    None if d.get("peak_at") is None else MemoryPoint.from_dict(d["peak_at"]))
 
 
+def pack_buckets(items, nbytes, bucket_bytes: float, key=None) -> list[list]:
+    """``items``, in order, packed into buckets as DDP packs gradients: a bucket closes once it holds
+    ``bucket_bytes`` or more, or when the next item's ``key`` (its group and dtype) differs from the
+    bucket's. One rule for the runtime's gradient buckets (runtime/grad_buckets.py), the replay that
+    prices them and the solver's hiding windows (passes/exposure.py), and the ZeRO gather buckets the
+    plan names (passes/memory.py)."""
+    buckets: list[list] = []
+    size, last_key = 0.0, None
+    for item in items:
+        k = key(item) if key is not None else None
+        if not buckets or size >= bucket_bytes or k != last_key:
+            buckets.append([])
+            size, last_key = 0.0, k
+        buckets[-1].append(item)
+        size += nbytes(item)
+    return buckets
+
+
 @dataclass
 class Plan:
     model: dict                      # class, fingerprint, num_params
@@ -569,8 +587,9 @@ def _validate(d: Any) -> None:
                                  f"({lay})")
         if any(p == f"S({z['dim']})" for p in lay):
             _fail(f"zero.{fqn}", f"shards dim {z['dim']}, which the parameter's layout {lay} shards already")
-        if d.get("pipeline") is not None:
-            _fail(f"zero.{fqn}", "pipeline plans do not shard optimizer states of replicated parameters")
+        if d.get("pipeline") is not None and z["stage"] != 1:
+            _fail(f"zero.{fqn}", f"ZeRO-{z['stage']}: pipeline plans shard optimizer states (ZeRO-1) only, their "
+                                 f"gradients accumulate whole over the microbatches")
     for fqn in d.get("offload") or {}:
         if fqn not in d["params"]:
             _fail(f"offload.{fqn}", "names no parameter of the plan")

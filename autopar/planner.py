@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from autopar.cluster import ClusterSpec, default_axis_names
 from autopar.errors import AutoparError, AutoparWarning
+from autopar.forked import Forked, fork_available
 from autopar.infeasible import check_host_memory, raise_infeasible
 from autopar.mesh_search import MeshCandidate, search
 from autopar.passes.capture import CapturedProgram, batch_of, rebatch
@@ -32,6 +33,9 @@ from autopar.solver import GAP, greedy
 log = logging.getLogger("autopar")
 
 PLANNING_PHASES = ("capture", "passes", "build", "solve", "evaluate")
+# Plan the pipeline meshes of a mesh search in forked child processes, beside the other meshes (Linux);
+# False plans them one after the other in this process, with the same plan.
+FORK_PIPELINE_MESHES = True
 
 
 @dataclass
@@ -159,35 +163,60 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
             report("capturing")
             prep = prepare(model, example_inputs, example_kwargs, cluster, skip_passes=skip_passes,
                            insert_passes=insert_passes, front=front, precision=prec.name, programs=programs)
-        best, tried, meshes, t_build = None, [], [], time.perf_counter()
+        best, tried, meshes = None, [], []
         pipe = {k: 0.0 for k in PLANNING_PHASES}        # seconds of the pipeline meshes, by phase
-        for shape, names in candidates:
-            if "pp" in names:
-                try:
-                    p = plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, memory_budget,
-                                       optimizer, fused, pins, sharded_outputs, recompute, time_limit, skip_passes,
-                                       insert_passes, microbatches, schedule, tried, report, cost_model,
-                                       added=cluster.mesh_shape is None, timings=pipe, precision=prec.name,
-                                       programs=programs)
-                except AutoparError as e:
-                    if cluster.mesh_shape is not None:
-                        raise
-                    # A pipeline mesh the planner added itself: this model cannot use it.
-                    tried.append({"mesh": list(shape), "status": "skipped", "reason": str(e)})
+
+        def pipeline_mesh(shape, names, report):
+            """The pipeline plan of one mesh (None when none fits), its entries of ``tried`` and its
+            seconds by phase."""
+            entries, seconds = [], {k: 0.0 for k in PLANNING_PHASES}
+            try:
+                p = plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, memory_budget,
+                                  optimizer, fused, pins, sharded_outputs, recompute, time_limit, skip_passes,
+                                  insert_passes, microbatches, schedule, entries, report, cost_model,
+                                  added=cluster.mesh_shape is None, timings=seconds, precision=prec.name,
+                                  programs=programs)
+            except AutoparError as e:
+                if cluster.mesh_shape is not None:
+                    raise
+                # A pipeline mesh the planner added itself: this model cannot use it.
+                entries.append({"mesh": list(shape), "status": "skipped", "reason": str(e)})
+                p = None
+            return p, entries, seconds
+
+        # The pipeline meshes are planned in child processes while this one builds the other meshes'
+        # problems: they share nothing until the search compares their plans.
+        forked = {}
+        if FORK_PIPELINE_MESHES and cluster.mesh_shape is None and len(candidates) > 1 and fork_available():
+            forked = {shape: Forked(pipeline_mesh, shape, names, lambda stage: log.info("planning: %s", stage))
+                      for shape, names in candidates if "pp" in names}
+        t_build, t_pipeline = time.perf_counter(), 0.0
+        try:
+            for shape, names in candidates:
+                if "pp" in names:
+                    t_mesh = time.perf_counter()
+                    job = forked.pop(shape, None)
+                    p, entries, seconds = job.result() if job else pipeline_mesh(shape, names, report)
+                    tried += entries
+                    for k in PLANNING_PHASES:
+                        pipe[k] += seconds[k]
+                    if p is not None and (best is None or objective_seconds(p) < objective_seconds(best)):
+                        best = p
+                    t_pipeline += time.perf_counter() - t_mesh
                     continue
-                if p is not None and (best is None or objective_seconds(p) < objective_seconds(best)):
-                    best = p
-                continue
-            report(f"mesh {shape}: strategies")
-            prep.runner.run(mesh_passes(shape, offload=offload), prep.gm, f"mesh {shape}")
-            cm = cost_model(cluster, shape, optimizer, fused=fused)
-            report(f"mesh {shape}: costs")
-            prob, idx = build_problem(prep.gm, cm, memory_budget, pins, sharded_outputs, recompute)
-            quick = greedy(prob)
-            meshes.append(MeshCandidate(len(meshes), shape, names, prob, idx, cm,
-                                prob.lower_bound(), prob.objective(quick) if prob.feasible(quick) else math.inf,
-                                prep.gm, sharded_outputs))
-        t_build = time.perf_counter() - t_build
+                report(f"mesh {shape}: strategies")
+                prep.runner.run(mesh_passes(shape, offload=offload), prep.gm, f"mesh {shape}")
+                cm = cost_model(cluster, shape, optimizer, fused=fused)
+                report(f"mesh {shape}: costs")
+                prob, idx = build_problem(prep.gm, cm, memory_budget, pins, sharded_outputs, recompute)
+                quick = greedy(prob)
+                meshes.append(MeshCandidate(len(meshes), shape, names, prob, idx, cm, prob.lower_bound(),
+                                            prob.objective(quick) if prob.feasible(quick) else math.inf,
+                                            prep.gm, sharded_outputs))
+        finally:
+            for job in forked.values():     # left uncollected by an error
+                job.cancel()
+        t_build = time.perf_counter() - t_build - t_pipeline
         t_search = time.perf_counter()
         best, searched, infeasible, t_eval = search(meshes, best, prep, cluster, memory_budget, sharded_outputs,
                                                      time_limit, report)
@@ -210,7 +239,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
         front_passes = 0.0 if prep is None else sum(r.seconds for r in prep.runner.records
                                                     if not r.stage.startswith("mesh"))
         own = {"capture": 0.0 if prep is None else prep.capture_seconds, "passes": front_passes,
-               "build": t_build - sum(pipe.values()), "solve": t_search - t_eval, "evaluate": t_eval}
+               "build": t_build, "solve": t_search - t_eval, "evaluate": t_eval}
         best.solver["timings"] = {k: own[k] + pipe[k] for k in PLANNING_PHASES}
         best.solver["planning_seconds"] = time.perf_counter() - t0
         best.solver["passes"] = [{"name": r.name, "stage": r.stage, "seconds": r.seconds, "skipped": r.skipped}

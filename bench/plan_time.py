@@ -5,24 +5,27 @@ depth.
     python bench/plan_time.py                 # all cases
     python bench/plan_time.py --quick         # the cases to run before stopping work on the planner
     python bench/plan_time.py --depth-only    # only the 16- against 32-layer comparison
+    python bench/plan_time.py --quick --serial --models llama2-70b   # pipeline meshes one after the other
 
 Columns: capture (torch.export; pipeline meshes capture again at their microbatch shapes), passes
 (normalize, layers, saved activations), build (strategies, costs, the solver's problem and the step's
 memory events for every candidate mesh), solve (the searches, two meshes at a time, and the pipeline
 meshes' solves, with the memory re-solves, less the evaluation of their plans), total wall seconds and the summed CPU seconds of the process (on a
-shared machine the CPU seconds vary less than the wall), the meshes solved of those tried, and the
+shared machine the CPU seconds vary less than the wall; the child processes that plan the pipeline
+meshes count too), the meshes solved of those tried, and the
 worst optimality gap the solver proved for a mesh it solved.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import resource
 import time
 
 import torch
 
 import autopar
-from autopar import zoo
+from autopar import planner, zoo
 
 # (model, cluster, batch, quick): batch x the zoo's sequence length (4096 for the LLaMAs, 1024 for GPT-2).
 CASES = [("gpt2", "8xH100", 8, True), ("llama3-8b", "64xH100", 8, False), ("llama3-8b", "64xH100", 64, True),
@@ -34,10 +37,10 @@ def run(name, cluster, batch, *, dedup=True, layers=None, time_limit=120.0):
     model, args, kwargs = zoo.build(name, batch=batch, dtype=torch.bfloat16)
     if layers is not None:
         model, args, kwargs = _with_layers(name, batch, layers)
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0, c0 = time.perf_counter(), _cpu_seconds()
     plan = autopar.plan(model, autopar.ClusterSpec.preset(cluster), args, kwargs, progress=False,
                         time_limit=time_limit, skip_passes=() if dedup else ("layers_pass",))
-    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    seconds, cpu = time.perf_counter() - t0, _cpu_seconds() - c0
     cands = plan.solver["candidates"]
     best = next(c for c in cands if c["mesh"] == plan.mesh["shape"])
     # Meshes skipped before a solve (e.g. a pipeline axis longer than the model) carry no solver figures.
@@ -48,6 +51,12 @@ def run(name, cluster, batch, *, dedup=True, layers=None, time_limit=120.0):
             "solved": f"{len(solved)}/{len(cands)}", "gap": max(gaps) if gaps else None,
             "mesh": plan.mesh["shape"], "status": best["status"], "step_time": plan.step_time,
             "peak_gib": plan.memory["peak"] / 2**30}
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU seconds and those of its finished children (the pipeline meshes' planning)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
 
 
 def _with_layers(name, batch, layers):
@@ -76,13 +85,17 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="folded runs of the quick cases only (under 2 minutes)")
     ap.add_argument("--depth-only", action="store_true", help="only the 16- against 32-layer comparison")
+    ap.add_argument("--serial", action="store_true",
+                    help="plan the pipeline meshes in this process, one after the other, not in forked children")
+    ap.add_argument("--models", nargs="*", help="only these models' cases")
     opts = ap.parse_args()
+    planner.FORK_PIPELINE_MESHES = not opts.serial
     logging.getLogger("autopar.rules").setLevel(logging.ERROR)
     autopar.plan(torch.nn.Linear(8, 8), autopar.ClusterSpec.preset("2xH100"), (torch.randn(4, 8),),
                  progress=False)                                   # warm up imports and export
     print(HEADER)
     for name, cluster, batch, quick in [] if opts.depth_only else CASES:
-        if opts.quick and not quick:
+        if (opts.quick and not quick) or (opts.models and name not in opts.models):
             continue
         for dedup in (True, False):
             if not dedup and (opts.quick or name != "gpt2"):

@@ -183,11 +183,16 @@ class CostModel:
     def resharding(self, value: Value, src_layout, consumer: fx.Node | None, dst_strategy: Strategy | None,
                    position: int, dst_layout=None):
         """Steps to bring ``value`` from ``src_layout`` to what the consumer's strategy reads."""
-        info = value_info(value)
         dst = dst_layout if dst_layout is not None else dst_strategy.inputs[position]
         partial_axes = frozenset() if dst_strategy is None else grad_partial_axes(
             dst, dst_strategy.splits_work, requires_grad(value.node))
-        return _transition_cached(tuple(src_layout), tuple(dst), info.shape, self.mesh_shape, partial_axes)
+        return self.transition(value, src_layout, dst, partial_axes)
+
+    def transition(self, value: Value, src_layout, dst_layout, partial_axes: frozenset):
+        """Steps to bring ``value`` from ``src_layout`` to ``dst_layout``, reducing its gradient over
+        ``partial_axes`` on the way back; None when no resharding can."""
+        return _transition_cached(tuple(src_layout), tuple(dst_layout), value_info(value).shape, self.mesh_shape,
+                                  partial_axes)
 
     def transition_seconds(self, value: Value, src_layout, dst_layout, partial_axes: frozenset) -> float:
         """Seconds to bring ``value`` from ``src_layout`` to ``dst_layout``, reducing its gradient over
@@ -287,12 +292,11 @@ class CostModel:
     def param_transition_phase_seconds(self, value: Value, src: Strategy, dst_layout,
                                        partial_axes: frozenset) -> tuple[float, float] | None:
         """``param_transition_seconds`` as (forward, backward) seconds; None where it is INFEASIBLE."""
-        z = src.zero
-        if z is not None and z.stage >= 2:
-            if not (dst_layout[z.axis].is_replicate and z.axis in partial_axes):
-                return None
-            partial_axes = partial_axes - {z.axis}
-        return self.transition_phase_seconds(value, src.outputs[value.index], dst_layout, partial_axes)
+        axis = src.grad_scatter_axis
+        if axis is not None and not (dst_layout[axis].is_replicate and axis in partial_axes):
+            return None
+        return self.transition_phase_seconds(value, src.outputs[value.index], dst_layout,
+                                             src.readers_grad_partial(partial_axes))
 
     def activation_bytes(self, node: fx.Node, s: Strategy) -> float:
         """Bytes ``node`` keeps for backward under ``s``, per device.

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 from autopar.passes.costs import VIEW_OPS
 from autopar.passes.meta import SavedForBackward, is_param, meta_of, set_meta
 from autopar.passes.rules import rule_for, tensor_inputs
+from autopar.plan import pack_buckets
 
 log = logging.getLogger(__name__)
 
@@ -484,14 +485,10 @@ class StepMemory:
                 rows = []
                 for i in self._options(ca):
                     src = self._strategy(v.node, i)
-                    z = None if src is None else src.zero
-                    zero_axis = z.axis if z is not None and z.stage >= 2 else None
-                    src = None if src is None else tuple(src.outputs[v.index])
-                    pair = (src or dst, dst, partial, zero_axis)
+                    pair = (dst, dst, partial) if src is None else (
+                        tuple(src.outputs[v.index]), dst, src.readers_grad_partial(partial))
                     if pair not in found:
-                        steps = self.cm.resharding(v, pair[0], node, s, k) or []
-                        if zero_axis is not None:       # its own reduce-scatter reduces it instead
-                            steps = [st for st in steps if not (st.op == "grad_all_reduce" and st.axis == zero_axis)]
+                        steps = self.cm.transition(v, *pair) or []
                         # A local chunk's backward all-gathers the gradient; along a dim with larger
                         # dims before it, the gathered blocks stand beside their contiguous copy.
                         gathered = max((info.dtype.itemsize * prod(st.in_shape) for st in steps if st.op == "local_chunk"
@@ -1152,14 +1149,7 @@ def zero_gather_buckets(candidates) -> list[list]:
     """Parameters that may be ZeRO-1/2-sharded, as (parameter, its largest local bytes), in order,
     packed into buckets of about ``ZERO_GATHER_BUCKET_BYTES``. The buckets do not depend on which of them
     the plan shards, so the memory each bucket's gather holds is a sum of one term per parameter."""
-    buckets, size = [], 0.0
-    for n, nbytes in candidates:
-        if not buckets or size >= ZERO_GATHER_BUCKET_BYTES:
-            buckets.append([])
-            size = 0.0
-        buckets[-1].append(n)
-        size += nbytes
-    return buckets
+    return [[n for n, _ in b] for b in pack_buckets(candidates, lambda c: c[1], ZERO_GATHER_BUCKET_BYTES)]
 
 
 def _memoized(f):

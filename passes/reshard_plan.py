@@ -67,10 +67,8 @@ def plan_reshards(gm: fx.GraphModule, strategy: dict, mesh_shape, sharded_output
 
 def _reshard(low: ReshardPlan, mesh_shape, v: Value, dst, s: Strategy | None, consumer: fx.Node):
     src = low.strategy[v.node].outputs[v.index]
-    partial = frozenset() if s is None else grad_partial_axes(dst, s.splits_work, requires_grad(v.node))
-    z = low.strategy[v.node].zero
-    if z is not None and z.stage >= 2:      # reduce-scattered once by the runtime, not by each reader
-        partial = partial - {z.axis}
+    partial = frozenset() if s is None else low.strategy[v.node].readers_grad_partial(
+        grad_partial_axes(dst, s.splits_work, requires_grad(v.node)))
     key = ReshardKey(v, tuple(dst), partial)
     if key not in low.reshards:
         steps = global_transition(tuple(src), tuple(dst), value_info(v).shape, mesh_shape, grad_partial=partial)

@@ -13,25 +13,18 @@ from __future__ import annotations
 
 import torch
 
+from autopar.plan import pack_buckets
 from autopar.runtime import collectives as C
 
 
 class GradBuckets:
     def __init__(self, params: list, bucket_bytes: int):
         """``params``: (parameter, group name) in the order their gradients become ready."""
-        self.buckets: list[list] = []
-        self.groups: list[str] = []
-        size = 0
-        for p, group in params:
-            if not p.requires_grad:
-                continue
-            last = self.buckets[-1] if self.buckets else None
-            if last is None or self.groups[-1] != group or last[0].dtype != p.dtype or size >= bucket_bytes:
-                self.buckets.append([])
-                self.groups.append(group)
-                size = 0
-            self.buckets[-1].append(p)
-            size += p.numel() * p.element_size()
+        packed = pack_buckets([(p, group) for p, group in params if p.requires_grad],
+                              lambda e: e[0].numel() * e[0].element_size(), bucket_bytes,
+                              key=lambda e: (e[1], e[0].dtype))
+        self.buckets: list[list] = [[p for p, _ in b] for b in packed]
+        self.groups: list[str] = [b[0][1] for b in packed]
         self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b}
         for p in self.bucket_of:
             p.register_post_accumulate_grad_hook(self._ready)

@@ -38,7 +38,8 @@ class StageModule(nn.Module):
         self.program = stage.gm
         self._kinds = stage.placeholders
         self._owner = [owner]             # not a submodule: the owner holds this stage
-        self.params = nn.ParameterDict({owner._fqn_to_key[t]: owner.local_parameter(t)
+        # What the program reads: a ZeRO-1 parameter's whole local tensor, not the block the optimizer steps.
+        self.params = nn.ParameterDict({owner._fqn_to_key[t]: owner.local_tensor(t)
                                         for k, t in stage.placeholders if k == "param"})
 
     def forward(self, *received, **inputs):
@@ -119,6 +120,8 @@ class PipelineParallelModule(ParallelModule):
         self._check_materialized()
         if self._schedule is None:
             self._schedule = self._make_schedule()
+        if self._sharded_states is not None:
+            self._sharded_states.before_forward()
         named = {}
         leaves = iter(flat)
         for kind, target in self._program.placeholders:
@@ -129,6 +132,8 @@ class PipelineParallelModule(ParallelModule):
         target = torch.zeros(m, device=rank_device())
         self._schedule.step(**named, target=target, losses=losses, return_outputs=False)
         self._sum_grads()
+        if self._sharded_states is not None:
+            self._sharded_states.expose_grads()
         if self._pp_rank == self._last_rank:
             loss = torch.stack([x.detach().reshape(()).float() for x in losses]).sum()
         else:
@@ -161,13 +166,13 @@ class PipelineParallelModule(ParallelModule):
     def _sum_grads(self):
         # Data parallelism's gradient sync, once per step (codegen/stages.py took it out of backward).
         for fqn, axis in self._grad_sums:
-            p = self.local_parameter(fqn)
+            p = self.local_tensor(fqn)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=self.mesh.get_group(axis))
         for fqn in self._tied:
             if fqn in self._fqn_to_key and self._fqn_to_key[fqn] in self.shards:
-                p = self.local_parameter(fqn)
+                p = self.local_tensor(fqn)
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
             else:
                 shape, dtype = self._full_meta[fqn]
@@ -175,7 +180,7 @@ class PipelineParallelModule(ParallelModule):
                                 device=rank_device())
             dist.all_reduce(g, group=self._pp_group)
             if fqn in self._held:
-                self.local_parameter(fqn).grad = g
+                self.local_tensor(fqn).grad = g
 
     def _check_batch(self, flat, spec):
         m = self._microbatches
@@ -221,10 +226,12 @@ class PipelineParallelModule(ParallelModule):
         tensor when the pipeline axis is the only one)."""
         from torch.distributed.tensor import DTensor
 
+        if self._sharded_states is not None:
+            self._sharded_states.sync()
         sub = self._stage_mesh()
         out = {}
         for fqn in self._held:
-            local = self.local_parameter(fqn).detach()
+            local = self.local_tensor(fqn).detach()
             if sub is None:
                 out[fqn] = local
                 continue
@@ -249,8 +256,6 @@ class PipelineParallelModule(ParallelModule):
         return full
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        from torch.distributed.tensor import DTensor
-
         # a tied parameter's other names (full_state_dict gives them) stand for the planned one
         state_dict = {self._aliases.get(k, k): v for k, v in state_dict.items()
                       if k not in self._aliases or self._aliases[k] not in state_dict}
@@ -262,17 +267,8 @@ class PipelineParallelModule(ParallelModule):
             for fqn, value in state_dict.items():
                 if fqn in self._buffers_by_name:
                     self._buffers_by_name[fqn] = value.detach().clone()
-                if fqn not in self._held:
-                    continue
-                if isinstance(value, DTensor):
-                    value = value.full_tensor()
-                local = shard_of(value, self._layouts[fqn], self.plan.mesh_shape, self._coords)
-                param = self.local_parameter(fqn)
-                if param.is_meta:
-                    self.shards[self._fqn_to_key[fqn]] = nn.Parameter(local.detach().clone(),
-                                                                      requires_grad=param.requires_grad)
-                else:
-                    param.copy_(local)
-        self._materialized = False
+                if fqn in self._held:
+                    self._load_local(fqn, value)
+        self._after_load()
         self._schedule = None          # stages hold the parameter objects: rebuild them
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)

@@ -188,6 +188,37 @@ def test_bf16_mixed_gradient_sync_runs_once_per_step_in_float32():
         assert plan.breakdown["communication"]["dp"] == pytest.approx(sync), (prec, m)
 
 
+def test_pipeline_stages_shard_optimizer_states_over_data_parallel_ranks():
+    """ZeRO-1 inside the stages (Megatron-LM's distributed optimizer): a stage's Adam states sharded over
+    its 8 data-parallel ranks, counted in each rank's memory (4 + 4 + 8/8 bytes per float32 parameter
+    against 16), with the all-gather of the updated shards once per step; under a budget that only fits
+    so, the planner chooses it by itself."""
+    pins = {"x": ["R", "S(0)"]}
+    plans = {z: _stack_plan(schedule="1F1B", microbatches=4, recompute=False,
+                            pins={**pins, "blocks.*": {"output": ["R", "R"], "zero": z}}) for z in (0, 1)}
+    assert not plans[0].zero and {(z["stage"], z["axis"]) for z in plans[1].zero.values()} == {(1, "dp")}
+    for r0, r1 in zip(plans[0].pipeline["ranks"], plans[1].pipeline["ranks"]):
+        assert r1["static_bytes"] == pytest.approx(r0["static_bytes"] * 9 / 16)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in Stack(256, 4, 1024, 8).parameters())
+    gathers = [c for c in plans[1].collectives if c["step"] == "zero1"]
+    assert {c["kind"] for c in gathers} == {"all_gather"} and sum(c["bytes"] for c in gathers) == 4 * n
+    tail = plans[1].pipeline["ranks"][plans[1].pipeline["stages"][-1]["pp_rank"]]
+    assert plans[1].pipeline["grad_sync_seconds"] > plans[0].pipeline["grad_sync_seconds"]
+    assert tail["optimizer_seconds"] < plans[0].pipeline["ranks"][tail["rank"]]["optimizer_seconds"]
+    budget = (plans[0].memory["peak"] + plans[1].memory["peak"]) / 2
+    with pytest.raises(autopar.InfeasiblePlanError):
+        _stack_plan(schedule="1F1B", microbatches=4, recompute=False, memory_budget=budget,
+                    pins={**pins, "blocks.*": {"output": ["R", "R"], "zero": 0}})
+    free = _stack_plan(schedule="1F1B", microbatches=4, recompute=False, memory_budget=budget, pins=pins)
+    assert free.zero and free.memory["peak"] <= budget
+
+
+def test_zero2_inside_pipeline_stages_is_refused():
+    with pytest.raises(autopar.AutoparError, match="ZeRO-2, which pipeline plans do not offer"):
+        _stack_plan(schedule="1F1B", microbatches=4, pins={"blocks.*": {"output": ["R", "R"], "zero": 2}})
+
+
 def test_planner_chooses_the_schedule_and_microbatches_by_predicted_time():
     plan = _stack_plan()
     pipe = plan.pipeline
@@ -207,11 +238,14 @@ def test_in_flight_activations_are_in_the_memory_model():
 
 
 def test_a_budget_below_the_in_flight_activations_rejects_gpipe():
-    one_f = _stack_plan(schedule="1F1B", microbatches=8)
+    # Data parallelism inside the stages, weights and optimizer states whole: ZeRO or sharded weights
+    # would free what the in-flight activations take.
+    whole = {"blocks.*": {"output": ["R", "R"], "zero": 0}, "x": ["R", "S(0)"]}
+    one_f = _stack_plan(schedule="1F1B", microbatches=8, pins=whole)
     budget = one_f.memory["peak"] * 1.01
     with pytest.raises(autopar.InfeasiblePlanError, match="pipeline stages"):
-        _stack_plan(schedule="GPipe", microbatches=8, memory_budget=budget, recompute=False)
-    # GPipe fits only by recomputing; 1F1B fits without, and is chosen.
+        _stack_plan(schedule="GPipe", microbatches=8, memory_budget=budget, recompute=False, pins=whole)
+    # With the layouts free, GPipe fits by recomputing; 1F1B fits without, and is chosen.
     assert _stack_plan(schedule="GPipe", microbatches=8, memory_budget=budget).recompute["layers"]
     free = _stack_plan(microbatches=8, memory_budget=budget)
     assert free.memory["peak"] <= budget and not free.recompute["layers"]
@@ -235,6 +269,25 @@ def test_model_without_repeated_layers_is_refused():
     with pytest.raises(autopar.AutoparError, match="has none"):
         autopar.plan(_Flat(), autopar.ClusterSpec.local_cpu(2), (torch.randn(4, 64),), mesh_shape=(2,),
                      axis_names=("pp",), progress=False)
+
+
+class _NoLoss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = Stack(64, 4, 128, 2).blocks
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_model_without_a_scalar_loss_is_refused():
+    with torch.device("meta"):
+        model = _NoLoss()
+    with pytest.raises(autopar.AutoparError, match="needs the model to return a scalar loss"):
+        autopar.plan(model, autopar.ClusterSpec.local_cpu(2), (torch.randn(4, 8, 64, device="meta"),),
+                     mesh_shape=(2,), axis_names=("pp",), progress=False)
 
 
 def test_pipeline_axis_larger_than_the_layers_is_refused():
@@ -319,7 +372,10 @@ def test_wide_stack_pipeline_is_balanced_on_8_layers():
     assert math.isclose(plan.pipeline["bubble_fraction"], 3 / 8)
 
 
-def test_multi_node_clusters_try_pipeline_meshes():
+def test_multi_node_clusters_try_pipeline_meshes(monkeypatch):
+    """Pipeline meshes join the search on clusters of several nodes; they are planned in forked child
+    processes beside the other meshes, and the plan is the one planning them in this process gives."""
+    import autopar.planner as planner
     from autopar.pipeline_search import pipeline_meshes
 
     assert pipeline_meshes(autopar.ClusterSpec.preset("1024xH100")) == [
@@ -332,8 +388,20 @@ def test_multi_node_clusters_try_pipeline_meshes():
     tried = [c for c in plan.solver["candidates"] if "pipeline" in c]
     assert [c["mesh"] for c in tried] and all(c["mesh"] == [2, 8] for c in tried)
     assert any(t is not None for c in tried for t in c["pipeline"]["schedules"].values())
+    monkeypatch.setattr(planner, "FORK_PIPELINE_MESHES", False)
+    assert _without_timings(plan) == _without_timings(autopar.plan(model, autopar.ClusterSpec.preset("16xH100"),
+                                                                   (x,), progress=False))
     single = autopar.plan(model, autopar.ClusterSpec.preset("16xH100"), (x,), progress=False, pipeline=False)
     assert not any("pipeline" in c for c in single.solver["candidates"])
+
+
+def _without_timings(p) -> dict:
+    d = p.to_dict()
+    for k in ("timings", "planning_seconds", "seconds", "passes"):
+        d["solver"].pop(k, None)
+    for c in d["solver"]["candidates"]:
+        c.pop("seconds", None)
+    return d
 
 
 def test_explain_report_and_diff_show_the_pipeline(tmp_path):
@@ -401,13 +469,7 @@ def test_pipeline_planning_derives_microbatch_programs_and_plans_the_same(monkey
         return got
 
     monkeypatch.setattr(planner, "rebatch", counted)
-    derived = _stack_plan().to_dict()
+    derived = _without_timings(_stack_plan())
     assert derived_batches == [8, 4]
     monkeypatch.setattr(planner, "_derived", lambda *a, **k: None)
-    captured = _stack_plan().to_dict()
-    for p in (derived, captured):
-        p["solver"].pop("timings"), p["solver"].pop("planning_seconds"), p["solver"].pop("seconds", None)
-        for c in p["solver"]["candidates"]:
-            c.pop("seconds", None)
-        p["solver"].pop("passes")
-    assert derived == captured
+    assert derived == _without_timings(_stack_plan())
