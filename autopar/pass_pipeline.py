@@ -42,7 +42,7 @@ def analysis_passes(device_type: str) -> tuple:
     return (partial(saved_activations_pass, target_device=device_type), count_saving_consumers_pass)
 
 
-def mesh_passes(mesh_shape, zero: bool = True, offload: bool = False) -> tuple:
+def mesh_passes(mesh_shape, zero: int = 2, offload: bool = False) -> tuple:
     return (partial(strategies_pass, mesh_shape=tuple(mesh_shape), zero=zero, offload=offload),)
 
 

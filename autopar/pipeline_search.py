@@ -8,7 +8,7 @@ import time
 
 from autopar.cluster import ClusterSpec
 from autopar.errors import AutoparError
-from autopar.passes.costs import INFEASIBLE, CostModel
+from autopar.passes.costs import INFEASIBLE, Collective, CostModel
 from autopar.passes.layers import layer_instances
 from autopar.passes.memory import StepMemory, solve_under_budget
 from autopar.passes.meta import is_param, meta_of
@@ -52,6 +52,11 @@ def plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, 
         raise AutoparError(f"the pipeline axis 'pp' must be the mesh's first (outermost) axis, got axes {names}")
     if schedule is not None and schedule not in PL.SCHEDULES:
         raise AutoparError(f"unknown pipeline schedule {schedule!r}; choose one of {PL.SCHEDULES}")
+    for pattern, pin in (pins or {}).items():
+        if isinstance(pin, dict) and pin.get("zero") == 2:
+            raise AutoparError(f"pin {pattern!r} asks for ZeRO-2, which pipeline plans do not offer: a stage's "
+                               f"gradients accumulate whole over the microbatches; pin 'zero': 1 (optimizer "
+                               f"states sharded) or a sharded layout (ZeRO-3)")
     batch = PL.batch_size(example_inputs, example_kwargs)
     if microbatches is not None:
         if batch % microbatches:
@@ -87,7 +92,9 @@ def plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, 
         t0 = time.perf_counter()
         PL.check_layers(prep.gm, p, schedule)
         loss_output(prep.gm)          # the last stage hands the loss to the schedule
-        prep.runner.run(mesh_passes(sub_shape, zero=False), prep.gm, f"mesh {shape}")
+        # ZeRO-1 (Megatron-LM's distributed optimizer): optimizer states sharded over a stage's
+        # data-parallel ranks. Not ZeRO-2: a gradient accumulates whole over the microbatches.
+        prep.runner.run(mesh_passes(sub_shape, zero=1), prep.gm, f"mesh {shape}")
         cm = cost_model(sub_cluster, sub_shape, optimizer, fused=fused)
         # The ILP prices one microbatch, with what runs once per step (gradient sync, optimizer) divided by
         # m, and bounds the memory of 1F1B's first stage: a p-th of the parameters and states, and the
@@ -100,43 +107,68 @@ def plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, 
         report(f"mesh {shape}, {m} microbatches: solving {len(prob.choices)} decisions")
         timings["build"] += time.perf_counter() - t0
         t0 = time.perf_counter()
-        sol = solve_under_budget(prob, sm, memory_budget, time_limit=time_limit)
-        if sol.status == "infeasible" and recompute is not False and not added:
-            # Recomputing layers inside the stages (chosen per rank below) may fit what one microbatch's
-            # activations through every layer do not: the fastest layouts, with memory left to the stages.
-            # Only on a mesh the user asked for: for the meshes the planner adds, this second solve
-            # costs more than the search gains (llama2-70b on 1024xH100: 49 -> 74 s, the same plan).
-            sol = solve_under_budget(prob, sm, math.inf, time_limit=time_limit)
-        timings["solve"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        entry = {"mesh": list(shape), "status": sol.status, "objective": sol.objective, "seconds": sol.seconds,
-                 "variables": sol.num_variables, "constraints": sol.num_constraints, "gap": sol.gap,
-                 "pipeline": {"microbatches": m, "schedules": {}}}
+        entry = {"mesh": list(shape), "pipeline": {"microbatches": m, "schedules": {}}}
         tried.append(entry)
-        if sol.status == "infeasible" or prob.objective(sol.assignment) >= INFEASIBLE:
-            continue
-        t0 = time.perf_counter()
-        sub = assemble_plan(prep, SolvedMesh(sub_shape, sub_names, idx, cm, sm), sol.assignment, sub_cluster,
-                            memory_budget, sharded_outputs)
-        sub.collectives = _deferred_to_parameters(prep.gm, sub.collectives, cm, sub_names)
-        chosen = idx.chosen(sol.assignment)
-        instance_of = {n: meta_of(n).layer.layer for n in chosen if n.op == "call_function" and meta_of(n).layer}
-        costs = PL.LayerCosts(prep.gm, sub, _boundary_bytes(instance_of, chosen, cm),
-                              _recompute_seconds(instance_of, chosen, cm, sub.collectives),
-                              _forced_pipeline_recompute(prep.gm, recompute), recompute is not False)
-        for sched in schedules:
-            if sched != "GPipe" and sched != "1F1B" and m % p:
-                continue          # torch's interleaved schedules need whole rounds of p microbatches
-            found = PL.schedule_plan(costs, sched, p, m, memory_budget, link)
-            entry["pipeline"]["schedules"][sched] = None if found is None else found["step_time"]
-            if found is not None and (best is None or found["step_time"] < best[0]["step_time"]):
-                best = (found, sub, sol, {inst: cls for cls, insts in layer_instances(prep.gm).items()
-                                          for inst in insts})
-        timings["evaluate"] += time.perf_counter() - t0
+        class_of = {inst: cls for cls, insts in layer_instances(prep.gm).items() for inst in insts}
+        ilp_budget = memory_budget
+        for attempt in range(1 + (_TIGHTER_SOLVES_ADDED if added else _TIGHTER_SOLVES)):
+            sol = solve_under_budget(prob, sm, ilp_budget, time_limit=time_limit)
+            if sol.status == "infeasible" and recompute is not False and not added and attempt == 0:
+                # Recomputing layers inside the stages (chosen per rank below) may fit what one microbatch's
+                # activations through every layer do not: the fastest layouts, with memory left to the
+                # stages. Only on a mesh the user asked for: for the meshes the planner adds, this second
+                # solve costs more than the search gains (llama2-70b on 1024xH100: 49 -> 74 s, the same plan).
+                sol = solve_under_budget(prob, sm, math.inf, time_limit=time_limit)
+            timings["solve"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            entry.update(status=sol.status, objective=sol.objective, seconds=sol.seconds, variables=sol.num_variables,
+                         constraints=sol.num_constraints, gap=sol.gap, tighter_solves=attempt)
+            if sol.status == "infeasible" or prob.objective(sol.assignment) >= INFEASIBLE:
+                break
+            sub = assemble_plan(prep, SolvedMesh(sub_shape, sub_names, idx, cm, sm), sol.assignment, sub_cluster,
+                                memory_budget, sharded_outputs)
+            sub.collectives = _deferred_to_parameters(prep.gm, sub.collectives, cm, sub_names, idx.chosen(sol.assignment))
+            costs = _layer_costs(prep.gm, sub, idx.chosen(sol.assignment), cm, recompute)
+            evaluated = [sched for sched in schedules if sched in ("GPipe", "1F1B") or m % p == 0]
+            for sched in evaluated:     # torch's interleaved schedules need whole rounds of p microbatches
+                found = PL.schedule_plan(costs, sched, p, m, memory_budget, link)
+                entry["pipeline"]["schedules"][sched] = None if found is None else found["step_time"]
+                if found is not None and (best is None or found["step_time"] < best[0]["step_time"]):
+                    best = (found, sub, sol, class_of)
+            timings["evaluate"] += time.perf_counter() - t0
+            if any(t is not None for t in entry["pipeline"]["schedules"].values()):
+                break
+            # The layout ILP bounds one step's memory, each rank's check counts every in-flight microbatch
+            # beside the whole gradients: where no schedule fits, solve again under the ILP's own peak of
+            # this answer less what its least full schedule is over.
+            excess = min((PL.excess_bytes(costs, sched, p, m, memory_budget, link) for sched in evaluated),
+                         default=math.inf)
+            if not math.isfinite(excess):
+                break
+            ilp_budget = sm.peak(sol.assignment)[1] - excess
+            t0 = time.perf_counter()
     if best is None:
         return None
     found, sub, sol, class_of = best
     return _pipeline_plan(sub, found, shape, names, axis, cluster, memory_budget, sol, class_of)
+
+
+# How many times a pipeline mesh's layouts are solved again under a tighter bound when no schedule fits
+# the first answer (a solve of LLaMA-2-70B's pp=4 mesh takes tens of seconds: one for meshes the planner
+# adds).
+_TIGHTER_SOLVES, _TIGHTER_SOLVES_ADDED = 2, 1
+
+
+def _layer_costs(gm, sub: Plan, chosen: dict, cm: CostModel, recompute) -> "PL.LayerCosts":
+    """The per-layer figures of the solved microbatch program ``sub`` (its layouts ``chosen``)."""
+    from autopar import pipelining as PL
+
+    instance_of = {n: meta_of(n).layer.layer for n in chosen if n.op == "call_function" and meta_of(n).layer}
+    optimizer_seconds = {meta_of(n).role.target: cm.optimizer_seconds(n, st.outputs[0], st.zero, st.offload)
+                         for n, st in chosen.items() if is_param(n)}
+    return PL.LayerCosts(gm, sub, optimizer_seconds, _boundary_bytes(instance_of, chosen, cm),
+                         _recompute_seconds(instance_of, chosen, cm, sub.collectives),
+                         _forced_pipeline_recompute(gm, recompute), recompute is not False)
 
 
 def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
@@ -172,6 +204,17 @@ def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
         def optimizer_seconds(self, node, layout, zero=None, offload=False):   # of the whole parameter, once per step
             return super().optimizer_seconds(node, layout, zero, offload) * self.stages / self.microbatches
 
+        def zero_collectives(self, node, layout, zero):
+            # ZeRO-1's all-gather of the updated shards runs once per step, on the whole parameter; and
+            # the gradient sync along its axis, priced as an all-reduce with the parameter's readers,
+            # runs as a reduce-scatter (runtime/pipeline.py): the difference is the parameter's own.
+            if zero is None:
+                return []
+            p = super().param_bytes(node, layout)[0]
+            seconds = self.collective_seconds("all_gather", p, zero.axis) + \
+                self.collective_seconds("reduce_scatter", p, zero.axis) - self.collective_seconds("all_reduce", p, zero.axis)
+            return [Collective("all_gather", zero.axis, "optimizer", p, seconds / self.microbatches)]
+
     return PerMicrobatch
 
 
@@ -179,27 +222,34 @@ def reduced_param(node) -> object | None:
     """The parameter whose gradient a pipeline's data-parallel sync reduces once per step where ``node``'s
     gradient is all-reduced (codegen/stages.py): a parameter itself, or the one bfloat16 copy that is
     its only use under bf16-mixed. None for any other value."""
-    from autopar.passes.precision import cast_source
+    from autopar.passes.precision import cast_source, gradient_carrier
 
     if is_param(node):
         return node
     src = cast_source(node)
-    return src if src is not None and is_param(src) and len(src.users) == 1 else None
+    return src if src is not None and is_param(src) and gradient_carrier(src) is node else None
 
 
-def _deferred_to_parameters(gm, collectives: list[PlanCollective], cm: CostModel, axis_names) -> list[PlanCollective]:
+def _deferred_to_parameters(gm, collectives: list[PlanCollective], cm: CostModel, axis_names,
+                            chosen: dict) -> list[PlanCollective]:
     """The collectives, with the gradient all-reduces of parameters' bfloat16 copies recorded as the
     parameters' own, as the pipeline runs them: once per step, on the float32 gradient (its bytes and
-    seconds)."""
+    seconds); along the axis a ZeRO-1 parameter (under ``chosen``, the strategies) shards its state on,
+    a reduce-scatter."""
     nodes = {n.name: n for n in gm.graph.nodes}
     out = []
     for c in collectives:
         node = nodes.get(c.value)
         param = reduced_param(node) if c.step == "grad_all_reduce" and node is not None else None
-        if param is not None and param is not node:
+        if param is not None:
+            zero = chosen[param].zero
+            kind = "reduce_scatter" if zero is not None and axis_names[zero.axis] == c.axis else c.kind
+            if param is node and kind == c.kind:
+                out.append(c)
+                continue
             nbytes = c.bytes * param.meta["val"].dtype.itemsize / node.meta["val"].dtype.itemsize
-            c = dataclasses.replace(c, value=param.name, bytes=int(nbytes),
-                                    seconds=cm.collective_seconds(c.kind, nbytes, axis_names.index(c.axis)))
+            c = dataclasses.replace(c, kind=kind, value=param.name, bytes=int(nbytes),
+                                    seconds=cm.collective_seconds(kind, nbytes, axis_names.index(c.axis)))
         out.append(c)
     return out
 

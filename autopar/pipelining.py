@@ -19,6 +19,7 @@ zero-bubble schedules follow Qi et al. 2023.
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -133,11 +134,13 @@ class LayerCosts:
     """Per-microbatch figures of the solved microbatch program, per layer instance and for the nodes
     before (``pre``) and after (``post``) the layers."""
 
-    def __init__(self, gm, sub_plan, boundary_bytes: dict, recompute_seconds: dict | None = None,
-                 forced: frozenset = frozenset(), recompute: bool = False):
-        """``recompute_seconds``: per layer instance, its forward again (compute and the collectives it
-        reads through), what recomputing it costs in backward; ``forced``: instances that recompute in
-        every plan; ``recompute``: whether the others may recompute where memory is short."""
+    def __init__(self, gm, sub_plan, optimizer_seconds: dict, boundary_bytes: dict,
+                 recompute_seconds: dict | None = None, forced: frozenset = frozenset(), recompute: bool = False):
+        """``optimizer_seconds``: per parameter FQN, its optimizer step (of its ZeRO-1 shard where the
+        plan shards its state); ``recompute_seconds``: per layer instance, its forward again (compute
+        and the collectives it reads through), what recomputing it costs in backward; ``forced``:
+        instances that recompute in every plan; ``recompute``: whether the others may recompute where
+        memory is short."""
         from autopar.passes.meta import meta_of
 
         self.layers: list[str] = []
@@ -173,8 +176,14 @@ class LayerCosts:
         # Parameter bytes (weights, gradients, optimizer states) per region; a parameter read in several
         # regions (tied embeddings) is held by each.
         by_param = sub_plan.memory.by_param
+        # A ZeRO-1 parameter's all-gather of the updated shards runs once per step, after the optimizer.
+        gathers: dict = {}
+        for c in sub_plan.collectives:
+            if c.step.startswith("zero"):
+                gathers.setdefault(c.value, {})[c.axis] = gathers.get(c.value, {}).get(c.axis, 0.0) + c.seconds
         self.param_bytes: dict = {}
         self.param_regions: dict = {}
+        self.optimizer: dict = {}
         for n in gm.graph.nodes:
             role = meta_of(n).role if n.op == "placeholder" else None
             if role is None or role.kind != "param":
@@ -183,8 +192,10 @@ class LayerCosts:
             self.param_regions[role.target] = regions
             for r in regions:
                 self.param_bytes[r] = self.param_bytes.get(r, 0.0) + by_param.get(role.target, 0.0)
-        total = sum(by_param.values()) or 1.0
-        self.optimizer_per_byte = sub_plan.breakdown["optimizer"] / total
+                self.optimizer[r] = self.optimizer.get(r, 0.0) + optimizer_seconds.get(role.target, 0.0)
+                sync = self.sync.setdefault(r, {})
+                for a, t in gathers.get(n.name, {}).items():
+                    sync[a] = sync.get(a, 0.0) + t
         self.recompute_seconds = dict(recompute_seconds or {})
         self.forced = frozenset(forced)
         self.may_recompute = bool(recompute)
@@ -205,7 +216,7 @@ class LayerCosts:
                 "compute_seconds": sum(self.compute.get(k, 0.0) for k in keys),
                 "comm_seconds": comm, "grad_sync_seconds": sync,
                 "activations": sum(self.activations.get(k, 0.0) for k in keys),
-                "param_bytes": params, "optimizer_seconds": params * self.optimizer_per_byte,
+                "param_bytes": params, "optimizer_seconds": sum(self.optimizer.get(k, 0.0) for k in keys),
                 "send_bytes": 0.0 if last else self.boundary.get(layers[-1], 0.0) if layers else 0.0}
 
 
@@ -268,6 +279,17 @@ def schedule_plan(costs: LayerCosts, schedule: str, p: int, m: int, memory_budge
             "tail_rank": tail_rank["rank"], "grad_sync_seconds": sync, "microbatches": m, "stages": stages, "ranks": ranks,
             "step_time": ideal + bubble + optim + sync, "ideal_seconds": ideal, "bubble_seconds": bubble,
             "bubble_fraction": bubble_fraction(schedule, p, m, v), "optimizer_seconds": optim, "peak": peak}
+
+
+def excess_bytes(costs: LayerCosts, schedule: str, p: int, m: int, memory_budget: float,
+                 link: tuple[float, float]) -> float:
+    """How many bytes the fullest rank is over ``memory_budget`` under ``schedule`` with as much recompute
+    as the plan allows: what the layouts must save for it to fit (inf where no cut exists)."""
+    least = copy.copy(costs)
+    if costs.may_recompute:
+        least.forced = frozenset(costs.layers)
+    found = schedule_plan(least, schedule, p, m, math.inf, link)
+    return math.inf if found is None else found["peak"] - memory_budget
 
 
 def _recompute_to_fit(costs: LayerCosts, mine: list[dict], static: float, k: float,

@@ -587,8 +587,9 @@ def _validate(d: Any) -> None:
                                  f"({lay})")
         if any(p == f"S({z['dim']})" for p in lay):
             _fail(f"zero.{fqn}", f"shards dim {z['dim']}, which the parameter's layout {lay} shards already")
-        if d.get("pipeline") is not None:
-            _fail(f"zero.{fqn}", "pipeline plans do not shard optimizer states of replicated parameters")
+        if d.get("pipeline") is not None and z["stage"] != 1:
+            _fail(f"zero.{fqn}", f"ZeRO-{z['stage']}: pipeline plans shard optimizer states (ZeRO-1) only, their "
+                                 f"gradients accumulate whole over the microbatches")
     for fqn in d.get("offload") or {}:
         if fqn not in d["params"]:
             _fail(f"offload.{fqn}", "names no parameter of the plan")

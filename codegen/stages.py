@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.errors import AutoparError
 from autopar.passes.meta import meta_of, program_meta
-from autopar.passes.precision import cast_source
+from autopar.passes.precision import gradient_carrier
 from autopar.runtime.program import StageProgram
 
 
@@ -132,8 +132,7 @@ def _defer_gradient_reductions(gm: fx.GraphModule, kind_of: dict, axis_of_group:
     for p, (kind, fqn) in kind_of.items():
         if kind != "param":
             continue
-        users = list(p.users)
-        reduced = users[0] if len(users) == 1 and cast_source(users[0]) is p else p
+        reduced = gradient_carrier(p)
         while reduced.users and all(u.target is grad_all_reduce for u in reduced.users):
             groups = {u.args[1] for u in reduced.users}
             if len(groups) != 1:

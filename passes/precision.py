@@ -170,6 +170,15 @@ def cast_source(node: fx.Node) -> fx.Node | None:
     return None
 
 
+def gradient_carrier(param: fx.Node) -> fx.Node:
+    """The value whose gradient is a parameter's whole gradient: its one dtype copy where that copy is
+    its only use (bf16-mixed's bfloat16 weight), else the parameter itself. A data-parallel reduction of
+    that value's gradient is a reduction of the parameter's, which a pipeline runs once per step
+    (codegen/stages.py) and prices so (autopar/pipeline_search.py)."""
+    users = list(param.users)
+    return users[0] if len(users) == 1 and cast_source(users[0]) is param else param
+
+
 def _explicit_dtype(node):
     return node.kwargs.get("dtype")
 

@@ -205,17 +205,17 @@ def zero_dim(shape, layout, mesh_shape, axis: int) -> int | None:
     return None
 
 
-def zero_variants(shape, layout, mesh_shape) -> list[ZeroState]:
-    """ZeRO-1 and ZeRO-2 along every axis a parameter in ``layout`` is replicated on."""
+def zero_variants(shape, layout, mesh_shape, zero: int = 2) -> list[ZeroState]:
+    """ZeRO-1 up to ZeRO-``zero`` along every axis a parameter in ``layout`` is replicated on."""
     out = []
     for a in range(len(mesh_shape)):
         d = zero_dim(shape, layout, mesh_shape, a)
         if d is not None:
-            out += [ZeroState(1, a, d), ZeroState(2, a, d)]
+            out += [ZeroState(stage, a, d) for stage in range(1, zero + 1)]
     return out
 
 
-def _placeholder_strategies(node: fx.Node, mesh_shape, zero: bool = False, offload: bool = False) -> list[Strategy]:
+def _placeholder_strategies(node: fx.Node, mesh_shape, zero: int = 0, offload: bool = False) -> list[Strategy]:
     role = meta_of(node).role
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
@@ -234,7 +234,7 @@ def _placeholder_strategies(node: fx.Node, mesh_shape, zero: bool = False, offlo
             trained = role is not None and role.kind == "param" and requires_grad(node)
             if zero and trained:
                 out += [Strategy((), (tuple(combo),), (False,) * len(mesh_shape), z)
-                        for z in zero_variants(shape, combo, mesh_shape)]
+                        for z in zero_variants(shape, combo, mesh_shape, zero)]
             if offload and trained:
                 # The local tensor's optimizer state in host memory (with its own layout: ZeRO-3 offloads
                 # this rank's shard); not combined with ZeRO-1/2.
@@ -302,9 +302,9 @@ def _val_sig(v):
     return None
 
 
-def node_strategies(node: fx.Node, mesh_shape, cache: dict | None = None, zero: bool = False,
+def node_strategies(node: fx.Node, mesh_shape, cache: dict | None = None, zero: int = 0,
                     offload: bool = False) -> list[Strategy]:
-    """``zero``: parameters also offer their ZeRO-1 and ZeRO-2 variants (``ZeroState``); ``offload``:
+    """``zero``: parameters also offer their ZeRO-1 up to ZeRO-``zero`` variants (``ZeroState``); ``offload``:
     their optimizer state in host memory (``Strategy.offload``)."""
     if cache is not None:
         key = (signature(node), zero, offload)
@@ -316,7 +316,7 @@ def node_strategies(node: fx.Node, mesh_shape, cache: dict | None = None, zero: 
     return _node_strategies(node, mesh_shape, zero, offload)
 
 
-def _node_strategies(node: fx.Node, mesh_shape, zero: bool = False, offload: bool = False) -> list[Strategy]:
+def _node_strategies(node: fx.Node, mesh_shape, zero: int = 0, offload: bool = False) -> list[Strategy]:
     if node.op == "placeholder":
         return _placeholder_strategies(node, mesh_shape, zero, offload)
     ctx = context_for(node)
@@ -356,11 +356,12 @@ def _try_follow(node: fx.Node, own: list[Strategy], producer_set: StrategySet, v
 
 
 @requires("mark_requires_grad_pass")
-def strategies_pass(gm: fx.GraphModule, mesh_shape, zero: bool = True, offload: bool = False) -> fx.GraphModule:
+def strategies_pass(gm: fx.GraphModule, mesh_shape, zero: int = 2, offload: bool = False) -> fx.GraphModule:
     """Make the ``StrategySet`` of every placeholder and call_function node on mesh ``mesh_shape``, kept
-    under that mesh in the graph's program meta (``strategies_on``) beside other meshes'. With ``zero``,
-    a parameter replicated along an axis may also shard its optimizer state there (ZeRO-1) and its
-    gradient (ZeRO-2): one more option per stage and axis (``ZeroState``). With ``offload``, a parameter
+    under that mesh in the graph's program meta (``strategies_on``) beside other meshes'. With ``zero``
+    (the highest ZeRO stage offered, 0 for none), a parameter replicated along an axis may also shard its
+    optimizer state there (ZeRO-1) and its gradient (ZeRO-2): one more option per stage and axis
+    (``ZeroState``). With ``offload``, a parameter
     may also keep its optimizer state in host memory: one more option per layout.
 
     The copies of a repeated layer share one decision per position, so they must offer the same
@@ -380,7 +381,7 @@ def strategies_pass(gm: fx.GraphModule, mesh_shape, zero: bool = True, offload: 
             drop.setdefault(key, set()).update(bad)
 
 
-def _assign_strategies(gm, mesh_shape, drop: dict, zero: bool, offload: bool = False) -> dict:
+def _assign_strategies(gm, mesh_shape, drop: dict, zero: int, offload: bool = False) -> dict:
     cache: dict = {}
     sets: dict = {}
     for node in gm.graph.nodes:

@@ -48,7 +48,7 @@ class ParallelModule(nn.Module):
         self.shards = nn.ParameterDict()
         # ZeRO-1/2 parameters: the program reads the whole local tensor, the optimizer steps this rank's
         # block of it (runtime/zero.py).
-        self._zero_of = {fqn: rest for fqn, *rest in program.sharded_states}
+        self._zero_of = {fqn: rest for fqn, *rest in program.sharded_states if fqn in full_params}
         # Offloaded parameters: the program reads a device tensor, the optimizer steps its copy in host
         # memory (runtime/offload.py).
         self._offloaded = set(plan.offload)
@@ -283,14 +283,26 @@ class ParallelModule(nn.Module):
                     self._buffers_by_name[name] = value.detach().to(old.device if not old.is_meta
                                                                     else value.device).clone()
             for fqn, value in values.items():
-                if isinstance(value, DTensor):
-                    value = value.full_tensor()
-                local = shard_of(value, self._layouts[fqn], self.plan.mesh_shape, self._coords)
-                param = self.local_parameter(fqn)
-                if param.is_meta:
-                    self._set_local(fqn, local.to(self.local_tensor(fqn).dtype), param.requires_grad)
-                else:
-                    self.local_tensor(fqn).detach().copy_(local)
+                self._load_local(fqn, value)
+        self._after_load()
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def _load_local(self, fqn: str, value: torch.Tensor) -> None:
+        """Copy this rank's block of ``value`` (a full tensor or a DTensor) into parameter ``fqn``, or
+        make the parameter from it where it is still on the meta device."""
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        local = shard_of(value, self._layouts[fqn], self.plan.mesh_shape, self._coords)
+        param = self.local_parameter(fqn)
+        if param.is_meta:
+            self._set_local(fqn, local.to(self.local_tensor(fqn).dtype), param.requires_grad)
+        else:
+            self.local_tensor(fqn).detach().copy_(local)
+
+    def _after_load(self) -> None:
+        """ZeRO-1/2 and offloaded parameters after new weights were copied into the whole local tensors."""
         if self._sharded_states is not None:
             if any(self.local_parameter(st.fqn) is not st.shard for st in self._sharded_states.states):
                 self._make_sharded_states()        # parameters made on loading a meta model's weights
@@ -300,7 +312,6 @@ class ParallelModule(nn.Module):
                 self._make_host_states()           # parameters made on loading a meta model's weights
             self._host_states.download()
         self._materialized = False
-        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
 def _contiguous_stride(shape):

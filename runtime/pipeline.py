@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 from autopar.errors import AutoparError
 from autopar.layout import local_shape, parse_layout
 from autopar.plan import PIPELINE_SCHEDULES
+from autopar.runtime import collectives as C
 from autopar.runtime.module import ParallelModule, ShapeMismatchError, _contiguous_stride, rank_device, shard_of
 
 SCHEDULES = PIPELINE_SCHEDULES
@@ -38,7 +39,8 @@ class StageModule(nn.Module):
         self.program = stage.gm
         self._kinds = stage.placeholders
         self._owner = [owner]             # not a submodule: the owner holds this stage
-        self.params = nn.ParameterDict({owner._fqn_to_key[t]: owner.local_parameter(t)
+        # What the program reads: a ZeRO-1 parameter's whole local tensor, not the block the optimizer steps.
+        self.params = nn.ParameterDict({owner._fqn_to_key[t]: owner.local_tensor(t)
                                         for k, t in stage.placeholders if k == "param"})
 
     def forward(self, *received, **inputs):
@@ -119,6 +121,8 @@ class PipelineParallelModule(ParallelModule):
         self._check_materialized()
         if self._schedule is None:
             self._schedule = self._make_schedule()
+        if self._sharded_states is not None:
+            self._sharded_states.before_forward()
         named = {}
         leaves = iter(flat)
         for kind, target in self._program.placeholders:
@@ -129,6 +133,8 @@ class PipelineParallelModule(ParallelModule):
         target = torch.zeros(m, device=rank_device())
         self._schedule.step(**named, target=target, losses=losses, return_outputs=False)
         self._sum_grads()
+        if self._sharded_states is not None:
+            self._sharded_states.expose_grads()
         if self._pp_rank == self._last_rank:
             loss = torch.stack([x.detach().reshape(()).float() for x in losses]).sum()
         else:
@@ -159,15 +165,11 @@ class PipelineParallelModule(ParallelModule):
         return cls(stages[0], n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
 
     def _sum_grads(self):
-        # Data parallelism's gradient sync, once per step (codegen/stages.py took it out of backward).
-        for fqn, axis in self._grad_sums:
-            p = self.local_parameter(fqn)
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=self.mesh.get_group(axis))
+        # A tied parameter's gradients over the pipeline axis first: its data-parallel sync below then
+        # reduces their sum.
         for fqn in self._tied:
             if fqn in self._fqn_to_key and self._fqn_to_key[fqn] in self.shards:
-                p = self.local_parameter(fqn)
+                p = self.local_tensor(fqn)
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
             else:
                 shape, dtype = self._full_meta[fqn]
@@ -175,7 +177,22 @@ class PipelineParallelModule(ParallelModule):
                                 device=rank_device())
             dist.all_reduce(g, group=self._pp_group)
             if fqn in self._held:
-                self.local_parameter(fqn).grad = g
+                self.local_tensor(fqn).grad = g
+        # Data parallelism's gradient sync, once per step (codegen/stages.py took it out of backward). A
+        # ZeRO-1 parameter's gradient is reduce-scattered along its state's axis into the block its
+        # optimizer steps (Megatron-LM's distributed optimizer); the whole local gradient stays for the
+        # next step's accumulation until the optimizer's gradient is set to None.
+        for fqn, axis in self._grad_sums:
+            p = self.local_tensor(fqn)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            group = self.mesh.get_group(axis)
+            zero = self._zero_of.get(fqn)
+            if zero is not None and zero[1] == group.group_name:
+                _stage, name, dim, _bucket = zero
+                self.local_parameter(fqn).grad = C._reduce_scatter(p.grad, dim, dist.get_world_size(group), name)
+            else:
+                dist.all_reduce(p.grad, group=group)
 
     def _check_batch(self, flat, spec):
         m = self._microbatches
@@ -221,10 +238,12 @@ class PipelineParallelModule(ParallelModule):
         tensor when the pipeline axis is the only one)."""
         from torch.distributed.tensor import DTensor
 
+        if self._sharded_states is not None:
+            self._sharded_states.sync()
         sub = self._stage_mesh()
         out = {}
         for fqn in self._held:
-            local = self.local_parameter(fqn).detach()
+            local = self.local_tensor(fqn).detach()
             if sub is None:
                 out[fqn] = local
                 continue
@@ -249,8 +268,6 @@ class PipelineParallelModule(ParallelModule):
         return full
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        from torch.distributed.tensor import DTensor
-
         # a tied parameter's other names (full_state_dict gives them) stand for the planned one
         state_dict = {self._aliases.get(k, k): v for k, v in state_dict.items()
                       if k not in self._aliases or self._aliases[k] not in state_dict}
@@ -262,17 +279,8 @@ class PipelineParallelModule(ParallelModule):
             for fqn, value in state_dict.items():
                 if fqn in self._buffers_by_name:
                     self._buffers_by_name[fqn] = value.detach().clone()
-                if fqn not in self._held:
-                    continue
-                if isinstance(value, DTensor):
-                    value = value.full_tensor()
-                local = shard_of(value, self._layouts[fqn], self.plan.mesh_shape, self._coords)
-                param = self.local_parameter(fqn)
-                if param.is_meta:
-                    self.shards[self._fqn_to_key[fqn]] = nn.Parameter(local.detach().clone(),
-                                                                      requires_grad=param.requires_grad)
-                else:
-                    param.copy_(local)
-        self._materialized = False
+                if fqn in self._held:
+                    self._load_local(fqn, value)
+        self._after_load()
         self._schedule = None          # stages hold the parameter objects: rebuild them
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)

@@ -58,10 +58,12 @@ class ShardedState:
 
 
 def split(full: torch.Tensor, group: str, dim: int, requires_grad: bool) -> tuple[torch.Tensor, nn.Parameter]:
-    """(the whole local tensor as an autograd leaf, the parameter that is this rank's block of it)."""
+    """(the whole local tensor as an autograd leaf, the parameter that is this rank's block of it). The
+    whole tensor is a Parameter too: a pipeline stage's module holds it, and the zero-bubble schedules
+    compute the gradients of its parameters."""
     pg = _resolve_process_group(group)
     n, r = dist.get_world_size(pg), dist.get_rank(pg)
-    whole = full.detach().clone().requires_grad_(requires_grad)
+    whole = nn.Parameter(full.detach().clone(), requires_grad=requires_grad)
     k = whole.shape[dim] // n
     return whole, nn.Parameter(whole.detach().narrow(dim, r * k, k), requires_grad=requires_grad)
 
@@ -82,11 +84,8 @@ class ShardedStates:
             if full.grad is None:
                 return
             if s.stage == 1:
-                # The gradient is reduced in place (the program's buckets) before the optimizer runs:
-                # the parameter's gradient is a view of its block.
-                if s.shard.grad is None:
-                    k = s.shard.shape[s.dim]
-                    s.shard.grad = full.grad.narrow(s.dim, self._block(s) * k, k)
+                # The gradient is reduced in place (the program's buckets) before the optimizer runs.
+                self._expose(s)
                 return
             n = dist.get_world_size(_resolve_process_group(s.group))
             part = C._reduce_scatter(full.grad, s.dim, n, s.group)
@@ -96,6 +95,19 @@ class ShardedStates:
             else:
                 s.shard.grad.add_(part)
         return ready
+
+    def _expose(self, s: ShardedState) -> None:
+        """A ZeRO-1 parameter's gradient: the view of its block of the whole tensor's gradient."""
+        if s.shard.grad is None and s.full.grad is not None:
+            k = s.shard.shape[s.dim]
+            s.shard.grad = s.full.grad.narrow(s.dim, self._block(s) * k, k)
+
+    def expose_grads(self) -> None:
+        """Give every ZeRO-1 parameter its gradient's block, where no accumulation hook did: a pipeline's
+        zero-bubble schedules assign the weights' gradients rather than accumulate them."""
+        for s in self.states:
+            if s.stage == 1:
+                self._expose(s)
 
     @staticmethod
     def _block(s: ShardedState) -> int:

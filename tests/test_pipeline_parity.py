@@ -36,9 +36,9 @@ def _train_and_compare(pm, ref, ids, labels, where):
             scale = max(p.grad.abs().max().item() for p in ref_params.values())
             sub = pm._stage_mesh()
             for fqn in pm._held:           # the parameters this rank's stages hold
-                grad = pm.local_parameter(fqn).grad
+                grad = pm.local_parameter(fqn).grad      # a ZeRO-1 parameter's: its block of the state layout
                 if sub is not None:
-                    lay = [p.to_dtensor() for i, p in enumerate(pm._layouts[fqn]) if i != pm.pp_axis]
+                    lay = [p.to_dtensor() for i, p in enumerate(pm.state_layout(fqn)) if i != pm.pp_axis]
                     grad = DTensor.from_local(grad, sub, lay, run_check=False).full_tensor()
                 err = (grad - ref_params[fqn].grad).abs().max().item()
                 assert err <= 1e-5 * scale, f"{where}: gradient of {fqn} off by {err} (largest entry {scale})"
@@ -82,8 +82,16 @@ def _check(rank, world, cases):
             assert pipe["grad_sync_seconds"] > 0, f"{where}: the plan does not price the gradient sync"
             for st in pm._stage_programs:
                 assert not _params_reduced_in_backward(st), f"{where}: stage {st.index}"
+        if any(isinstance(pin, dict) and pin.get("zero") for pin in (pins or {}).values()):
+            # Adam's states sharded over the stage's data-parallel ranks: the optimizer steps half of each.
+            assert pm.plan.zero and {z["stage"] for z in pm.plan.zero.values()} == {1}, where
+            for fqn in set(pm.plan.zero) & set(pm._held):
+                assert 2 * pm.local_parameter(fqn).numel() == pm.local_tensor(fqn).numel(), f"{where}: {fqn}"
         with pytest.raises(autopar.AutoparError, match="train_step"):
             pm(ids, labels=labels)
+        # A batch of another size does not split into the plan's microbatches: refused before any collective.
+        with pytest.raises(autopar.ShapeMismatchError, match=f"{microbatches} microbatches of"):
+            pm.train_step(ids[:-1], labels=labels[:-1])
         _train_and_compare(pm, ref, ids, labels, where)
 
 
@@ -132,11 +140,12 @@ def _tp_pins(name):
     return {k: ["R", v] for k, v in MEGATRON[name].items()}
 
 
-def _dp_pins(name):
-    # Weights replicated and the batch split; the token embedding (the first; positions have no batch
-    # dim) and the linear ops pinned too, or the solver may prefer to gather the tiny batch and compute
-    # replicated (a valid plan, but no data parallelism to test). LLaMA has no biases.
-    pins = {"input_ids": ["R", "S(0)"], "labels": ["R", "S(0)"], "*.weight": ["R", "R"],
+def _dp_pins(name, zero=0):
+    # Weights replicated (their Adam states sharded over dp under ZeRO-1) and the batch split; the token
+    # embedding (the first; positions have no batch dim) and the linear ops pinned too, or the solver may
+    # prefer to gather the tiny batch and compute replicated (a valid plan, but no data parallelism to
+    # test). LLaMA has no biases.
+    pins = {"input_ids": ["R", "S(0)"], "labels": ["R", "S(0)"], "*.weight": {"output": ["R", "R"], "zero": zero},
             "embedding": ["R", "S(0)"], "linear*": ["R", "S(0)"]}
     if name != "llama":
         pins["*.bias"] = ["R", "R"]
@@ -159,7 +168,9 @@ def test_pipeline_parity_four_ranks():
     """Every architecture family under each 4-rank mesh, the five schedules spread over them: pp=4 (one
     layer per stage), pp=2 x dp=2 (the batch split inside each stage, its gradient summed once per
     step), pp=2 x tp=2 (Megatron layers inside each stage). One launch: starting 4 ranks costs more
-    than a case."""
+    than a case. ZeRO-1 inside the stages: GPT-2 (its tied embedding on both ranks) under the
+    interleaved zero-bubble schedule, which assigns weight gradients rather than accumulating them, and
+    LLaMA under 1F1B."""
     cases = [("gpt", (4,), ("pp",), "1F1B", 4, None),
              ("gpt2", (4,), ("pp",), "GPipe", 4, None),
              ("llama", (4,), ("pp",), "1F1B", 8, None),
@@ -168,6 +179,8 @@ def test_pipeline_parity_four_ranks():
              ("gpt2", (2, 2), ("pp", "dp"), "Interleaved1F1B", 4, _dp_pins("gpt2")),
              ("llama", (2, 2), ("pp", "dp"), "1F1B", 2, _dp_pins("llama")),
              ("bert", (2, 2), ("pp", "dp"), "ZBVZeroBubble", 2, _dp_pins("bert")),
+             ("gpt2", (2, 2), ("pp", "dp"), "InterleavedZeroBubble", 4, _dp_pins("gpt2", zero=1)),
+             ("llama", (2, 2), ("pp", "dp"), "1F1B", 2, _dp_pins("llama", zero=1)),
              ("gpt", (2, 2), ("pp", "tp"), "1F1B", 4, _tp_pins("gpt")),
              ("gpt2", (2, 2), ("pp", "tp"), "GPipe", 2, _tp_pins("gpt2")),
              ("llama", (2, 2), ("pp", "tp"), "InterleavedZeroBubble", 4, _tp_pins("llama")),

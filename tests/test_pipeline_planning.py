@@ -189,6 +189,42 @@ def test_bf16_mixed_gradient_sync_runs_once_per_step_in_float32():
         assert plan.breakdown["communication"]["dp"] == pytest.approx(sync), (prec, m)
 
 
+def test_pipeline_stages_shard_optimizer_states_over_data_parallel_ranks():
+    """ZeRO-1 inside the stages (Megatron-LM's distributed optimizer): a stage's Adam states sharded over
+    its 8 data-parallel ranks, counted in each rank's memory (4 + 4 + 8/8 bytes per float32 parameter
+    against 16); once per step the gradients are reduce-scattered instead of all-reduced and the updated
+    shards all-gathered, the bytes of one all-reduce; under a budget that only fits so, the planner
+    chooses it by itself."""
+    pins = {"x": ["R", "S(0)"]}
+    plans = {z: _stack_plan(schedule="1F1B", microbatches=4, recompute=False,
+                            pins={**pins, "blocks.*": {"output": ["R", "R"], "zero": z}}) for z in (0, 1)}
+    assert not plans[0].zero and {(z["stage"], z["axis"]) for z in plans[1].zero.values()} == {(1, "dp")}
+    for r0, r1 in zip(plans[0].pipeline["ranks"], plans[1].pipeline["ranks"]):
+        assert r1["static_bytes"] == pytest.approx(r0["static_bytes"] * 9 / 16)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in Stack(256, 4, 1024, 8).parameters())
+    for z, kinds in ((0, {"grad_all_reduce": "all_reduce"}),
+                     (1, {"grad_all_reduce": "reduce_scatter", "zero1": "all_gather"})):
+        for step, kind in kinds.items():
+            done = [c for c in plans[z].collectives if c["step"] == step]
+            assert {c["kind"] for c in done} == {kind} and sum(c["bytes"] for c in done) == 4 * n, (z, step)
+    # (One latency per parameter and collective: this model's gradients are small.)
+    assert plans[1].pipeline["grad_sync_seconds"] > plans[0].pipeline["grad_sync_seconds"]
+    tail = plans[1].pipeline["ranks"][plans[1].pipeline["stages"][-1]["pp_rank"]]
+    assert tail["optimizer_seconds"] < plans[0].pipeline["ranks"][tail["rank"]]["optimizer_seconds"]
+    budget = (plans[0].memory["peak"] + plans[1].memory["peak"]) / 2
+    with pytest.raises(autopar.InfeasiblePlanError):
+        _stack_plan(schedule="1F1B", microbatches=4, recompute=False, memory_budget=budget,
+                    pins={**pins, "blocks.*": {"output": ["R", "R"], "zero": 0}})
+    free = _stack_plan(schedule="1F1B", microbatches=4, recompute=False, memory_budget=budget, pins=pins)
+    assert free.zero and free.memory["peak"] <= budget
+
+
+def test_zero2_inside_pipeline_stages_is_refused():
+    with pytest.raises(autopar.AutoparError, match="ZeRO-2, which pipeline plans do not offer"):
+        _stack_plan(schedule="1F1B", microbatches=4, pins={"blocks.*": {"output": ["R", "R"], "zero": 2}})
+
+
 def test_planner_chooses_the_schedule_and_microbatches_by_predicted_time():
     plan = _stack_plan()
     pipe = plan.pipeline
@@ -208,11 +244,14 @@ def test_in_flight_activations_are_in_the_memory_model():
 
 
 def test_a_budget_below_the_in_flight_activations_rejects_gpipe():
-    one_f = _stack_plan(schedule="1F1B", microbatches=8)
+    # Data parallelism inside the stages, weights and optimizer states whole: ZeRO or sharded weights
+    # would free what the in-flight activations take.
+    whole = {"blocks.*": {"output": ["R", "R"], "zero": 0}, "x": ["R", "S(0)"]}
+    one_f = _stack_plan(schedule="1F1B", microbatches=8, pins=whole)
     budget = one_f.memory["peak"] * 1.01
     with pytest.raises(autopar.InfeasiblePlanError, match="pipeline stages"):
-        _stack_plan(schedule="GPipe", microbatches=8, memory_budget=budget, recompute=False)
-    # GPipe fits only by recomputing; 1F1B fits without, and is chosen.
+        _stack_plan(schedule="GPipe", microbatches=8, memory_budget=budget, recompute=False, pins=whole)
+    # With the layouts free, GPipe fits by recomputing; 1F1B fits without, and is chosen.
     assert _stack_plan(schedule="GPipe", microbatches=8, memory_budget=budget).recompute["layers"]
     free = _stack_plan(microbatches=8, memory_budget=budget)
     assert free.memory["peak"] <= budget and not free.recompute["layers"]
@@ -236,6 +275,25 @@ def test_model_without_repeated_layers_is_refused():
     with pytest.raises(autopar.AutoparError, match="has none"):
         autopar.plan(_Flat(), autopar.ClusterSpec.local_cpu(2), (torch.randn(4, 64),), mesh_shape=(2,),
                      axis_names=("pp",), progress=False)
+
+
+class _NoLoss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = Stack(64, 4, 128, 2).blocks
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_model_without_a_scalar_loss_is_refused():
+    with torch.device("meta"):
+        model = _NoLoss()
+    with pytest.raises(autopar.AutoparError, match="needs the model to return a scalar loss"):
+        autopar.plan(model, autopar.ClusterSpec.local_cpu(2), (torch.randn(4, 8, 64, device="meta"),),
+                     mesh_shape=(2,), axis_names=("pp",), progress=False)
 
 
 def test_pipeline_axis_larger_than_the_layers_is_refused():
