@@ -31,6 +31,23 @@ _STEP_FN = {"all_gather": C.all_gather, "reduce_scatter": C.reduce_scatter, "all
             "all_to_all": C.all_to_all, "local_chunk": C.local_chunk, "grad_all_reduce": C.grad_all_reduce}
 
 
+def step_call(st, x, group: str) -> tuple:
+    """(function, args, kwargs) of the runtime call that performs resharding step ``st`` (a
+    passes.resharding.Step) on ``x`` over the c10d group ``group``: what the generated program runs
+    for it, whose storage ``Step.makes_storage`` describes to the step memory model."""
+    fn = _STEP_FN[st.op]
+    # A strided shard's groups are passed only where there are some: plain calls read as before.
+    strided = {"groups": st.groups} if st.groups > 1 else {}
+    if st.op == "all_gather":
+        return fn, (x, st.dim, group), {"grad": st.grad, **strided}
+    if st.op in ("reduce_scatter", "local_chunk"):
+        return fn, (x, st.dim, group), strided
+    if st.op == "all_to_all":
+        groups = {k: v for k, v in (("src_groups", st.groups), ("dst_groups", st.dst_groups)) if v > 1}
+        return fn, (x, st.dim, st.dst_dim, group), groups
+    return fn, (x, group), {}
+
+
 @functools.lru_cache(maxsize=None)
 def resolve_function(path: str):
     """The function a rule's ``local_call`` names by its dotted path, e.g.
@@ -121,19 +138,7 @@ def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str]
         if isinstance(x, tuple):             # a multi-output node: read one output
             x = x[key.value.index]
         for st in low.reshards[key]:
-            fn = _STEP_FN[st.op]
-            group = group_names[st.axis]
-            # A strided shard's groups are passed only where there are some: plain calls read as before.
-            strided = {"groups": st.groups} if st.groups > 1 else {}
-            if st.op == "all_gather":
-                x = g.call_function(fn, (x, st.dim, group), {"grad": st.grad, **strided})
-            elif st.op in ("reduce_scatter", "local_chunk"):
-                x = g.call_function(fn, (x, st.dim, group), strided)
-            elif st.op == "all_to_all":
-                groups = {k: v for k, v in (("src_groups", st.groups), ("dst_groups", st.dst_groups)) if v > 1}
-                x = g.call_function(fn, (x, st.dim, st.dst_dim, group), groups)
-            else:
-                x = g.call_function(fn, (x, group))
+            x = g.call_function(*step_call(st, x, group_names[st.axis]))
             set_meta(x, step=st, layer=current["layer"], reader=current["node"])
         resharded[key] = x
         return x

@@ -13,8 +13,12 @@ streams, compute and communication, the way the generated program runs them:
   DDP-style buckets of ``bucket_bytes`` (runtime/grad_buckets.py): a bucket's all-reduce starts when
   its last gradient is accumulated (the backward of the parameter's first reader) and the previous
   bucket has started, and runs on the communication stream while the rest of backward computes.
-  Every other backward collective (a forward collective's backward, Megatron's "f", recomputed
-  layers' collectives, ZeRO-2's reduce-scatter) waits where it is issued.
+  A sharded parameter's gradient reduce-scatter (the backward of its split forward all-gather,
+  ZeRO-3) is issued at the backward of its reader and waited when the next one is issued or when
+  backward ends (runtime/collectives.py, FSDP2's scheme). The communication stream runs these and the
+  buckets in issue order. Every other backward collective (Megatron's "f", sequence parallelism's
+  pairs, recomputed layers' collectives, ZeRO-2's reduce-scatter) waits where it is issued: autograd
+  runs the reader of its result next, so there is no compute to hide it behind.
 - the optimizer step's collectives (ZeRO-1/2 gathers) wait where they are issued.
 
 ``exposure`` returns, per collective, the seconds it runs for (a bucketed reduction: its share of its
@@ -113,7 +117,15 @@ def exposure(gm: fx.GraphModule, strategy: dict, colls: list[PlanCollective], cm
         clock += sum(seconds[i] for i in blocking.get(n.name, ())) + forward[n.name]
         done[n.name] = clock
 
-    # Backward, in reverse: blocking collectives at their node, bucketed gradients when ready.
+    # Backward, in reverse: blocking collectives at their node; a sharded parameter's gradient
+    # reduce-scatter issued at its node and waited at the next one's issue or at the end; bucketed
+    # gradients launched when their bucket is ready. One communication stream runs them in issue order.
+    nodes = {n.name: n for n in order}
+    split_reads = {(colls[i].value, colls[i].node) for i in split}
+    deferred = {i for i, c in enumerate(colls)
+                if c.phase == "backward" and c.kind == "reduce_scatter" and (c.value, c.node) in split_reads
+                and is_param(nodes[c.value]) and (st := strategy.get(nodes[c.value])) is not None
+                and st.zero is None and not st.offload}
     first_reader = {p: min((u for u in n.users), key=lambda u: position.get(u.name, len(order))).name
                     for n in order if (p := n.name) in buckets}
     members: dict[str, list[int]] = {}
@@ -121,25 +133,43 @@ def exposure(gm: fx.GraphModule, strategy: dict, colls: list[PlanCollective], cm
         if c.value in buckets:
             members.setdefault(c.value, []).append(i)
     at_node: dict[str, list[int]] = {}
+    deferred_at: dict[str, list[int]] = {}
     for i, c in enumerate(colls):
         if c.phase == "backward" and c.value not in buckets:
-            at_node.setdefault(c.node, []).append(i)
+            (deferred_at if i in deferred else at_node).setdefault(c.node, []).append(i)
     ready_at: dict[str, list[str]] = {}
     for p, reader in first_reader.items():
         ready_at.setdefault(reader, []).append(p)
     grad_bytes = {p: float(max(colls[i].bytes for i in members[p])) for p in buckets}
-    ready: dict[str, float] = {}          # parameter -> when its gradient is accumulated, in that order
-    for n in reversed(order):
-        clock += backward[n.name] + sum(seconds[i] for i in at_node.get(n.name, ()))
-        ready.update(dict.fromkeys(ready_at.get(n.name, ()), clock))
-    # The runtime's packing; a bucket starts when its last gradient is ready and the one before has.
+    # The runtime's packing, in the order gradients become ready.
+    ready_order = [p for n in reversed(order) for p in ready_at.get(n.name, ())]
+    packed = pack_buckets(ready_order, grad_bytes.__getitem__, bucket_bytes, key=buckets.__getitem__)
+    last_of = {b[-1]: b for b in packed}
     stream_free = 0.0
     runs: list[tuple[list[str], float, float]] = []     # (parameters, start, finish) per bucket
-    for bucket in pack_buckets(ready, grad_bytes.__getitem__, bucket_bytes, key=buckets.__getitem__):
-        start = max(ready[bucket[-1]], stream_free)
-        stream_free = start + cm.collective_seconds("all_reduce", sum(grad_bytes[p] for p in bucket),
-                                                    axis_names.index(buckets[bucket[0]]))
-        runs.append((bucket, start, stream_free))
+    in_flight = None                                    # (collective, finish) of the deferred one
+
+    def wait_in_flight():
+        nonlocal clock
+        if in_flight is not None:
+            i, finish = in_flight
+            exposed[i] = max(0.0, finish - clock)
+            clock = max(clock, finish)
+
+    for n in reversed(order):
+        clock += backward[n.name] + sum(seconds[i] for i in at_node.get(n.name, ()))
+        for i in deferred_at.get(n.name, ()):
+            wait_in_flight()
+            stream_free = max(clock, stream_free) + seconds[i]
+            in_flight = i, stream_free
+        for p in ready_at.get(n.name, ()):
+            if p in last_of:
+                bucket = last_of[p]
+                start = max(clock, stream_free)
+                stream_free = start + cm.collective_seconds("all_reduce", sum(grad_bytes[q] for q in bucket),
+                                                            axis_names.index(buckets[bucket[0]]))
+                runs.append((bucket, start, stream_free))
+    wait_in_flight()
     for params, start, finish in runs:
         total = sum(grad_bytes[p] for p in params)
         hidden = max(0.0, min(finish, clock) - start)

@@ -251,7 +251,6 @@ def _views_of(node: fx.Node, producer: fx.Node) -> bool:
 
 CATEGORIES = ("params", "optimizer", "grads", "activations", "transient")
 _P, _O, _G, _A, _T = range(5)
-_ALLOCATING_STEPS = {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"}
 
 
 @dataclass(frozen=True)
@@ -494,7 +493,7 @@ class StepMemory:
                         # dims before it, the gathered blocks stand beside their contiguous copy.
                         gathered = max((info.dtype.itemsize * prod(st.in_shape) for st in steps if st.op == "local_chunk"
                                         and st.dim and prod(st.in_shape[:st.dim]) > 1), default=0.0)
-                        found[pair] = (size if any(st.op in _ALLOCATING_STEPS for st in steps) else 0.0,
+                        found[pair] = (size if any(st.makes_storage for st in steps) else 0.0,
                                        size if steps else 0.0, float(gathered))
                     rows.append(found[pair])
                 per_request[(dst, partial)] = rows
@@ -588,7 +587,7 @@ class StepMemory:
             table.append(own if own is not None else measured / self.cm.work_split(s))
         return _one(c, table)
 
-    def _shared_copies(self, calls, pos, input_values, inst_of, frees):
+    def _shared_copies(self, calls, pos, input_values, inst_of, frees, copy_views):
         """The copies of values that several ops read through a resharding: one tensor per distinct
         request (codegen reshards once per request and shares the copy), held from the first reader's
         forward until the last reader that keeps it runs its backward. Returns the (reader, input
@@ -601,8 +600,9 @@ class StepMemory:
         what the readers keep is released a reader at a time, and the gradient at a request's layout is
         accumulated from the first reader whose backward makes it until the last (the resharding's
         backward then converts it), beside each reader's own gradient (counted with its backward). A
-        reader inside a recomputed region whose kept copy recompute drops keeps its own copy."""
-        from autopar.passes.strategies import requires_grad
+        reader inside a recomputed region whose kept copy recompute drops keeps its own copy, and so
+        does a copy view (its copy is its output's storage)."""
+        from autopar.passes.strategies import Value, requires_grad
 
         readers = {}          # value -> [(reader, input position, its decision, request per option, keeps)]
         tables = {}           # value -> (its decision, request -> per option of it (copy, gradient, blocks))
@@ -612,7 +612,7 @@ class StepMemory:
                 [tuple(s.inputs) for s in self._saved_per_option(n, saved)]
             for k, v in enumerate(input_values(n)):
                 ca, cb, requests, per_request = self.reads(v, n, k)
-                if ca is not None and ca == cb:
+                if (ca is not None and ca == cb) or Value(n) in copy_views:
                     continue
                 if not any(f or b for rows in per_request.values() for f, b, _ in rows):
                     continue
@@ -681,6 +681,31 @@ class StepMemory:
                 v = ins[0]
             return v
 
+        # A view that reads its input through a resharded copy is a view of that copy: the copy lives as
+        # long as the view's readers need it (the logits moved to the vocab-parallel loss's layout, then
+        # reshaped for it, which keeps them), a storage of its own whose bytes are the copy's.
+        copy_views = {}
+        for n in calls:
+            if is_view(n) and n.target is not operator.getitem and input_values(n):
+                cp = self.copy(input_values(n)[0], n, 0)[0]
+                if cp is not None:
+                    copy_views[Value(n)] = cp
+
+        def bases(v):
+            """The storages ``v`` shares: the copies of the copy views it is read through, then its base."""
+            out = []
+            while v.node.op == "call_function" and is_view(v.node):
+                if Value(v.node) in copy_views:
+                    out.append(Value(v.node))
+                ins = input_values(v.node)
+                if not ins:
+                    break
+                v = ins[0]
+            return out + [v]
+
+        def stored(s) -> Bytes:
+            return copy_views.get(s) or self.value(s)
+
         inst_of = {}          # node -> the recomputed regions it is in (a layer and its attention core)
         for inst, (_, _, nodes) in instances.items():
             for n in nodes:
@@ -729,8 +754,11 @@ class StepMemory:
             if not is_view(n):
                 for o in output_values(n):
                     last_use[o] = pos[n]
+            elif Value(n) in copy_views:        # one storage, whichever of its outputs is read
+                last_use[Value(n)] = pos[n]
             for v in input_values(n):
-                last_use[base(v)] = pos[n]
+                for b in bases(v):
+                    last_use[b] = pos[n]
         out_node = next(n for n in gm.graph.nodes if n.op == "output")
         outputs = [a for a in pytree.tree_leaves(out_node.args)
                    if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
@@ -744,7 +772,7 @@ class StepMemory:
             if again is not None:
                 output_copies.append(again)
             if cp is None or self._choice(base(Value(a)).node) != self._choice(a):
-                to_end.add(base(Value(a)))
+                to_end.update(bases(Value(a)))
             else:
                 # The value is held until the end of forward, where its gather is waited (the
                 # collective's Work holds its input until then), and to the step's end where no copy
@@ -753,7 +781,8 @@ class StepMemory:
                 frees.setdefault(("F", last_use.get(base(Value(a)), pos.get(a, 0))), []).append((_T, 1, vb))
                 gather_sources.append(_one(c, [vb.at({c: i}) * (1.0 if cp.at({c: i}) else 0.0)
                                                for i in self._options(c)]))
-        grouped, copies_before = self._shared_copies(calls, pos, input_values, inst_of, frees)
+        grouped, copies_before = self._shared_copies(calls, pos, input_values, inst_of, frees, copy_views)
+        import os as _os
         holders = {}          # storage -> [(saving node, None or Bytes kept only where no copy is read)]
         kept = {}             # node -> [Bytes] allocated in its forward, freed after its backward
         held_copy = {}        # (node, input position) whose copy backward keeps -> the part it does not keep
@@ -778,13 +807,31 @@ class StepMemory:
                     held_copy[(n, k)] = None if everywhere else _gated(cp, cb, [1.0 - x for x in keeps])
                 if v.node.op == "placeholder":
                     continue
-                b, cond = base(v), None
+                *views, b = bases(v)
+                for c in views:         # a copy view's storage, kept where the reader keeps it
+                    vc = copy_views[c]
+                    holders.setdefault(c, []).append(
+                        (n, None if everywhere or cb is None or cb not in (vc.a, vc.b) else _gated(vc, cb, keeps)))
+                cond = None
                 # Kept only where the reader's option keeps it and no copy is read, unless the reader
                 # may be recomputed; where the copy depends on another decision than the storage's
-                # (three decisions), it is kept whatever the copy (the safe side).
+                # (three decisions), it is kept whatever the copy (the safe side). Read through one
+                # copy view, it is kept only where that view reads no copy, or, where the reader keeps
+                # it under some options only, where the reader keeps it (whatever the copy).
                 ca, vb = self._choice(b.node), self.value(b)
                 exact = cp is None or ca == self._choice(v.node)
-                if n not in inst_of and (not everywhere or (cp is not None and exact)):
+                if views:
+                    vc = copy_views[views[0]]
+                    cv = self._choice(views[0].node)
+                    if n in inst_of:
+                        pass
+                    elif not everywhere:
+                        cond = _pair(ca, cb, [[vb.at({ca: i}) * keeps[j] for j in self._options(cb)]
+                                              for i in self._options(ca)])
+                    elif len(views) == 1 and cp is None and {vc.a, vc.b} - {None} <= {ca, cv}:
+                        cond = _pair(ca, cv, [[0.0 if vc.at({ca: i, cv: j}) else vb.at({ca: i})
+                                               for j in self._options(cv)] for i in self._options(ca)])
+                elif n not in inst_of and (not everywhere or (cp is not None and exact)):
                     cond = _pair(ca, cb, [[vb.at({ca: i}) * keeps[j] *
                                            (0.0 if exact and cp and cp.at({ca: i, cb: j}) else 1.0)
                                            for j in self._options(cb)] for i in self._options(ca)])
@@ -817,11 +864,13 @@ class StepMemory:
                 continue
             h0 = min((h for h, _ in hs), key=pos.__getitem__)
             conds = [c for _, c in hs]
-            vb = self.value(s)
+            vb = stored(s)
             t = last_use.get(s, pos.get(s.node, 0))
             if any(c is None for c in conds):
                 held.add(s)
                 frees.setdefault(("B", pos[h0]), []).append((_A, -1, vb))
+                if vb.b is not None:        # a kept copy, of two layouts: it stays (as a kept copy does)
+                    continue
                 for inst in inst_of.get(s.node, ()):
                     if all(inst in inst_of.get(h, ()) for h, _ in hs):
                         ri, ind, _ = instances[inst]
@@ -839,7 +888,7 @@ class StepMemory:
                 frees.setdefault(("B", pos[h0]), []).append((_A, -1, cond))
         for s, t in last_use.items():
             if s not in held and s not in holders and s not in to_end and s.node.op == "call_function":
-                frees.setdefault(("F", t), []).append((_T, -1, self.value(s)))
+                frees.setdefault(("F", t), []).append((_T, -1, stored(s)))
 
         # A recomputed instance keeps the inputs it reads from outside until its backward ends. A storage
         # that several regions of a class read (an attention mask every layer reads) is one tensor:
@@ -875,7 +924,9 @@ class StepMemory:
                 cp = None if (n, k) in grouped else self.copy(v, n, k)[0]
                 if cp is not None:
                     cp = held_copy.get((n, k), cp)
-                if cp is not None:
+                if cp is not None and Value(n) in copy_views:       # the view's own storage from here
+                    add((_A if Value(n) in held else _T, 1, cp))
+                elif cp is not None:
                     add((_T, 1, cp))
                     transient.append(cp)
             if not is_view(n):

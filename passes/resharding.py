@@ -34,6 +34,15 @@ class Step:
     groups: int = 1               # a strided shard's groups along ``dim`` (S(dim,groups))
     dst_groups: int = 1           # all_to_all only: the groups along ``dst_dim``
 
+    @property
+    def makes_storage(self) -> bool:
+        """Whether the tensor this step gives is a storage of its own rather than a view of its input,
+        as runtime/collectives.py makes it (the function codegen emits for the step): a collective's
+        output, or a strided shard's local chunk (its block of every group, copied out). A plain local
+        chunk is a narrow view of its input, and ``grad_all_reduce`` is its input in forward. The step
+        memory model counts a resharded copy where a step of it makes one (passes/memory.py)."""
+        return self.op in COMM_KINDS or (self.op == "local_chunk" and self.groups > 1)
+
     def collectives(self, itemsize: int, needs_grad: bool) -> list[tuple[str, str, int]]:
         """(kind, phase, bytes per device) this step runs. Bytes follow REFERENCES.md: the gathered
         output for all-gather, the full input for reduce-scatter, the tensor for all-reduce and

@@ -100,8 +100,22 @@ def _start_gather(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
 
 
 def _start_reduce_scatter(x: torch.Tensor, dim: int, size: int, name: str, *, groups: int = 1) -> torch.Tensor:
-    """Issue a sum reduce-scatter of ``x``'s blocks along ``dim``; the result has a leading dim of 1."""
-    return _ops.reduce_scatter_tensor(_blocks(x, dim, size, groups), "sum", size, name)
+    """Issue a sum reduce-scatter of ``x``'s blocks along ``dim``; ``_scattered`` of the waited result is
+    this rank's block with a leading dim of 1.
+
+    On CPU (gloo) the blocks go by an all-to-all and are summed on arrival: gloo's reduce-scatter
+    all-reduces the whole tensor (measured on 2 ranks: as long as an all-reduce of it, twice what the
+    all-to-all takes), while the all-to-all moves what a ring reduce-scatter moves."""
+    blocks = _blocks(x, dim, size, groups)
+    if x.is_cpu:
+        return _ops.all_to_all_single(blocks, [1] * size, [1] * size, name)
+    return _ops.reduce_scatter_tensor(blocks, "sum", size, name)
+
+
+def _scattered(y: torch.Tensor) -> torch.Tensor:
+    """A waited reduce-scatter's result (``_start_reduce_scatter``) as this rank's summed block, with a
+    leading dim of 1: the blocks an all-to-all received from every rank are summed in rank order."""
+    return y if y.size(0) == 1 else y.sum(0, keepdim=True)
 
 
 def _start_all_reduce(x: torch.Tensor, name: str, *, op: str = "sum") -> torch.Tensor:
@@ -121,7 +135,7 @@ def _gather(x: torch.Tensor, dim: int, size: int, name: str, groups: int = 1) ->
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, size: int, name: str, groups: int = 1) -> torch.Tensor:
-    return _ops.wait_tensor(_start_reduce_scatter(x, dim, size, name, groups=groups)).squeeze(0)
+    return _scattered(_ops.wait_tensor(_start_reduce_scatter(x, dim, size, name, groups=groups))).squeeze(0)
 
 
 def _all_reduce(x: torch.Tensor, name: str, *, op: str = "sum") -> torch.Tensor:
@@ -313,11 +327,59 @@ class _Wait(torch.autograd.Function):
         return g
 
 
+class _ReduceScatterWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y):
+        ctx.rows = y.size(0)
+        return _scattered(_ops.wait_tensor(y))
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.expand(ctx.rows, *g.shape[1:])
+
+
+class _DeferredGradients:
+    """Reduce-scatters of parameter gradients issued in backward and waited later, as FSDP2 does: one
+    is waited when the next is issued (so that at most one extra gradient is held, the one in flight),
+    the last when backward ends (an autograd engine callback). Waiting adds the reduced block to the
+    parameter's ``.grad``. Every rank issues them in backward's order, which is the same on all."""
+
+    def __init__(self):
+        self.in_flight: tuple | None = None      # (parameter, the issued reduce-scatter's raw result)
+
+    def issue(self, param: torch.Tensor, issued: torch.Tensor) -> None:
+        if self.in_flight is None:
+            torch.autograd.Variable._execution_engine.queue_callback(self.wait)
+        else:
+            self.wait()
+        self.in_flight = param, issued
+
+    def wait(self) -> None:
+        if self.in_flight is None:
+            return
+        param, issued = self.in_flight
+        self.in_flight = None
+        block = _scattered(_ops.wait_tensor(issued)).squeeze(0)
+        param.grad = block if param.grad is None else param.grad.add_(block)
+
+
+_deferred = _DeferredGradients()
+
+
+def _plain_leaf(x: torch.Tensor) -> bool:
+    """A parameter whose gradient autograd would only accumulate: no hooks read it on the way (the
+    runtime's ZeRO-1/2, offload and bucketed reductions register post-accumulate hooks)."""
+    return x.is_leaf and x.requires_grad and not x._backward_hooks and not x._post_accumulate_grad_hooks
+
+
 class _AllGatherStart(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, name, grad):
         rank, size = _group(name)
         ctx.args = name, grad, rank, size
+        # A sharded parameter (ZeRO-3): its gradient's reduce-scatter is waited after the rest of
+        # backward has run past it.
+        ctx.param = x if grad == "reduce_scatter" and _plain_leaf(x) else None
         return _start_gather(x, size, name)
 
     @staticmethod
@@ -327,6 +389,9 @@ class _AllGatherStart(torch.autograd.Function):
         name, grad, rank, size = ctx.args
         if grad == "slice":
             return _chunk(g, 0, rank, size), None, None
+        if ctx.param is not None:
+            _deferred.issue(ctx.param, _start_reduce_scatter(g, 0, size, name))
+            return None, None, None
         return _reduce_scatter(g, 0, size, name), None, None
 
 
@@ -341,7 +406,7 @@ class _ReduceScatterStart(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         dim, name, size, groups = ctx.args
-        return _gather(g.squeeze(0), dim, size, name, groups), None, None, None
+        return _gather(g[0], dim, size, name, groups), None, None, None
 
 
 class _AllReduceStart(torch.autograd.Function):
@@ -396,7 +461,7 @@ def reduce_scatter_start(x: torch.Tensor, dim: int, group_name: str, groups: int
 
 
 def reduce_scatter_wait(y: torch.Tensor, group_name: str) -> torch.Tensor:
-    return _Wait.apply(y).squeeze(0)
+    return _ReduceScatterWait.apply(y).squeeze(0)
 
 
 def all_reduce_start(x: torch.Tensor, group_name: str) -> torch.Tensor:

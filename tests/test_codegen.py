@@ -83,6 +83,39 @@ def _issue_before_wait(pm):
     return hidden
 
 
+def _reduce_scatters_waited_after_compute(pm, ids, labels):
+    """Backward's reduce-scatters, each as the number of ATen ops (not views) autograd ran between its
+    issue and its wait; every issued one must be waited by the end of backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    c10d = torch.ops._c10d_functional
+    issues = (c10d.reduce_scatter_tensor.default, c10d.all_to_all_single.default)    # on CPU: all-to-all + sum
+    events = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in issues:
+                events.append(("issue", out))
+            elif func is c10d.wait_tensor.default:
+                events.append(("wait", args[0]))
+            elif func.namespace == "aten" and not func.is_view:
+                events.append(("compute", None))
+            return out
+
+    loss = pm(ids, labels=labels).loss
+    with Log():
+        loss.backward()
+    between = []
+    for i, (what, issued) in enumerate(events):
+        if what == "issue":
+            waited = next((j for j in range(i + 1, len(events)) if events[j][0] == "wait" and events[j][1] is issued), None)
+            assert waited is not None, f"a reduce-scatter issued in backward (event {i}) was never waited"
+            between.append(sum(e[0] == "compute" for e in events[i + 1:waited]))
+    pm.zero_grad()
+    return between
+
+
 def _collectives_match(rank, world, model_name, mesh, pins, options):
     import autopar
 
@@ -94,8 +127,13 @@ def _collectives_match(rank, world, model_name, mesh, pins, options):
     check_collectives(pm, ids, labels)
     hidden = _issue_before_wait(pm)
     if pins.get("*.weight") == ["S(0)"]:
-        # ZeRO-3: each parameter's all-gather is issued while the compute before its first use runs.
+        # ZeRO-3: each parameter's all-gather is issued while the compute before its first use runs,
+        # and its gradient's reduce-scatter while the backward of the layers before it runs.
         assert hidden > 0, pm.code
+        between = _reduce_scatters_waited_after_compute(pm, ids, labels)
+        gathered = pm.code.count("grad = 'reduce_scatter'")
+        assert gathered and len(between) >= gathered, (between, gathered)
+        assert sum(n > 0 for n in between) >= gathered - 1, between       # all but the last one
         plain = autopar.compile(model, autopar.ClusterSpec.local_cpu(world), (ids,), {"labels": labels},
                                 plan=pm.plan, overlap=False, **options)
         assert "_start(" not in plain.code and "_wait(" not in plain.code
@@ -145,7 +183,9 @@ def check_collectives(pm, ids, labels):
 def test_collective_counts_match_the_plan(model_name, world, mesh, kind):
     axes = len(mesh)
     if kind == "zero":
-        pins = {"*.weight": ["S(0)"], "input_ids": ["S(0)"], "labels": ["S(0)"]}
+        # The projections split the batch, so their sharded weights are gathered whole (FSDP's pattern)
+        # and the weights' gradients reduce-scattered.
+        pins = {"*.weight": ["S(0)"], "input_ids": ["S(0)"], "labels": ["S(0)"], "mm_default*": ["S(0)"]}
     elif kind == "vocab parallel":
         pins = {k: [v] for k, v in {**MEGATRON[model_name], **VOCAB_PARALLEL[model_name]}.items()}
         pins.update(VOCAB_PARALLEL_NODES)

@@ -117,6 +117,27 @@ def test_a_resharding_shared_by_two_readers_is_bucketed_once():
     assert exposure(gm, strategy, colls, cm, ["dp"], set(), resharded_for={"w0": {"op1"}}).exposed == [1.5]
 
 
+def test_a_sharded_parameters_gradient_reduce_scatter_waits_at_the_next_one_or_at_the_end():
+    from autopar.passes.meta import Role, set_meta
+    from autopar.passes.strategies import ZeroState
+
+    gm, strategy = _chain(3, weights=3)
+    for n in gm.graph.nodes:
+        if n.name.startswith("w"):
+            set_meta(n, role=Role("param", n.name))
+    cm = _Clock({"op0": 1.0, "op1": 1.0, "op2": 1.0})        # backward: 2 s per op, op2 first
+    # ZeRO-3: each weight gathered for its op in forward, its gradient reduce-scattered in backward.
+    colls = [c for i in range(3) for c in (_coll("all_gather", "forward", f"w{i}", f"op{i}", 1.5),
+                                           _coll("reduce_scatter", "backward", f"w{i}", f"op{i}", 1.5))]
+    backward = [5, 3, 1]          # w2's, w1's, w0's reduce-scatter, in the order backward issues them
+    # w2's runs 1.5 s from the end of op2's backward, waited at w1's issue 2 s later; so is w1's; w0's
+    # is waited when backward ends, right after its issue.
+    assert [exposure(gm, strategy, colls, cm, ["dp"], set()).exposed[i] for i in backward] == [0.0, 0.0, 1.5]
+    # A parameter whose gradient the runtime reduces in a hook (ZeRO-1/2 along another axis) waits at once.
+    hooked = {**strategy, **{n: _Plain(zero=ZeroState(1, 0, 0)) for n in gm.graph.nodes if n.name.startswith("w")}}
+    assert [exposure(gm, hooked, colls, cm, ["dp"], set()).exposed[i] for i in backward] == [1.5, 1.5, 1.5]
+
+
 def test_plan_reports_exposed_and_hidden_communication():
     from tests.memory_cases import build, options
 

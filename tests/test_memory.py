@@ -13,6 +13,12 @@ from autopar.errors import InfeasiblePlanError
 from tests.distributed_utils import run_distributed
 
 TOLERANCE = 0.10
+# A case may end with options: "tokens" (sequence, batch) other than 32 x 4, and "strict": held to the
+# 5% aim and measured within its budget (LLaMA's Megatron plan at 1.05x the smallest feasible budget,
+# at 64 x 8 tokens, reads its logits through an all-to-all to the vocab-parallel loss's layout and a
+# view of that copy, which the loss keeps: 1.052x its prediction and 1.037x its budget while the copy
+# was counted as a transient).
+AIM = 0.05
 
 
 def _smallest(model, cluster, args, kwargs, opts) -> float:
@@ -27,8 +33,11 @@ def _measure(rank, world, cases):
 
     cluster = autopar.ClusterSpec.local_cpu(world)
     failures = []
-    for arch, kind, factor, *precision in cases:
-        model, args, kwargs = build(arch, 32, 4, "cpu")
+    for arch, kind, factor, *extra in cases:
+        case = next((e for e in extra if isinstance(e, dict)), {})
+        precision = [e for e in extra if isinstance(e, str)]
+        strict = case.get("strict", False)
+        model, args, kwargs = build(arch, *case.get("tokens", (32, 4)), "cpu")
         opts = options(arch, kind, world, model)
         if precision:
             opts = {**opts, "precision": precision[0]}
@@ -50,9 +59,10 @@ def _measure(rank, world, cases):
         predicted = pm.plan.memory["peak"]
         if budget[0] is not None:
             assert predicted <= budget[0], (arch, kind, predicted, budget[0])
-        if abs(peak / predicted - 1) > TOLERANCE:
+        if abs(peak / predicted - 1) > (AIM if strict else TOLERANCE) or (strict and peak > budget[0]):
             failures.append(f"{arch} {kind} budget {budget[0]}: predicted {predicted:.0f} B, measured "
-                            f"{peak:.0f} B ({peak / predicted:.3f}x)")
+                            f"{peak:.0f} B ({peak / predicted:.3f}x)" + (f", {peak / budget[0]:.3f}x the budget"
+                                                                          if budget[0] else ""))
     assert not failures, "\n".join(failures)
 
 
@@ -60,7 +70,8 @@ def _measure(rank, world, cases):
     [("gpt2", "dp", None), ("llama", "megatron", None), ("bert", "zero3", None), ("gpt", "megatron", None)],
     [("gpt", "vocab", None), ("gpt2", "recompute", None), ("llama", "sharded-outputs", None),
      ("qwen2", "zero3", None)],
-    [("llama", "zero3", 1.05), ("gpt", "auto", 1.5), ("gpt2", "auto", 1.05), ("qwen2", "auto", 1.05)],
+    [("llama", "megatron", 1.05, {"tokens": (64, 8), "strict": True}), ("gpt", "auto", 1.5), ("gpt2", "auto", 1.05),
+     ("qwen2", "auto", 1.05)],
 ], ids=["no-budget-a", "no-budget-b", "tight-budget"])
 def test_predicted_peak_matches_measured_on_two_ranks(cases):
     run_distributed(_measure, 2, cases, timeout=600)

@@ -204,8 +204,9 @@ def test_bf16_mixed_gradient_sync_runs_once_per_step_in_float32():
 def test_pipeline_stages_shard_optimizer_states_over_data_parallel_ranks():
     """ZeRO-1 inside the stages (Megatron-LM's distributed optimizer): a stage's Adam states sharded over
     its 8 data-parallel ranks, counted in each rank's memory (4 + 4 + 8/8 bytes per float32 parameter
-    against 16), with the all-gather of the updated shards once per step; under a budget that only fits
-    so, the planner chooses it by itself."""
+    against 16); once per step the gradients are reduce-scattered instead of all-reduced and the updated
+    shards all-gathered, the bytes of one all-reduce; under a budget that only fits so, the planner
+    chooses it by itself."""
     pins = {"x": ["R", "S(0)"]}
     plans = {z: _stack_plan(schedule="1F1B", microbatches=4, recompute=False,
                             pins={**pins, "blocks.*": {"output": ["R", "R"], "zero": z}}) for z in (0, 1)}
@@ -214,10 +215,14 @@ def test_pipeline_stages_shard_optimizer_states_over_data_parallel_ranks():
         assert r1["static_bytes"] == pytest.approx(r0["static_bytes"] * 9 / 16)
     with torch.device("meta"):
         n = sum(p.numel() for p in Stack(256, 4, 1024, 8).parameters())
-    gathers = [c for c in plans[1].collectives if c["step"] == "zero1"]
-    assert {c["kind"] for c in gathers} == {"all_gather"} and sum(c["bytes"] for c in gathers) == 4 * n
-    tail = plans[1].pipeline["ranks"][plans[1].pipeline["stages"][-1]["pp_rank"]]
+    for z, kinds in ((0, {"grad_all_reduce": "all_reduce"}),
+                     (1, {"grad_all_reduce": "reduce_scatter", "zero1": "all_gather"})):
+        for step, kind in kinds.items():
+            done = [c for c in plans[z].collectives if c["step"] == step]
+            assert {c["kind"] for c in done} == {kind} and sum(c["bytes"] for c in done) == 4 * n, (z, step)
+    # (One latency per parameter and collective: this model's gradients are small.)
     assert plans[1].pipeline["grad_sync_seconds"] > plans[0].pipeline["grad_sync_seconds"]
+    tail = plans[1].pipeline["ranks"][plans[1].pipeline["stages"][-1]["pp_rank"]]
     assert tail["optimizer_seconds"] < plans[0].pipeline["ranks"][tail["rank"]]["optimizer_seconds"]
     budget = (plans[0].memory["peak"] + plans[1].memory["peak"]) / 2
     with pytest.raises(autopar.InfeasiblePlanError):

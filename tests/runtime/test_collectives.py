@@ -192,6 +192,23 @@ def _misc_body(rank, world_size):
         swapped[1][[0, 1]] = swapped[1][[1, 0]]
     assert not same_on_all_ranks(swapped, name)
 
+    # A resharding step makes a storage of its own exactly where the step memory model says it does.
+    from autopar.codegen.local_program import step_call
+    from autopar.layout import P, R, S
+    from autopar.passes.resharding import transition
+
+    made = set()
+    for src, dst, partial in [(S(0), R, ()), (S(1), R, ()), (P, R, ()), (P, S(0), ()), (R, S(1), ()),
+                              (R, S(1, 2), ()), (S(0), S(1), ()), (R, R, (0,))]:
+        for st in transition((src,), (dst,), (4, 8, 12), (world_size,), grad_partial=frozenset(partial)):
+            x = _rand((4, 8, 12), "storage", rank)
+            fn, args, kwargs = step_call(st, x, name)
+            shares = fn(*args, **kwargs).untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+            assert shares != st.makes_storage, (st, shares)
+            made.add((st.op, st.groups, st.makes_storage))
+    assert made >= {("local_chunk", 1, False), ("local_chunk", 2, True), ("grad_all_reduce", 1, False),
+                    ("all_reduce", 1, True), ("all_gather", 1, True), ("all_to_all", 1, True)}, made
+
     # Generated code calls the collectives as fx call_function targets with the group name inline.
     graph = torch.fx.Graph()
     graph.output(graph.call_function(all_gather, (graph.placeholder("x"), 0, name)))
