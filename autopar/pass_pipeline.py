@@ -133,4 +133,5 @@ def generate(front: FrontEnd, plan: Plan, group_names, device, *, sharded_output
     cap = front.captured
     return Program(gm, info.placeholders, info.output_layouts, cap.in_spec, cap.out_spec, cap.input_shapes,
                    dict(cap.constant_values), dict(info.kernels), grad_reductions=info.grad_reductions,
-                   bucket_bytes=int(bucket_mb * 2**20), stages=stages, sharded_states=info.sharded_states)
+                   bucket_bytes=int(bucket_mb * 2**20), overlap=overlap and not plan.pipeline, stages=stages,
+                   sharded_states=info.sharded_states)

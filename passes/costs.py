@@ -87,19 +87,26 @@ class CostModel:
         self.fused = fused
         self.links = [cluster.axis_link(self.mesh_shape, a) for a in range(len(self.mesh_shape))]
         self._compute_cache: dict = {}
+        self._node_compute_cache: dict = {}   # (node, strategy) -> compute_seconds
         self._activation_cache: dict = {}
         self._transition_cache: dict = {}     # a value's (layouts, shape, dtype, grad) -> (forward, backward) seconds
 
     # --- compute -------------------------------------------------------------------------------
     def compute_seconds(self, node: fx.Node, s: Strategy) -> float:
         """Forward plus backward seconds of ``node`` under ``s``."""
-        if node.op != "call_function" or node.target in VIEW_OPS:
-            return 0.0
-        in_registers = _in_registers(node) if self.fused else None
-        key = (signature(node), s, requires_grad(node), in_registers)
-        if key not in self._compute_cache:
-            self._compute_cache[key] = self._compute_seconds(node, s, in_registers)
-        return self._compute_cache[key]
+        seconds = self._node_compute_cache.get((node, s))
+        if seconds is None:
+            if node.op != "call_function" or node.target in VIEW_OPS:
+                seconds = 0.0
+            else:
+                # Copies of a layer share their signature, and so their figures.
+                in_registers = _in_registers(node) if self.fused else None
+                key = (signature(node), s, requires_grad(node), in_registers)
+                if key not in self._compute_cache:
+                    self._compute_cache[key] = self._compute_seconds(node, s, in_registers)
+                seconds = self._compute_cache[key]
+            self._node_compute_cache[(node, s)] = seconds
+        return seconds
 
     def forward_compute_seconds(self, node: fx.Node, s: Strategy) -> float:
         """The forward part of ``compute_seconds``."""
