@@ -14,7 +14,7 @@ from autopar.passes.memory import StepMemory, solve_under_budget
 from autopar.passes.meta import is_param, meta_of
 from autopar.passes.ilp_build import build_problem
 from autopar.pass_pipeline import mesh_passes
-from autopar.plan import Plan, PlanCollective
+from autopar.plan import Plan, PlanCollective, PlanPipeline, PlanRank, PlanStage
 from autopar.plan_assembly import SolvedMesh, assemble_plan
 
 def pipeline_meshes(cluster: ClusterSpec) -> list:
@@ -316,10 +316,9 @@ def _pipeline_plan(sub: Plan, found: dict, shape, names, axis, cluster, memory_b
                      "bubble": found["bubble_seconds"]}
     sub.recompute = _pipeline_recompute(found["stages"], class_of)
     sub.step_time = found["step_time"]
-    sub.pipeline = {"axis": "pp", "schedule": found["schedule"], "microbatches": m,
-                    "virtual_stages": found["virtual_stages"], "bubble_fraction": found["bubble_fraction"],
-                    "bubble_seconds": found["bubble_seconds"], "grad_sync_seconds": found["grad_sync_seconds"],
-                    "stages": found["stages"], "ranks": found["ranks"]}
+    sub.pipeline = PlanPipeline("pp", found["schedule"], m, tuple(PlanStage.from_dict(st) for st in found["stages"]),
+                                found["bubble_fraction"], found["bubble_seconds"], found["virtual_stages"],
+                                found["grad_sync_seconds"], tuple(PlanRank.from_dict(r) for r in found["ranks"]))
     sub.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
                       constraints=sol.num_constraints, backend=sol.backend)
     return sub

@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from autopar.cluster import ClusterSpec
 from autopar.layout import local_fraction, local_shape
-from autopar.plan import PlanCollective
+from autopar.plan import AlternativeCollective, PlanCollective
 from autopar.passes.meta import is_param, meta_of, set_meta
 from autopar.passes.resharding import Step, collective_seconds, grad_partial_axes, transition
 from autopar.passes.rules import context_for, rule_for, tensor_inputs
@@ -56,10 +56,10 @@ class Collective:
         return PlanCollective(self.kind, axis_names[self.axis], self.phase, int(self.nbytes), self.seconds, node,
                               value, step)
 
-    def alternative_entry(self, axis_names, neighbor: str, value: str) -> dict:
+    def alternative_entry(self, axis_names, neighbor: str, value: str) -> AlternativeCollective:
         """An alternative's entry in ``plan.alternatives``: what it would run with ``neighbor``."""
-        return {"kind": self.kind, "axis": axis_names[self.axis], "phase": self.phase, "bytes": int(self.nbytes),
-                "seconds": self.seconds, "neighbor": neighbor, "value": value}
+        return AlternativeCollective(self.kind, neighbor, value, axis_names[self.axis], self.phase, int(self.nbytes),
+                                     self.seconds)
 
 
 @dataclass(frozen=True)

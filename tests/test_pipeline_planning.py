@@ -9,6 +9,7 @@ import torch
 
 import autopar
 from autopar import pipelining as PL
+from autopar.plan import PlanPipeline, PlanRank, PlanStage
 from tests.toy_models import Stack, wide_stack
 
 
@@ -166,7 +167,19 @@ def test_pipeline_plan_records_stages_schedule_and_bubble(tmp_path):
     path = tmp_path / "plan.json"
     plan.save(path)
     again = autopar.Plan.load(path)
-    assert again.pipeline == json.loads(plan.to_json())["pipeline"]
+    assert again.pipeline == pipe and again.pipeline.to_dict() == json.loads(plan.to_json())["pipeline"]
+    # A frozen typed record, its stages' and ranks' too, that reads as its JSON object.
+    assert isinstance(pipe, PlanPipeline) and all(isinstance(st, PlanStage) for st in pipe.stages)
+    assert all(isinstance(r, PlanRank) for r in pipe.ranks) and pipe.stages[1].layers == tuple(layers[4:])
+    assert pipe.schedule == pipe["schedule"] and pipe["stages"][1]["layers"] == layers[4:]
+    # A plan saved before the stages named their recompute and gradient sync loads without them.
+    old = json.loads(plan.to_json())
+    for st in old["pipeline"]["stages"]:
+        for k in ("recompute", "recompute_seconds", "grad_sync_seconds"):
+            st.pop(k)
+    loaded = autopar.Plan.from_dict(old).pipeline
+    assert loaded.stages[0].recompute is None and "recompute" not in loaded.stages[0]
+    assert loaded.to_dict() == old["pipeline"]
 
 
 def test_bf16_mixed_gradient_sync_runs_once_per_step_in_float32():

@@ -7,6 +7,7 @@ and load checkpoints across stages, and their measured peaks are within 10% of t
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -62,6 +63,16 @@ def test_step_memory_reproduces_zero_formulas(zero_plans, stage, params, grads, 
     assert p.zero.get("proj.weight", {}).get("stage") == expected
     if stage != "replicated":
         assert f"ZeRO-{stage[-1]}" in p.summary() and f"ZeRO-{stage[-1]}" in p.explain("proj.weight")
+
+
+def test_zero_entries_are_typed_records_that_round_trip(zero_plans):
+    from autopar.plan import PlanZero
+
+    p = zero_plans["zero2"]
+    z = p.zero["proj.weight"]
+    assert isinstance(z, PlanZero) and (z.stage, z.axis, z.dim) == (2, p.axis_names[0], z["dim"])
+    again = autopar.Plan.from_dict(json.loads(p.to_json()))
+    assert again.zero == p.zero and again.to_json() == p.to_json()
 
 
 def test_zero_communication_matches_data_parallel_volume(zero_plans):
