@@ -4,13 +4,15 @@ their chosen layouts) and its memory (docs/inspection.md)."""
 from __future__ import annotations
 
 from autopar.layout import format_layout
+from autopar.plan import AlternativeCollective, PlanAlternative
 from autopar.passes.costs import CostModel
 from autopar.passes.meta import meta_of
 from autopar.passes.ilp_build import ProblemIndex
 from autopar.passes.strategies import requires_grad
 
 
-def alternatives(prob, idx: ProblemIndex, assignment, cm: CostModel, axis_names, top: int = 3) -> dict:
+def alternatives(prob, idx: ProblemIndex, assignment, cm: CostModel, axis_names,
+                 top: int = 3) -> dict[str, tuple[PlanAlternative, ...]]:
     """For every decision: the chosen option and the ``top`` cheapest others, each with its own cost,
     the resharding it would cause with its neighbours (held at their chosen layouts) and its memory."""
     from autopar.passes.strategies import input_values
@@ -65,12 +67,11 @@ def alternatives(prob, idx: ProblemIndex, assignment, cm: CostModel, axis_names,
                             colls += _edge_collectives(cm, v, s.outputs[v.index], chosen[c], k, c.name, axis_names)
             mem = fwd_mem.get(ci, [0.0] * len(choice.costs))[o] / choice.count
             rs = strategies[rep][o]
-            entries.append({"layout": choice.labels[o] if choice.labels else str(o), "chosen": o == assignment[ci],
-                            "inputs": [format_layout(l) for l in rs.inputs],
-                            "own_seconds": choice.costs[o], "resharding_seconds": edge, "total_seconds": total,
-                            "memory_bytes": mem, "collectives": colls})
+            entries.append(PlanAlternative(choice.labels[o] if choice.labels else str(o), o == assignment[ci],
+                                           tuple(tuple(format_layout(l)) for l in rs.inputs), choice.costs[o], edge,
+                                           total, mem, tuple(colls)))
         name = meta_of(rep).role.target if rep.op == "placeholder" else rep.name
-        out[name] = entries
+        out[name] = tuple(entries)
     return out
 
 
@@ -83,6 +84,6 @@ def _edge_collectives(cm, v, src, dst_strategy, k, neighbor, axis_names):
 
     steps = cm.resharding(v, src, None, dst_strategy, k)
     if steps is None:
-        return [{"kind": "impossible", "neighbor": neighbor, "value": v.node.name}]
+        return [AlternativeCollective("impossible", neighbor, v.node.name)]
     priced = cm.priced_steps(steps, value_info(v).dtype.itemsize, requires_grad(v.node))
     return [c.alternative_entry(axis_names, neighbor, v.node.name) for _, c in priced]

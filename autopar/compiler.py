@@ -171,7 +171,7 @@ def _check_pin(plan: Plan, pattern: str, pin) -> None:
             asked["inputs"] = [[str(p) for p in lay] for lay in want["inputs"]]
         if "zero" in want and name in plan.params:
             asked["zero"] = want["zero"]
-            layouts[name]["zero"] = plan.zero[name]["stage"] if name in plan.zero else 0
+            layouts[name]["zero"] = plan.zero[name].stage if name in plan.zero else 0
         for key, lay in asked.items():
             if lay != layouts[name].get(key):
                 raise PlanFormatError(f"pin {pattern!r} asks {name} for {key} {lay}, but the plan gives it "

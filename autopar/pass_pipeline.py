@@ -118,12 +118,12 @@ def generate(front: FrontEnd, plan: Plan, group_names, device, *, sharded_output
         passes = (partial(local_program_pass, plan=plan, group_names=group_names, sharded_outputs=sharded_outputs),
                   partial(retarget_devices_pass, device=device))
         gm = front.runner.run(passes, front.gm, "codegen")
-        stage_of_layer = {inst: st["index"] for st in plan.pipeline["stages"] for inst in st["layers"]}
-        stages = split_stages(gm, stage_of_layer, len(plan.pipeline["stages"]), loss_output(front.gm),
+        stage_of_layer = {inst: st.index for st in plan.pipeline.stages for inst in st.layers}
+        stages = split_stages(gm, stage_of_layer, len(plan.pipeline.stages), loss_output(front.gm),
                               dict(zip(group_names, plan.axis_names)))
         recomputed = set(plan.recompute["layers"])
         for st in stages:
-            mine = tuple(inst for inst in plan.pipeline["stages"][st.index]["layers"] if inst in recomputed)
+            mine = tuple(inst for inst in plan.pipeline.stages[st.index].layers if inst in recomputed)
             if mine:
                 front.runner.run((partial(recompute_pass, layers=mine),), st.gm, f"codegen, stage {st.index}")
     else:
@@ -133,4 +133,5 @@ def generate(front: FrontEnd, plan: Plan, group_names, device, *, sharded_output
     cap = front.captured
     return Program(gm, info.placeholders, info.output_layouts, cap.in_spec, cap.out_spec, cap.input_shapes,
                    dict(cap.constant_values), dict(info.kernels), grad_reductions=info.grad_reductions,
-                   bucket_bytes=int(bucket_mb * 2**20), stages=stages, sharded_states=info.sharded_states)
+                   bucket_bytes=int(bucket_mb * 2**20), overlap=overlap and not plan.pipeline, stages=stages,
+                   sharded_states=info.sharded_states)

@@ -14,7 +14,7 @@ from autopar.passes.memory import StepMemory, solve_under_budget
 from autopar.passes.meta import is_param, meta_of
 from autopar.passes.ilp_build import build_problem
 from autopar.pass_pipeline import mesh_passes
-from autopar.plan import Plan, PlanCollective
+from autopar.plan import Plan, PlanCollective, PlanPipeline, PlanRank, PlanStage
 from autopar.plan_assembly import SolvedMesh, assemble_plan
 
 def pipeline_meshes(cluster: ClusterSpec) -> list:
@@ -127,7 +127,7 @@ def plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, 
                 break
             sub = assemble_plan(prep, SolvedMesh(sub_shape, sub_names, idx, cm, sm), sol.assignment, sub_cluster,
                                 memory_budget, sharded_outputs)
-            sub.collectives = _deferred_to_parameters(prep.gm, sub.collectives, cm, sub_names)
+            sub.collectives = _deferred_to_parameters(prep.gm, sub.collectives, cm, sub_names, idx.chosen(sol.assignment))
             costs = _layer_costs(prep.gm, sub, idx.chosen(sol.assignment), cm, recompute)
             evaluated = [sched for sched in schedules if sched in ("GPipe", "1F1B") or m % p == 0]
             for sched in evaluated:     # torch's interleaved schedules need whole rounds of p microbatches
@@ -205,12 +205,15 @@ def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
             return super().optimizer_seconds(node, layout, zero, offload) * self.stages / self.microbatches
 
         def zero_collectives(self, node, layout, zero):
-            # ZeRO-1's all-gather of the updated shards runs once per step, on the whole parameter.
+            # ZeRO-1's all-gather of the updated shards runs once per step, on the whole parameter; and
+            # the gradient sync along its axis, priced as an all-reduce with the parameter's readers,
+            # runs as a reduce-scatter (runtime/pipeline.py): the difference is the parameter's own.
             if zero is None:
                 return []
             p = super().param_bytes(node, layout)[0]
-            return [Collective("all_gather", zero.axis, "optimizer", p,
-                               self.collective_seconds("all_gather", p, zero.axis) / self.microbatches)]
+            seconds = self.collective_seconds("all_gather", p, zero.axis) + \
+                self.collective_seconds("reduce_scatter", p, zero.axis) - self.collective_seconds("all_reduce", p, zero.axis)
+            return [Collective("all_gather", zero.axis, "optimizer", p, seconds / self.microbatches)]
 
     return PerMicrobatch
 
@@ -227,19 +230,26 @@ def reduced_param(node) -> object | None:
     return src if src is not None and is_param(src) and gradient_carrier(src) is node else None
 
 
-def _deferred_to_parameters(gm, collectives: list[PlanCollective], cm: CostModel, axis_names) -> list[PlanCollective]:
+def _deferred_to_parameters(gm, collectives: list[PlanCollective], cm: CostModel, axis_names,
+                            chosen: dict) -> list[PlanCollective]:
     """The collectives, with the gradient all-reduces of parameters' bfloat16 copies recorded as the
     parameters' own, as the pipeline runs them: once per step, on the float32 gradient (its bytes and
-    seconds)."""
+    seconds); along the axis a ZeRO-1 parameter (under ``chosen``, the strategies) shards its state on,
+    a reduce-scatter."""
     nodes = {n.name: n for n in gm.graph.nodes}
     out = []
     for c in collectives:
         node = nodes.get(c.value)
         param = reduced_param(node) if c.step == "grad_all_reduce" and node is not None else None
-        if param is not None and param is not node:
+        if param is not None:
+            zero = chosen[param].zero
+            kind = "reduce_scatter" if zero is not None and axis_names[zero.axis] == c.axis else c.kind
+            if param is node and kind == c.kind:
+                out.append(c)
+                continue
             nbytes = c.bytes * param.meta["val"].dtype.itemsize / node.meta["val"].dtype.itemsize
-            c = dataclasses.replace(c, value=param.name, bytes=int(nbytes),
-                                    seconds=cm.collective_seconds(c.kind, nbytes, axis_names.index(c.axis)))
+            c = dataclasses.replace(c, kind=kind, value=param.name, bytes=int(nbytes),
+                                    seconds=cm.collective_seconds(kind, nbytes, axis_names.index(c.axis)))
         out.append(c)
     return out
 
@@ -306,10 +316,9 @@ def _pipeline_plan(sub: Plan, found: dict, shape, names, axis, cluster, memory_b
                      "bubble": found["bubble_seconds"]}
     sub.recompute = _pipeline_recompute(found["stages"], class_of)
     sub.step_time = found["step_time"]
-    sub.pipeline = {"axis": "pp", "schedule": found["schedule"], "microbatches": m,
-                    "virtual_stages": found["virtual_stages"], "bubble_fraction": found["bubble_fraction"],
-                    "bubble_seconds": found["bubble_seconds"], "grad_sync_seconds": found["grad_sync_seconds"],
-                    "stages": found["stages"], "ranks": found["ranks"]}
+    sub.pipeline = PlanPipeline("pp", found["schedule"], m, tuple(PlanStage.from_dict(st) for st in found["stages"]),
+                                found["bubble_fraction"], found["bubble_seconds"], found["virtual_stages"],
+                                found["grad_sync_seconds"], tuple(PlanRank.from_dict(r) for r in found["ranks"]))
     sub.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
                       constraints=sol.num_constraints, backend=sol.backend)
     return sub

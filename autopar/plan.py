@@ -26,7 +26,8 @@ PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble
 
 
 # --- typed entries -----------------------------------------------------------------------------
-# A plan's per-node decisions, collectives and memory summary are frozen records. Their attributes
+# A plan's per-node decisions, collectives, memory summary, alternatives, pipeline and ZeRO entries
+# are frozen records. Their attributes
 # are typed (a layout is a tuple of placement strings); indexing one reads its JSON object, so
 # ``plan.memory["peak"]`` and ``node["inputs"]`` (lists, as in the file) keep working.
 
@@ -163,6 +164,156 @@ class PlanMemory(_Record):
                    None if d.get("peak_at") is None else MemoryPoint.from_dict(d["peak_at"]))
 
 
+@dataclass(frozen=True, eq=True)
+class AlternativeCollective(_Record):
+    """A collective an alternative would run with one neighbour (held at its chosen layout); of kind
+    "impossible", with no axis or price, where no resharding brings the value to what it reads."""
+
+    OMITTED_AT_DEFAULT: ClassVar[frozenset] = frozenset({"axis", "phase", "bytes", "seconds"})
+
+    kind: str
+    neighbor: str                      # the node it is exchanged with
+    value: str                         # the tensor moved
+    axis: str | None = None
+    phase: str | None = None
+    bytes: float | None = None         # per device
+    seconds: float | None = None
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "AlternativeCollective":
+        return cls(d["kind"], d["neighbor"], d["value"], d.get("axis"), d.get("phase"), d.get("bytes"),
+                   d.get("seconds"))
+
+
+@dataclass(frozen=True, eq=True)
+class PlanAlternative(_Record):
+    """One option of a decision, chosen or not, with its costs (``explain``; docs/plan-format.md). An
+    impossible option's costs are infinite; plans saved before the costs were recorded have none."""
+
+    OMITTED_AT_DEFAULT: ClassVar[frozenset] = frozenset(
+        {"inputs", "own_seconds", "resharding_seconds", "total_seconds", "memory_bytes", "collectives"})
+
+    layout: str                        # the option's label, e.g. "[S(0)]"
+    chosen: bool
+    inputs: tuple | None = None        # one layout per tensor input
+    own_seconds: float | None = None   # compute and the op's own collectives
+    resharding_seconds: float | None = None    # with its neighbours at their chosen layouts
+    total_seconds: float | None = None
+    memory_bytes: float | None = None  # kept for backward, per device
+    collectives: tuple | None = None   # AlternativeCollectives
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "PlanAlternative":
+        return cls(d["layout"], d["chosen"], None if d.get("inputs") is None else _layouts(d["inputs"]),
+                   d.get("own_seconds"), d.get("resharding_seconds"), d.get("total_seconds"), d.get("memory_bytes"),
+                   None if d.get("collectives") is None
+                   else tuple(AlternativeCollective.from_dict(c) for c in d["collectives"]))
+
+
+@dataclass(frozen=True, eq=True)
+class PlanZero(_Record):
+    """A parameter replicated along ``axis`` whose optimizer state (ZeRO-1), and gradient too (ZeRO-2),
+    are sharded along that axis, split on its dim ``dim`` (docs/cost-model.md)."""
+
+    OMITTED_AT_DEFAULT: ClassVar[frozenset] = frozenset({"bucket"})
+
+    stage: int                         # 1 or 2
+    axis: str
+    dim: int
+    bucket: int | None = None          # the bucket its updated shard is all-gathered in (runtime/zero.py)
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "PlanZero":
+        return cls(d["stage"], d["axis"], d["dim"], d.get("bucket"))
+
+
+def _optional_tuple(v):
+    return None if v is None else tuple(v)
+
+
+@dataclass(frozen=True, eq=True)
+class PlanStage(_Record):
+    """One pipeline stage: its layers and what one microbatch costs on it (autopar/pipelining.py)."""
+
+    OMITTED_AT_DEFAULT: ClassVar[frozenset] = frozenset(
+        {"compute_seconds", "comm_seconds", "grad_sync_seconds", "p2p_seconds", "recompute", "recompute_seconds",
+         "optimizer_seconds", "param_bytes", "send_bytes"})
+
+    index: int
+    pp_rank: int                       # the rank of the pipeline axis that runs it
+    layers: tuple                      # layer instances, in order
+    seconds: float                     # one microbatch's forward and backward, transfers and recompute
+    activations: float                 # one microbatch's, per device
+    in_flight: float                   # microbatches whose activations its rank holds at once
+    compute_seconds: float | None = None
+    comm_seconds: dict | None = None   # axis -> seconds per microbatch
+    grad_sync_seconds: dict | None = None   # axis -> seconds of the gradient sync, once per step
+    p2p_seconds: float | None = None   # the send to the next stage and the gradient back
+    recompute: tuple | None = None     # its layers that recompute their activations in backward
+    recompute_seconds: float | None = None
+    optimizer_seconds: float | None = None
+    param_bytes: float | None = None   # parameters, gradients and optimizer states
+    send_bytes: float | None = None    # the activation it sends to the next stage
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "PlanStage":
+        return cls(d["index"], d["pp_rank"], tuple(d["layers"]), d["seconds"], d["activations"], d["in_flight"],
+                   d.get("compute_seconds"), d.get("comm_seconds"), d.get("grad_sync_seconds"), d.get("p2p_seconds"),
+                   _optional_tuple(d.get("recompute")), d.get("recompute_seconds"), d.get("optimizer_seconds"),
+                   d.get("param_bytes"), d.get("send_bytes"))
+
+
+@dataclass(frozen=True, eq=True)
+class PlanRank(_Record):
+    """One rank of the pipeline axis: the stages it runs, summed, and its memory at its peak."""
+
+    OMITTED_AT_DEFAULT: ClassVar[frozenset] = frozenset(
+        {"seconds_per_microbatch", "in_flight", "compute_seconds", "comm_seconds", "grad_sync_seconds", "p2p_seconds",
+         "recompute_seconds", "activation_bytes", "static_bytes", "peak", "optimizer_seconds"})
+
+    rank: int
+    seconds_per_microbatch: float | None = None
+    in_flight: float | None = None
+    compute_seconds: float | None = None
+    comm_seconds: dict | None = None
+    grad_sync_seconds: dict | None = None
+    p2p_seconds: float | None = None
+    recompute_seconds: float | None = None
+    activation_bytes: float | None = None   # at its peak: the in-flight microbatches' and a recompute's
+    static_bytes: float | None = None       # parameters, gradients and optimizer states
+    peak: float | None = None
+    optimizer_seconds: float | None = None
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "PlanRank":
+        return cls(d["rank"], d.get("seconds_per_microbatch"), d.get("in_flight"), d.get("compute_seconds"),
+                   d.get("comm_seconds"), d.get("grad_sync_seconds"), d.get("p2p_seconds"), d.get("recompute_seconds"),
+                   d.get("activation_bytes"), d.get("static_bytes"), d.get("peak"), d.get("optimizer_seconds"))
+
+
+@dataclass(frozen=True, eq=True)
+class PlanPipeline(_Record):
+    """A pipeline plan's stages, schedule and bubble (docs/pipeline.md)."""
+
+    OMITTED_AT_DEFAULT: ClassVar[frozenset] = frozenset({"virtual_stages", "grad_sync_seconds", "ranks"})
+
+    axis: str                          # the mesh axis the stages are cut along
+    schedule: str                      # one of PIPELINE_SCHEDULES
+    microbatches: int
+    stages: tuple                      # PlanStages, by index
+    bubble_fraction: float             # of the ideal time
+    bubble_seconds: float
+    virtual_stages: int | None = None  # stages per rank
+    grad_sync_seconds: float | None = None  # the slowest rank's gradient sync, once per step
+    ranks: tuple | None = None         # PlanRanks, by rank
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "PlanPipeline":
+        return cls(d["axis"], d["schedule"], d["microbatches"], tuple(PlanStage.from_dict(s) for s in d["stages"]),
+                   d["bubble_fraction"], d["bubble_seconds"], d.get("virtual_stages"), d.get("grad_sync_seconds"),
+                   None if d.get("ranks") is None else tuple(PlanRank.from_dict(r) for r in d["ranks"]))
+
+
 def pack_buckets(items, nbytes, bucket_bytes: float, key=None) -> list[list]:
     """``items``, in order, packed into buckets as DDP packs gradients: a bucket closes once it holds
     ``bucket_bytes`` or more, or when the next item's ``key`` (its group and dtype) differs from the
@@ -196,21 +347,20 @@ class Plan:
     solver: dict                     # status, seconds, variables, constraints, backend, candidates
     # node name or parameter FQN -> the chosen layout and the best alternatives, with their costs and
     # the collectives each would cause with its neighbours (see docs/plan-format.md)
-    alternatives: dict = field(default_factory=dict)
+    alternatives: dict[str, tuple[PlanAlternative, ...]] = field(default_factory=dict)
     sharded_outputs: bool = False    # non-scalar outputs are returned as computed, not gathered
     # layer instances whose activations are recomputed in backward: {"classes": {class: {"count",
     # "of", "layers"}}, "layers": [instance, ...]}, and where attention cores alone are (selective
     # recompute), "attention": {"classes": ..., "layers": [...], "regions": {region: [node, ...]}}, and
     # where saved activations go to host memory, "offload": {"classes": ..., "layers": [...], "bytes"}
     recompute: dict = field(default_factory=lambda: {"classes": {}, "layers": []})
-    # pipeline plans: {"axis", "schedule", "microbatches", "virtual_stages", "bubble_fraction",
-    # "bubble_seconds", "stages": [{"index", "pp_rank", "layers", "seconds", ...}], "ranks": [...]}
-    pipeline: dict | None = None
+    # pipeline plans: the stages, the schedule, the microbatches and the bubble
+    pipeline: PlanPipeline | None = None
     # the training precision, by Lightning's name (autopar.passes.precision.PRECISIONS)
     precision: str = "32-true"
     # parameters whose optimizer state (ZeRO-1), and gradient too (ZeRO-2), are sharded along an axis
-    # the parameter is replicated on: FQN -> {"stage": 1 or 2, "axis": axis name, "dim": dim}
-    zero: dict = field(default_factory=dict)
+    # the parameter is replicated on
+    zero: dict[str, PlanZero] = field(default_factory=dict)
     # parameters whose optimizer state, the gradient it reads and the copy of the parameter it steps
     # live in host memory, stepped there: FQN -> {"host_bytes", "device_bytes_freed"} per device
     offload: dict = field(default_factory=dict)
@@ -233,7 +383,11 @@ class Plan:
         _validate(d)
         entries = {"nodes": [PlanNode.from_dict(n) for n in d["nodes"]],
                    "collectives": [PlanCollective.from_dict(c) for c in d["collectives"]],
-                   "memory": PlanMemory.from_dict(d["memory"])}
+                   "memory": PlanMemory.from_dict(d["memory"]),
+                   "alternatives": {k: tuple(PlanAlternative.from_dict(a) for a in v)
+                                    for k, v in d.get("alternatives", {}).items()},
+                   "pipeline": None if d.get("pipeline") is None else PlanPipeline.from_dict(d["pipeline"]),
+                   "zero": {k: PlanZero.from_dict(z) for k, z in d.get("zero", {}).items()}}
         return cls(**{k: entries.get(k, d[k]) for k in cls.__dataclass_fields__ if k in d})
 
     @classmethod
@@ -273,7 +427,7 @@ class Plan:
     def zero_stages(self) -> dict:
         """Parameter FQN -> (ZeRO stage, mesh axis) for every parameter whose state is sharded: 1 or 2
         from ``zero``, 3 where the parameter itself is sharded along an axis its readers gather it on."""
-        out = {fqn: (z["stage"], z["axis"]) for fqn, z in self.zero.items()}
+        out = {fqn: (z.stage, z.axis) for fqn, z in self.zero.items()}
         gathered = {(c.value, c.axis) for c in self.collectives if c.kind == "all_gather" and c.phase == "forward"}
         for fqn, lay in self.params.items():
             value = "p_" + fqn.replace(".", "_")          # torch.export's name for the parameter
@@ -522,15 +676,18 @@ def _pipeline(axes):
     """The pipeline entry's fields; _validate_pipeline checks how the stages fit the mesh."""
     stage = _object({"index": _integer(0), "pp_rank": _integer(0), "layers": _list_of(_string), "seconds": _number,
                      "activations": _number, "in_flight": _number},
-                    {"compute_seconds": _number, "comm_seconds": _dict_of(_number), "p2p_seconds": _number,
-                     "optimizer_seconds": _number, "param_bytes": _number, "send_bytes": _number})
+                    {"compute_seconds": _number, "comm_seconds": _dict_of(_number),
+                     "grad_sync_seconds": _dict_of(_number), "p2p_seconds": _number, "recompute": _list_of(_string),
+                     "recompute_seconds": _number, "optimizer_seconds": _number, "param_bytes": _number,
+                     "send_bytes": _number})
     rank = _object({"rank": _integer(0)},
                    {"seconds_per_microbatch": _number, "in_flight": _number, "activation_bytes": _number,
                     "static_bytes": _number, "peak": _number, "compute_seconds": _number,
-                    "comm_seconds": _dict_of(_number), "p2p_seconds": _number, "optimizer_seconds": _number})
+                    "comm_seconds": _dict_of(_number), "grad_sync_seconds": _dict_of(_number), "p2p_seconds": _number,
+                    "recompute_seconds": _number, "optimizer_seconds": _number})
     return _object({"axis": _one_of(axes), "schedule": _one_of(PIPELINE_SCHEDULES), "microbatches": _integer(1),
                     "stages": _list_of(stage), "bubble_fraction": _number, "bubble_seconds": _number},
-                   {"virtual_stages": _integer(1), "ranks": _list_of(rank)})
+                   {"virtual_stages": _integer(1), "grad_sync_seconds": _number, "ranks": _list_of(rank)})
 
 
 def _renamed_keys(d: Any) -> Any:

@@ -16,7 +16,7 @@ from autopar.passes.layers import layer_counts, layer_instances
 from autopar.passes.memory import StepMemory
 from autopar.passes.meta import is_param, meta_of, op_name
 from autopar.passes.reshard_plan import collectives, plan_reshards
-from autopar.plan import MemoryPoint, Plan, PlanMemory, PlanNode
+from autopar.plan import MemoryPoint, Plan, PlanMemory, PlanNode, PlanZero
 
 if TYPE_CHECKING:
     from autopar.planner import Prepared
@@ -96,8 +96,8 @@ def assemble_plan(prep: Prepared, mesh: SolvedMesh, assignment, cluster: Cluster
                 lay = s.outputs[0]
                 params[role.target] = format_layout(lay)
                 if s.zero is not None:
-                    zero[role.target] = {"stage": s.zero.stage, "axis": axis_names[s.zero.axis], "dim": s.zero.dim,
-                                         "bucket": sm.gather_bucket[n]}
+                    zero[role.target] = PlanZero(s.zero.stage, axis_names[s.zero.axis], s.zero.dim,
+                                                 sm.gather_bucket[n])
                 if s.offload:
                     host = cm.host_bytes(n, lay)
                     freed = sum(cm.param_bytes(n, lay)) - sum(cm.param_bytes(n, lay, None, True))

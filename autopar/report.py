@@ -21,16 +21,16 @@ def _s(t: float) -> str:
 
 def pipeline_summary(plan) -> list[str]:
     pipe = plan.pipeline
-    p = plan.mesh["shape"][plan.mesh["axes"].index(pipe["axis"])]
-    lines = [f"pipeline: {len(pipe['stages'])} stages on {p} ranks of axis '{pipe['axis']}', schedule "
-             f"{pipe['schedule']}, {pipe['microbatches']} microbatches, bubble {pipe['bubble_fraction']:.1%} of "
-             f"the ideal time ({_s(pipe['bubble_seconds'])})"]
-    for st in pipe["stages"]:
-        layers = st["layers"]
+    p = plan.mesh["shape"][plan.mesh["axes"].index(pipe.axis)]
+    lines = [f"pipeline: {len(pipe.stages)} stages on {p} ranks of axis '{pipe.axis}', schedule "
+             f"{pipe.schedule}, {pipe.microbatches} microbatches, bubble {pipe.bubble_fraction:.1%} of "
+             f"the ideal time ({_s(pipe.bubble_seconds)})"]
+    for st in pipe.stages:
+        layers = st.layers
         names = ", ".join(layers[:2]) + (f" ... {layers[-1]}" if len(layers) > 2 else "")
-        lines.append(f"  stage {st['index']} on pp rank {st['pp_rank']}: {len(layers)} layers ({names}), "
-                     f"{_s(st['seconds'])} per microbatch, {_b(st['activations'])} activations per microbatch x "
-                     f"{st['in_flight']:.3g} in flight")
+        lines.append(f"  stage {st.index} on pp rank {st.pp_rank}: {len(layers)} layers ({names}), "
+                     f"{_s(st.seconds)} per microbatch, {_b(st.activations)} activations per microbatch x "
+                     f"{st.in_flight:.3g} in flight")
     return lines
 
 

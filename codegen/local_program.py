@@ -89,9 +89,9 @@ def strategies_from_plan(gm: fx.GraphModule, plan: Plan) -> dict:
             zero = None
             if role.kind == "param" and role.target in plan.zero:
                 z = plan.zero[role.target]
-                zero = ZeroState(z["stage"], axes.index(z["axis"]), z["dim"])
+                zero = ZeroState(z.stage, axes.index(z.axis), z.dim)
                 if zero not in zero_variants(tuple(val.shape), lay, plan.mesh_shape):
-                    raise PlanFormatError(f"plan zero[{role.target!r}] = {z}: the parameter {format_layout(lay)} "
+                    raise PlanFormatError(f"plan zero[{role.target!r}] = {dict(z)}: the parameter {format_layout(lay)} "
                                           f"of shape {list(val.shape)} cannot shard its state that way on mesh "
                                           f"{list(plan.mesh_shape)}; plan this model again")
             out[node] = Strategy((), outs, (False,) * nax, zero, role.kind == "param" and role.target in plan.offload)
@@ -171,8 +171,8 @@ def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str]
             g.output(pytree.tree_unflatten(outs, spec))
     local = fx.GraphModule(gm, g, class_name="LocalProgram")
     # A plan without gather buckets (written before they existed) gathers each parameter alone.
-    zero = tuple((fqn, z["stage"], group_names[plan.axis_names.index(z["axis"])], z["dim"],
-                  z.get("bucket", f"own {fqn}")) for fqn, z in plan.zero.items())
+    zero = tuple((fqn, z.stage, group_names[plan.axis_names.index(z.axis)], z.dim,
+                  f"own {fqn}" if z.bucket is None else z.bucket) for fqn, z in plan.zero.items())
     set_program_meta(local, placeholders=tuple(placeholders), output_layouts=tuple(output_layouts),
                      sharded_states=zero, offloaded=tuple(sorted(plan.offload)))
     return local

@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from autopar.cluster import ClusterSpec
 from autopar.layout import local_fraction, local_shape
-from autopar.plan import PlanCollective
+from autopar.plan import AlternativeCollective, PlanCollective
 from autopar.passes.meta import is_param, meta_of, set_meta
 from autopar.passes.resharding import Step, collective_seconds, grad_partial_axes, transition
 from autopar.passes.rules import context_for, rule_for, tensor_inputs
@@ -56,10 +56,10 @@ class Collective:
         return PlanCollective(self.kind, axis_names[self.axis], self.phase, int(self.nbytes), self.seconds, node,
                               value, step)
 
-    def alternative_entry(self, axis_names, neighbor: str, value: str) -> dict:
+    def alternative_entry(self, axis_names, neighbor: str, value: str) -> AlternativeCollective:
         """An alternative's entry in ``plan.alternatives``: what it would run with ``neighbor``."""
-        return {"kind": self.kind, "axis": axis_names[self.axis], "phase": self.phase, "bytes": int(self.nbytes),
-                "seconds": self.seconds, "neighbor": neighbor, "value": value}
+        return AlternativeCollective(self.kind, neighbor, value, axis_names[self.axis], self.phase, int(self.nbytes),
+                                     self.seconds)
 
 
 @dataclass(frozen=True)
@@ -87,19 +87,26 @@ class CostModel:
         self.fused = fused
         self.links = [cluster.axis_link(self.mesh_shape, a) for a in range(len(self.mesh_shape))]
         self._compute_cache: dict = {}
+        self._node_compute_cache: dict = {}   # (node, strategy) -> compute_seconds
         self._activation_cache: dict = {}
         self._transition_cache: dict = {}     # a value's (layouts, shape, dtype, grad) -> (forward, backward) seconds
 
     # --- compute -------------------------------------------------------------------------------
     def compute_seconds(self, node: fx.Node, s: Strategy) -> float:
         """Forward plus backward seconds of ``node`` under ``s``."""
-        if node.op != "call_function" or node.target in VIEW_OPS:
-            return 0.0
-        in_registers = _in_registers(node) if self.fused else None
-        key = (signature(node), s, requires_grad(node), in_registers)
-        if key not in self._compute_cache:
-            self._compute_cache[key] = self._compute_seconds(node, s, in_registers)
-        return self._compute_cache[key]
+        seconds = self._node_compute_cache.get((node, s))
+        if seconds is None:
+            if node.op != "call_function" or node.target in VIEW_OPS:
+                seconds = 0.0
+            else:
+                # Copies of a layer share their signature, and so their figures.
+                in_registers = _in_registers(node) if self.fused else None
+                key = (signature(node), s, requires_grad(node), in_registers)
+                if key not in self._compute_cache:
+                    self._compute_cache[key] = self._compute_seconds(node, s, in_registers)
+                seconds = self._compute_cache[key]
+            self._node_compute_cache[(node, s)] = seconds
+        return seconds
 
     def forward_compute_seconds(self, node: fx.Node, s: Strategy) -> float:
         """The forward part of ``compute_seconds``."""

@@ -14,11 +14,12 @@ streams, compute and communication, the way the generated program runs them:
   its last gradient is accumulated (the backward of the parameter's first reader) and the previous
   bucket has started, and runs on the communication stream while the rest of backward computes.
   A sharded parameter's gradient reduce-scatter (the backward of its split forward all-gather,
-  ZeRO-3) is issued at the backward of its reader and waited when the next one is issued or when
-  backward ends (runtime/collectives.py, FSDP2's scheme). The communication stream runs these and the
-  buckets in issue order. Every other backward collective (Megatron's "f", sequence parallelism's
-  pairs, recomputed layers' collectives, ZeRO-2's reduce-scatter) waits where it is issued: autograd
-  runs the reader of its result next, so there is no compute to hide it behind.
+  ZeRO-3) is issued at the backward of its reader, a ZeRO-2 one once its gradient is accumulated (the
+  backward of its first reader), and each is waited when the next one is issued or when backward ends
+  (runtime/collectives.py, FSDP2's scheme). The communication stream runs these and the buckets in
+  issue order. Every other backward collective (Megatron's "f", sequence parallelism's pairs,
+  recomputed layers' collectives) waits where it is issued: autograd runs the reader of its result
+  next, so there is no compute to hide it behind.
 - the optimizer step's collectives (ZeRO-1/2 gathers) wait where they are issued.
 
 ``exposure`` returns, per collective, the seconds it runs for (a bucketed reduction: its share of its
@@ -122,12 +123,21 @@ def exposure(gm: fx.GraphModule, strategy: dict, colls: list[PlanCollective], cm
     # gradients launched when their bucket is ready. One communication stream runs them in issue order.
     nodes = {n.name: n for n in order}
     split_reads = {(colls[i].value, colls[i].node) for i in split}
-    deferred = {i for i, c in enumerate(colls)
-                if c.phase == "backward" and c.kind == "reduce_scatter" and (c.value, c.node) in split_reads
-                and is_param(nodes[c.value]) and (st := strategy.get(nodes[c.value])) is not None
-                and st.zero is None and not st.offload}
-    first_reader = {p: min((u for u in n.users), key=lambda u: position.get(u.name, len(order))).name
-                    for n in order if (p := n.name) in buckets}
+    def first_reader_of(node):
+        return min(node.users, key=lambda u: position.get(u.name, len(order))).name
+
+    deferred: dict[int, str] = {}         # collective -> the node whose backward issues it
+    for i, c in enumerate(colls):
+        if c.phase != "backward" or c.kind != "reduce_scatter" or c.value not in nodes:
+            continue
+        st = strategy.get(nodes[c.value])
+        if st is None or not is_param(nodes[c.value]) or st.offload:
+            continue
+        if (c.value, c.node) in split_reads and st.zero is None:
+            deferred[i] = c.node                                   # ZeRO-3, at its reader's backward
+        elif c.node == c.value and st.zero is not None and st.zero.stage >= 2 and nodes[c.value].users:
+            deferred[i] = first_reader_of(nodes[c.value])          # ZeRO-2, once accumulated
+    first_reader = {p: first_reader_of(n) for n in order if (p := n.name) in buckets}
     members: dict[str, list[int]] = {}
     for i, c in enumerate(colls):
         if c.value in buckets:
@@ -135,8 +145,10 @@ def exposure(gm: fx.GraphModule, strategy: dict, colls: list[PlanCollective], cm
     at_node: dict[str, list[int]] = {}
     deferred_at: dict[str, list[int]] = {}
     for i, c in enumerate(colls):
-        if c.phase == "backward" and c.value not in buckets:
-            (deferred_at if i in deferred else at_node).setdefault(c.node, []).append(i)
+        if i in deferred:
+            deferred_at.setdefault(deferred[i], []).append(i)
+        elif c.phase == "backward" and c.value not in buckets:
+            at_node.setdefault(c.node, []).append(i)
     ready_at: dict[str, list[str]] = {}
     for p, reader in first_reader.items():
         ready_at.setdefault(reader, []).append(p)
@@ -153,7 +165,7 @@ def exposure(gm: fx.GraphModule, strategy: dict, colls: list[PlanCollective], cm
         nonlocal clock
         if in_flight is not None:
             i, finish = in_flight
-            exposed[i] = max(0.0, finish - clock)
+            exposed[i] = min(seconds[i], max(0.0, finish - clock))     # its own part of the wait
             clock = max(clock, finish)
 
     for n in reversed(order):

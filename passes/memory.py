@@ -46,12 +46,32 @@ def _to_meta(v):
 _FUSED_ON_CPU = {torch.ops.aten.scaled_dot_product_attention.default}
 
 
-def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda") -> fx.GraphModule:
-    """Write ``SavedForBackward`` on every call_function node."""
+def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda", fold: bool = True) -> fx.GraphModule:
+    """Write ``SavedForBackward`` on every call_function node.
+
+    With ``fold``, a repeated layer's fourth and later instances are not run: where its second and
+    third instances agree at every position (what each node keeps, and whether a view copies), the
+    later ones take the third's records, and the values they hand to the ops after them are made from
+    their recorded shapes. (The first instance may differ: it reads the embedding, not a layer.)"""
+    from autopar.passes.strategies import requires_grad
+
     owner: dict = {}            # storage -> (node, is_param)
     env: dict = {}
     transients: dict = {}       # _call_key -> _backward_transient
     current = {"node": None, "saved": []}
+    template, pairs = _fold_templates(gm) if fold else ({}, {})
+    agreed: dict = {}           # layer class -> whether its second and third instances agree
+
+    def value_of(n):
+        if n not in env:        # the output of a node not run: a tensor of its recorded shape
+            out = pytree.tree_map(_to_meta, n.meta.get("val"))
+            for o in pytree.tree_leaves(out):
+                if isinstance(o, torch.Tensor):
+                    if o.dtype.is_floating_point and requires_grad(n):
+                        o.requires_grad_(True)
+                    owner.setdefault(_storage_key(o), (n, False))
+            env[n] = out
+        return env[n]
 
     def pack(t):
         if current["node"] is not None:
@@ -75,7 +95,17 @@ def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda") -
                 continue
             if node.op == "output":
                 break
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+            t = template.get(node)
+            if t is not None:
+                cls = meta_of(node).layer.cls
+                if cls not in agreed:
+                    agreed[cls] = all(a.target == b.target and meta_of(b).saved is not None
+                                      and (meta_of(a).saved, meta_of(a).copies) == (meta_of(b).saved, meta_of(b).copies)
+                                      for a, b in pairs[cls])
+                if agreed[cls]:
+                    set_meta(node, saved=meta_of(t).saved, copies=meta_of(t).copies)
+                    continue
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), value_of)
             if "device" in kwargs:                   # factories: keep everything on meta
                 kwargs = {**kwargs, "device": torch.device("meta")}
             current["node"], current["saved"] = node, []
@@ -116,6 +146,23 @@ def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda") -
                 saved = dataclasses.replace(saved, backward=t)
             set_meta(node, saved=saved)
     return gm
+
+
+def _fold_templates(gm: fx.GraphModule) -> tuple[dict, dict]:
+    """For layer classes of 4 or more instances whose instances have the same ops: each node of the
+    fourth and later instances -> the node at its position in the third, and per class, the pairs of
+    nodes at each position of the second and third instances (which must agree for the fold)."""
+    from autopar.passes.layers import layer_instances
+
+    template, pairs = {}, {}
+    for cls, insts in layer_instances(gm).items():
+        lists = list(insts.values())
+        if len(lists) < 4 or any([n.target for n in nodes] != [n.target for n in lists[2]] for nodes in lists[1:]):
+            continue
+        pairs[cls] = list(zip(lists[1], lists[2]))
+        for nodes in lists[3:]:
+            template.update(zip(nodes, lists[2]))
+    return template, pairs
 
 
 def _reads_narrowed(node: fx.Node) -> bool:

@@ -47,6 +47,18 @@ class Strategy:
     zero: ZeroState | None = None    # a parameter's state sharded where the parameter is replicated
     offload: bool = False            # a parameter's optimizer state kept, and stepped, in host memory
 
+    def __hash__(self):
+        # Strategies key the cost tables, looked up millions of times on a large model: hash the
+        # layouts once. (The hash is not pickled: another process hashes strings differently.)
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.inputs, self.outputs, self.splits_work, self.zero, self.offload))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @property
     def grad_scatter_axis(self) -> int | None:
         """The mesh axis along which a ZeRO-2 parameter's own reduce-scatter reduces its gradient,

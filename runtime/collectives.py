@@ -366,6 +366,12 @@ class _DeferredGradients:
 _deferred = _DeferredGradients()
 
 
+def defer_reduce_scatter(param: torch.Tensor, grad: torch.Tensor, dim: int, group_name: str) -> None:
+    """Issue the sum reduce-scatter of ``grad`` along ``dim`` and add this rank's block to
+    ``param.grad`` when it is waited: at the next such issue or when backward ends. Called in backward."""
+    _deferred.issue(param, _start_reduce_scatter(grad, dim, _group(group_name)[1], group_name))
+
+
 def _plain_leaf(x: torch.Tensor) -> bool:
     """A parameter whose gradient autograd would only accumulate: no hooks read it on the way (the
     runtime's ZeRO-1/2, offload and bucketed reductions register post-accumulate hooks)."""
@@ -390,7 +396,7 @@ class _AllGatherStart(torch.autograd.Function):
         if grad == "slice":
             return _chunk(g, 0, rank, size), None, None
         if ctx.param is not None:
-            _deferred.issue(ctx.param, _start_reduce_scatter(g, 0, size, name))
+            defer_reduce_scatter(ctx.param, g, 0, name)
             return None, None, None
         return _reduce_scatter(g, 0, size, name), None, None
 

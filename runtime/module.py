@@ -96,7 +96,8 @@ class ParallelModule(nn.Module):
 
         self._sharded_states = ShardedStates([ShardedState(fqn, self._whole[fqn], self.local_parameter(fqn), stage,
                                                            group, dim, bucket)
-                                              for fqn, (stage, group, dim, bucket) in self._zero_of.items()])
+                                              for fqn, (stage, group, dim, bucket) in self._zero_of.items()],
+                                             defer=self._program.overlap)
 
     def _make_host_states(self) -> None:
         from autopar.runtime.offload import HostState, HostStates

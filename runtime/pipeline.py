@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 from autopar.errors import AutoparError
 from autopar.layout import local_shape, parse_layout
 from autopar.plan import PIPELINE_SCHEDULES
+from autopar.runtime import collectives as C
 from autopar.runtime.module import ParallelModule, ShapeMismatchError, _contiguous_stride, rank_device, shard_of
 
 SCHEDULES = PIPELINE_SCHEDULES
@@ -164,12 +165,8 @@ class PipelineParallelModule(ParallelModule):
         return cls(stages[0], n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
 
     def _sum_grads(self):
-        # Data parallelism's gradient sync, once per step (codegen/stages.py took it out of backward).
-        for fqn, axis in self._grad_sums:
-            p = self.local_tensor(fqn)
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=self.mesh.get_group(axis))
+        # A tied parameter's gradients over the pipeline axis first: its data-parallel sync below then
+        # reduces their sum.
         for fqn in self._tied:
             if fqn in self._fqn_to_key and self._fqn_to_key[fqn] in self.shards:
                 p = self.local_tensor(fqn)
@@ -181,6 +178,24 @@ class PipelineParallelModule(ParallelModule):
             dist.all_reduce(g, group=self._pp_group)
             if fqn in self._held:
                 self.local_tensor(fqn).grad = g
+        # Data parallelism's gradient sync, once per step (codegen/stages.py took it out of backward). A
+        # ZeRO-1 parameter's gradient is reduce-scattered along its state's axis into the block its
+        # optimizer steps (Megatron-LM's distributed optimizer), after its all-reduces along any other
+        # axis; the whole local gradient stays for the next step's accumulation until the optimizer's
+        # gradient is set to None.
+        scatters = []
+        for fqn, axis in self._grad_sums:
+            p = self.local_tensor(fqn)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            group = self.mesh.get_group(axis)
+            zero = self._zero_of.get(fqn)
+            if zero is not None and zero[1] == group.group_name:
+                scatters.append((fqn, p.grad, zero, dist.get_world_size(group)))
+            else:
+                dist.all_reduce(p.grad, group=group)
+        for fqn, grad, (_stage, name, dim, _bucket), size in scatters:
+            self.local_parameter(fqn).grad = C._reduce_scatter(grad, dim, size, name)
 
     def _check_batch(self, flat, spec):
         m = self._microbatches

@@ -27,6 +27,8 @@ class Program:
     grad_reductions: tuple = ()   # (parameter, group name, uses) per gradient to all-reduce in buckets
                                   # during backward, in the order the gradients become ready
     bucket_bytes: int = 25 * 2**20  # bucket size of those reductions (DDP's default)
+    overlap: bool = True          # ZeRO-2 gradients reduce-scattered during backward, waited later
+                                  # (runtime/zero.py); off with compile(overlap=False) and in pipelines
     sharded_states: tuple = ()    # (parameter, ZeRO stage, group name, dim, gather bucket) per parameter whose
                                   # optimizer state, and gradient at stage 2, is sharded along the group
     stages: tuple = ()            # pipeline plans: this rank's StagePrograms (gm is then the whole

@@ -69,8 +69,11 @@ def split(full: torch.Tensor, group: str, dim: int, requires_grad: bool) -> tupl
 
 
 class ShardedStates:
-    def __init__(self, states: list[ShardedState]):
+    def __init__(self, states: list[ShardedState], defer: bool = False):
+        """``defer``: a ZeRO-2 gradient's reduce-scatter is waited at the next one's issue or when
+        backward ends (runtime/collectives.py's ``defer_reduce_scatter``), not at once."""
         self.states = states
+        self.defer = defer
         self._ids = {id(s.shard) for s in states}
         self._seen: dict = {}
         for s in states:
@@ -86,6 +89,10 @@ class ShardedStates:
             if s.stage == 1:
                 # The gradient is reduced in place (the program's buckets) before the optimizer runs.
                 self._expose(s)
+                return
+            if self.defer:
+                C.defer_reduce_scatter(s.shard, full.grad, s.dim, s.group)
+                full.grad = None
                 return
             n = dist.get_world_size(_resolve_process_group(s.group))
             part = C._reduce_scatter(full.grad, s.dim, n, s.group)

@@ -118,6 +118,7 @@ def test_a_resharding_shared_by_two_readers_is_bucketed_once():
 
 
 def test_a_sharded_parameters_gradient_reduce_scatter_waits_at_the_next_one_or_at_the_end():
+    """ZeRO-3's and ZeRO-2's gradient reduce-scatters (runtime/collectives.py: defer_reduce_scatter)."""
     from autopar.passes.meta import Role, set_meta
     from autopar.passes.strategies import ZeroState
 
@@ -136,6 +137,11 @@ def test_a_sharded_parameters_gradient_reduce_scatter_waits_at_the_next_one_or_a
     # A parameter whose gradient the runtime reduces in a hook (ZeRO-1/2 along another axis) waits at once.
     hooked = {**strategy, **{n: _Plain(zero=ZeroState(1, 0, 0)) for n in gm.graph.nodes if n.name.startswith("w")}}
     assert [exposure(gm, hooked, colls, cm, ["dp"], set()).exposed[i] for i in backward] == [1.5, 1.5, 1.5]
+    # ZeRO-2: the hook issues the reduce-scatter once the gradient is accumulated (after its reader's
+    # backward), and it is waited as ZeRO-3's is.
+    zero2 = {**strategy, **{n: _Plain(zero=ZeroState(2, 0, 0)) for n in gm.graph.nodes if n.name.startswith("w")}}
+    scatters = [_coll("reduce_scatter", "backward", f"w{i}", f"w{i}", 1.5) for i in range(3)]
+    assert exposure(gm, zero2, scatters, cm, ["dp"], set()).exposed == [1.5, 0.0, 0.0]
 
 
 def test_plan_reports_exposed_and_hidden_communication():

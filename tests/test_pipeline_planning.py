@@ -1,5 +1,6 @@
 """Pipeline planning: the schedule formulas against the published ones, stage balancing, the plan's
 pipeline record, and clear errors for what a pipeline cannot do."""
+import gc
 import json
 import math
 
@@ -8,6 +9,7 @@ import torch
 
 import autopar
 from autopar import pipelining as PL
+from autopar.plan import PlanPipeline, PlanRank, PlanStage
 from tests.toy_models import Stack, wide_stack
 
 
@@ -165,7 +167,19 @@ def test_pipeline_plan_records_stages_schedule_and_bubble(tmp_path):
     path = tmp_path / "plan.json"
     plan.save(path)
     again = autopar.Plan.load(path)
-    assert again.pipeline == json.loads(plan.to_json())["pipeline"]
+    assert again.pipeline == pipe and again.pipeline.to_dict() == json.loads(plan.to_json())["pipeline"]
+    # A frozen typed record, its stages' and ranks' too, that reads as its JSON object.
+    assert isinstance(pipe, PlanPipeline) and all(isinstance(st, PlanStage) for st in pipe.stages)
+    assert all(isinstance(r, PlanRank) for r in pipe.ranks) and pipe.stages[1].layers == tuple(layers[4:])
+    assert pipe.schedule == pipe["schedule"] and pipe["stages"][1]["layers"] == layers[4:]
+    # A plan saved before the stages named their recompute and gradient sync loads without them.
+    old = json.loads(plan.to_json())
+    for st in old["pipeline"]["stages"]:
+        for k in ("recompute", "recompute_seconds", "grad_sync_seconds"):
+            st.pop(k)
+    loaded = autopar.Plan.from_dict(old).pipeline
+    assert loaded.stages[0].recompute is None and "recompute" not in loaded.stages[0]
+    assert loaded.to_dict() == old["pipeline"]
 
 
 def test_bf16_mixed_gradient_sync_runs_once_per_step_in_float32():
@@ -191,8 +205,9 @@ def test_bf16_mixed_gradient_sync_runs_once_per_step_in_float32():
 def test_pipeline_stages_shard_optimizer_states_over_data_parallel_ranks():
     """ZeRO-1 inside the stages (Megatron-LM's distributed optimizer): a stage's Adam states sharded over
     its 8 data-parallel ranks, counted in each rank's memory (4 + 4 + 8/8 bytes per float32 parameter
-    against 16), with the all-gather of the updated shards once per step; under a budget that only fits
-    so, the planner chooses it by itself."""
+    against 16); once per step the gradients are reduce-scattered instead of all-reduced and the updated
+    shards all-gathered, the bytes of one all-reduce; under a budget that only fits so, the planner
+    chooses it by itself."""
     pins = {"x": ["R", "S(0)"]}
     plans = {z: _stack_plan(schedule="1F1B", microbatches=4, recompute=False,
                             pins={**pins, "blocks.*": {"output": ["R", "R"], "zero": z}}) for z in (0, 1)}
@@ -201,10 +216,14 @@ def test_pipeline_stages_shard_optimizer_states_over_data_parallel_ranks():
         assert r1["static_bytes"] == pytest.approx(r0["static_bytes"] * 9 / 16)
     with torch.device("meta"):
         n = sum(p.numel() for p in Stack(256, 4, 1024, 8).parameters())
-    gathers = [c for c in plans[1].collectives if c["step"] == "zero1"]
-    assert {c["kind"] for c in gathers} == {"all_gather"} and sum(c["bytes"] for c in gathers) == 4 * n
-    tail = plans[1].pipeline["ranks"][plans[1].pipeline["stages"][-1]["pp_rank"]]
+    for z, kinds in ((0, {"grad_all_reduce": "all_reduce"}),
+                     (1, {"grad_all_reduce": "reduce_scatter", "zero1": "all_gather"})):
+        for step, kind in kinds.items():
+            done = [c for c in plans[z].collectives if c["step"] == step]
+            assert {c["kind"] for c in done} == {kind} and sum(c["bytes"] for c in done) == 4 * n, (z, step)
+    # (One latency per parameter and collective: this model's gradients are small.)
     assert plans[1].pipeline["grad_sync_seconds"] > plans[0].pipeline["grad_sync_seconds"]
+    tail = plans[1].pipeline["ranks"][plans[1].pipeline["stages"][-1]["pp_rank"]]
     assert tail["optimizer_seconds"] < plans[0].pipeline["ranks"][tail["rank"]]["optimizer_seconds"]
     budget = (plans[0].memory["peak"] + plans[1].memory["peak"]) / 2
     with pytest.raises(autopar.InfeasiblePlanError):
@@ -384,7 +403,9 @@ def test_multi_node_clusters_try_pipeline_meshes(monkeypatch):
     with torch.device("meta"):
         model = Stack(256, 4, 1024, 4)
     x = torch.randn(64, 64, 256, device="meta")
+    thresholds = gc.get_threshold()
     plan = autopar.plan(model, autopar.ClusterSpec.preset("16xH100"), (x,), progress=False)
+    assert gc.get_threshold() == thresholds       # planning collects garbage rarely, and restores the setting
     tried = [c for c in plan.solver["candidates"] if "pipeline" in c]
     assert [c["mesh"] for c in tried] and all(c["mesh"] == [2, 8] for c in tried)
     assert any(t is not None for c in tried for t in c["pipeline"]["schedules"].values())

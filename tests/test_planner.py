@@ -9,7 +9,7 @@ import torch
 
 import autopar
 from autopar.errors import InfeasiblePlanError, MeshError, PlanFormatError, ShardingError
-from autopar.plan import MemoryPoint, PlanCollective, PlanMemory, PlanNode
+from autopar.plan import AlternativeCollective, MemoryPoint, PlanAlternative, PlanCollective, PlanMemory, PlanNode
 from tests.toy_models import wide_stack
 
 
@@ -158,6 +158,10 @@ def test_plan_entries_are_frozen_typed_records_that_read_as_their_json(megatron_
     assert mem["peak"] == mem.peak == d["memory"]["peak"] and mem.get("timeline") == d["memory"]["timeline"]
     assert "recompute" not in coll and coll.get("recompute") is None and coll.recompute is False
     assert megatron_plan.node(node.name) is node
+    name, options = next((k, v) for k, v in megatron_plan.alternatives.items() if v[0].inputs)
+    assert all(isinstance(a, PlanAlternative) for a in options) and options[0].chosen
+    assert all(isinstance(c, AlternativeCollective) for a in options for c in a.collectives)
+    assert [dict(a) for a in options] == d["alternatives"][name] and options[0].inputs[0] == tuple(options[0]["inputs"][0])
     with pytest.raises(dataclasses.FrozenInstanceError):
         mem.peak = 0.0
 

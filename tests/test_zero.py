@@ -7,6 +7,7 @@ and load checkpoints across stages, and their measured peaks are within 10% of t
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -62,6 +63,16 @@ def test_step_memory_reproduces_zero_formulas(zero_plans, stage, params, grads, 
     assert p.zero.get("proj.weight", {}).get("stage") == expected
     if stage != "replicated":
         assert f"ZeRO-{stage[-1]}" in p.summary() and f"ZeRO-{stage[-1]}" in p.explain("proj.weight")
+
+
+def test_zero_entries_are_typed_records_that_round_trip(zero_plans):
+    from autopar.plan import PlanZero
+
+    p = zero_plans["zero2"]
+    z = p.zero["proj.weight"]
+    assert isinstance(z, PlanZero) and (z.stage, z.axis, z.dim) == (2, p.axis_names[0], z["dim"])
+    again = autopar.Plan.from_dict(json.loads(p.to_json()))
+    assert again.zero == p.zero and again.to_json() == p.to_json()
 
 
 def test_zero_communication_matches_data_parallel_volume(zero_plans):
@@ -158,6 +169,23 @@ def _gathers_in_buckets_as_one_by_one(pm, model, cluster, ids, labels, mesh, whe
         assert torch.equal(t, runs[1][fqn]), f"{where}: {fqn} gathered in buckets differs from gathered alone"
 
 
+def _reduce_scatters_overlap_backward(pm, model, cluster, ids, labels, where):
+    """ZeRO-2's gradient reduce-scatters are waited after later backward compute has run, and give the
+    gradients they give waited at once (``overlap=False``), bitwise."""
+    from tests.test_codegen import _reduce_scatters_waited_after_compute
+
+    between = _reduce_scatters_waited_after_compute(pm, ids, labels)
+    assert len(between) >= len(pm.plan.zero) and sum(n > 0 for n in between) >= len(between) // 4, \
+        f"{where}: ops between each reduce-scatter's issue and its wait: {between}"
+    plain = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=pm.plan, overlap=False)
+    plain.load_state_dict(pm.full_state_dict())
+    for m in (plain, pm):
+        m(ids, labels=labels).loss.backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), pm.named_parameters()):
+        assert torch.equal(a.grad, b.grad), f"{where}: {name}'s gradient differs with overlap off"
+    pm.zero_grad()
+
+
 def _check_sharded_states(rank, world, mesh, checkpoint_dir):
     from tests.hf_models import MEGATRON, batch, build
     from tests.live_memory import step_peak_over_ranks
@@ -190,6 +218,7 @@ def _check_sharded_states(rank, world, mesh, checkpoint_dir):
         assert abs(peak / predicted - 1) <= 0.10, f"{where}: measured {peak} vs predicted {predicted}"
         if stage == 2:
             _gathers_in_buckets_as_one_by_one(pm, model, cluster, ids, labels, mesh, where)
+            _reduce_scatters_overlap_backward(pm, model, cluster, ids, labels, where)
 
     # A checkpoint of the ZeRO-2 run resumes under ZeRO-1 with the losses the ZeRO-2 run goes on with.
     if checkpoint_dir is not None:

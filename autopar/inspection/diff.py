@@ -80,8 +80,8 @@ class PlanDiff:
 def _describe(plan) -> str:
     mesh = " x ".join(f"{a}={s}" for a, s in zip(plan.axis_names, plan.mesh_shape))
     pipe = plan.pipeline
-    stages = (f", pipeline of {len(pipe['stages'])} stages ({pipe['schedule']}, {pipe['microbatches']} microbatches, "
-              f"bubble {_s(pipe['bubble_seconds'])})") if pipe else ""
+    stages = (f", pipeline of {len(pipe.stages)} stages ({pipe.schedule}, {pipe.microbatches} microbatches, "
+              f"bubble {_s(pipe.bubble_seconds)})") if pipe else ""
     return (f"{plan.model['class']} on {plan.cluster.get('name') or plan.cluster.get('num_devices')} "
             f"(mesh {mesh}{stages}), step {_s(plan.step_time)}, peak {_b(plan.memory.peak)}")
 
@@ -99,8 +99,8 @@ def _param_state(fqn, layout, plan) -> str:
     text = _axis_layout(layout, plan)
     zero = plan.zero.get(fqn)
     if zero:
-        size = dict(zip(plan.axis_names, plan.mesh_shape))[zero["axis"]]
-        text += f" ZeRO-{zero['stage']} {zero['axis']}{size}"
+        size = dict(zip(plan.axis_names, plan.mesh_shape))[zero.axis]
+        text += f" ZeRO-{zero.stage} {zero.axis}{size}"
     if fqn in plan.offload:
         text += " offloaded"
     return text

@@ -35,16 +35,16 @@ def _role(op: str, label: str, shape, axes) -> str:
 
 
 def _coll(c, ix: PlanIndex, here: str) -> str:
-    if c["kind"] == "impossible":
-        return f"no resharding exists for {ix.value_name(c['value'])} -> {c['neighbor']}"
-    src = ix.value_name(c["value"])
+    if c.kind == "impossible":
+        return f"no resharding exists for {ix.value_name(c.value)} -> {c.neighbor}"
+    src = ix.value_name(c.value)
     # The planner names an input edge's neighbour after the value it reads; an output edge after its consumer.
-    edge = f"{src} -> {here}" if c["neighbor"] == c["value"] else f"{src} -> {c['neighbor']}"
-    return f"{c['kind']}({c['axis']}, {c['phase']}) {_b(c['bytes'])} {_s(c['seconds'])}  {edge}"
+    edge = f"{src} -> {here}" if c.neighbor == c.value else f"{src} -> {c.neighbor}"
+    return f"{c.kind}({c.axis}, {c.phase}) {_b(c.bytes)} {_s(c.seconds)}  {edge}"
 
 
 def _coll_key(c):
-    return (c["kind"], c.get("axis"), c.get("phase"), c["value"], c["neighbor"])
+    return (c.kind, c.axis, c.phase, c.value, c.neighbor)
 
 
 def _decision_lines(ix: PlanIndex, key: str) -> list[str]:
@@ -63,43 +63,43 @@ def _decision_lines(ix: PlanIndex, key: str) -> list[str]:
     chosen = entries[0]
 
     def name(e):
-        role = _role(op, e["layout"], shape, axes)
-        return e["layout"] + (f" ({role})" if role else "")
+        role = _role(op, e.layout, shape, axes)
+        return e.layout + (f" ({role})" if role else "")
 
     for e in entries:
-        delta = "" if e["chosen"] else f"{'+' if e['total_seconds'] >= chosen['total_seconds'] else '-'}" \
-                                      f"{_s(abs(e['total_seconds'] - chosen['total_seconds']))}"
-        lines.append(f"  {'*' if e['chosen'] else ' '}   {e['layout']:<22} {_s(e['total_seconds']):>10} "
-                     f"{_s(e['own_seconds']):>10} {_s(e['resharding_seconds']):>11} {_b(e['memory_bytes']):>11}  {delta}")
+        delta = "" if e.chosen else f"{'+' if e.total_seconds >= chosen.total_seconds else '-'}" \
+                                    f"{_s(abs(e.total_seconds - chosen.total_seconds))}"
+        lines.append(f"  {'*' if e.chosen else ' '}   {e.layout:<22} {_s(e.total_seconds):>10} "
+                     f"{_s(e.own_seconds):>10} {_s(e.resharding_seconds):>11} {_b(e.memory_bytes):>11}  {delta}")
     lines.append("resharding each option causes with its neighbours:")
     for e in entries:
-        lines.append(f"  {'*' if e['chosen'] else ' '} {name(e)}{' (chosen)' if e['chosen'] else ''}:")
-        lines += [f"      {_coll(c, ix, key)}" for c in e["collectives"]] or ["      none"]
+        lines.append(f"  {'*' if e.chosen else ' '} {name(e)}{' (chosen)' if e.chosen else ''}:")
+        lines += [f"      {_coll(c, ix, key)}" for c in e.collectives] or ["      none"]
     lines.append(f"why {name(chosen)}:")
-    mine = Counter(_coll_key(c) for c in chosen["collectives"])
+    mine = Counter(_coll_key(c) for c in chosen.collectives)
     for e in entries[1:]:
-        d = e["total_seconds"] - chosen["total_seconds"]
+        d = e.total_seconds - chosen.total_seconds
         if d > 0:
             head = f"{_s(d)} slower per instance"
         else:
             head = (f"{_s(-d)} faster with its neighbours held fixed, but the solver weighs the whole graph "
                     f"(neighbours that would change with it) and the memory budget")
-        dm = e["memory_bytes"] - chosen["memory_bytes"]
-        if abs(dm) > 0.005 * max(chosen["memory_bytes"], 1):
+        dm = e.memory_bytes - chosen.memory_bytes
+        if abs(dm) > 0.005 * max(chosen.memory_bytes, 1):
             head += f"; memory {'+' if dm > 0 else '-'}{_b(abs(dm))}"
-        do = e["own_seconds"] - chosen["own_seconds"]
+        do = e.own_seconds - chosen.own_seconds
         if abs(do) > 1e-9:
             head += f"; own cost {'+' if do > 0 else '-'}{_s(abs(do))}"
         lines.append(f"  - {name(e)}: {head}")
-        theirs = Counter(_coll_key(c) for c in e["collectives"])
-        by_key = {_coll_key(c): c for c in chosen["collectives"] + e["collectives"]}
+        theirs = Counter(_coll_key(c) for c in e.collectives)
+        by_key = {_coll_key(c): c for c in chosen.collectives + e.collectives}
         needs = [by_key[k] for k in (theirs - mine).elements()]
         avoids = [by_key[k] for k in (mine - theirs).elements()]
         if needs:
-            lines.append(f"      needs, where {chosen['layout']} does not:")
+            lines.append(f"      needs, where {chosen.layout} does not:")
             lines += [f"        {_coll(c, ix, key)}" for c in needs]
         if avoids:
-            lines.append(f"      avoids, where {chosen['layout']} needs:")
+            lines.append(f"      avoids, where {chosen.layout} needs:")
             lines += [f"        {_coll(c, ix, key)}" for c in avoids]
     return lines
 
@@ -109,14 +109,14 @@ def _stage_lines(plan, layer, node_name) -> list[str]:
     pipe = plan.pipeline
     if not pipe:
         return []
-    stages = pipe["stages"]
-    st = next((s for s in stages if layer in s["layers"]), None)
+    stages = pipe.stages
+    st = next((s for s in stages if layer in s.layers), None)
     if st is None:           # outside the layers: before the first one (embedding) or after the last
         names = [n.name for n in plan.nodes]
         first = next((n.name for n in plan.nodes if n.layer), None)
         st = stages[0] if first is not None and names.index(node_name) < names.index(first) else stages[-1]
-    return [f"  pipeline stage {st['index']} of {len(stages)} (rank {st['pp_rank']} of axis '{pipe['axis']}'), "
-            f"schedule {pipe['schedule']} over {pipe['microbatches']} microbatches; the figures below are "
+    return [f"  pipeline stage {st.index} of {len(stages)} (rank {st.pp_rank} of axis '{pipe.axis}'), "
+            f"schedule {pipe.schedule} over {pipe.microbatches} microbatches; the figures below are "
             f"per microbatch"]
 
 
@@ -170,8 +170,8 @@ def _param_lines(ix: PlanIndex, fqn: str) -> list[str]:
     # The plan records no graph edges; a parameter's consumers are the nodes its collectives (chosen or
     # alternative) are exchanged with.
     consumers = {c.node for c in plan.collectives if c.value == placeholder and c.node in ix.nodes}
-    consumers |= {c["neighbor"] for e in plan.alternatives.get(rep, []) for c in e["collectives"]
-                  if c["value"] == placeholder and c["neighbor"] in ix.nodes}
+    consumers |= {c.neighbor for e in plan.alternatives.get(rep, ()) for c in e.collectives
+                  if c.value == placeholder and c.neighbor in ix.nodes}
     lines += _decision_lines(ix, rep)
     order = {n: i for i, n in enumerate(ix.nodes)}
     for cname in sorted(consumers, key=order.__getitem__):

@@ -107,12 +107,12 @@ def _pipeline_html(plan) -> str:
     if not pipe:
         return ""
     rows = "".join(
-        f"<tr><td>{st['index']}</td><td>{st['pp_rank']}</td><td>{len(st['layers'])} ({_e(st['layers'][0])} &hellip; "
-        f"{_e(st['layers'][-1])})</td><td>{_s(st['seconds'])}</td><td>{_b(st['activations'])}</td>"
-        f"<td>{st['in_flight']:.3g}</td></tr>" for st in pipe["stages"])
+        f"<tr><td>{st.index}</td><td>{st.pp_rank}</td><td>{len(st.layers)} ({_e(st.layers[0])} &hellip; "
+        f"{_e(st.layers[-1])})</td><td>{_s(st.seconds)}</td><td>{_b(st.activations)}</td>"
+        f"<td>{st.in_flight:.3g}</td></tr>" for st in pipe.stages)
     return f"""
-<h3 id="pipeline">Pipeline: {len(pipe['stages'])} stages, schedule {_e(pipe['schedule'])}, {pipe['microbatches']}
- microbatches, bubble {100 * pipe['bubble_fraction']:.1f}% of the ideal time ({_s(pipe['bubble_seconds'])})</h3>
+<h3 id="pipeline">Pipeline: {len(pipe.stages)} stages, schedule {_e(pipe.schedule)}, {pipe.microbatches}
+ microbatches, bubble {100 * pipe.bubble_fraction:.1f}% of the ideal time ({_s(pipe.bubble_seconds)})</h3>
 <table class="stages"><tr><th>stage</th><th>pp rank</th><th>layers</th><th>seconds / microbatch</th>
 <th>activations / microbatch</th><th>in flight</th></tr>{rows}</table>
 {_timeline_svg(pipe)}"""
@@ -120,14 +120,14 @@ def _pipeline_html(plan) -> str:
 
 def _timeline_svg(pipe, width=640) -> str:
     """Each rank's busy time (its microbatches) and idle time (the rest of the step), to scale."""
-    ranks = pipe["ranks"]
-    busy = [r["seconds_per_microbatch"] * pipe["microbatches"] for r in ranks]
-    total = max(busy) + pipe["bubble_seconds"] or 1.0
+    ranks = pipe.ranks
+    busy = [r.seconds_per_microbatch * pipe.microbatches for r in ranks]
+    total = max(busy) + pipe.bubble_seconds or 1.0
     bars = []
     for i, (r, b) in enumerate(zip(ranks, busy)):
         y = 4 + 18 * i
         w = width * b / total
-        bars.append(f'<text x="0" y="{y + 11}" font-size="10">rank {r["rank"]}</text>'
+        bars.append(f'<text x="0" y="{y + 11}" font-size="10">rank {r.rank}</text>'
                     f'<rect x="50" y="{y}" width="{w:.1f}" height="14" fill="#59a14f"><title>busy {_s(b)}</title></rect>'
                     f'<rect x="{50 + w:.1f}" y="{y}" width="{width - w:.1f}" height="14" fill="#e8e8e8">'
                     f'<title>idle {_s(total - b)}</title></rect>')
