@@ -100,10 +100,10 @@ def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda", f
                 cls = meta_of(node).layer.cls
                 if cls not in agreed:
                     agreed[cls] = all(a.target == b.target and meta_of(b).saved is not None
-                                      and (meta_of(a).saved, meta_of(a).copies) == (meta_of(b).saved, meta_of(b).copies)
+                                      and _view_records(a) == _view_records(b)
                                       for a, b in pairs[cls])
                 if agreed[cls]:
-                    set_meta(node, saved=meta_of(t).saved, copies=meta_of(t).copies)
+                    set_meta(node, saved=meta_of(t).saved, copies=meta_of(t).copies, copies_from=meta_of(t).copies_from)
                     continue
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), value_of)
             if "device" in kwargs:                   # factories: keep everything on meta
@@ -163,6 +163,12 @@ def _fold_templates(gm: fx.GraphModule) -> tuple[dict, dict]:
         for nodes in lists[3:]:
             template.update(zip(nodes, lists[2]))
     return template, pairs
+
+
+def _view_records(node: fx.Node) -> tuple:
+    """What the meta run records of a node: what it keeps, and whether (and from what) a view copies."""
+    m = meta_of(node)
+    return m.saved, m.copies, m.copies_from
 
 
 def _reads_narrowed(node: fx.Node) -> bool:
