@@ -35,22 +35,45 @@ def megatron_pins(mesh):
 # LLaMA-2-70B, batch 1024 x 4096, bf16-mixed (float32 master weights and Adam states, bfloat16 compute):
 # Megatron's pipeline grids (tensor parallel 8 inside a node,
 # pipeline across nodes, data parallel over the rest), each with its microbatch counts and schedules.
-PIPELINE_CASES = [("llama2-70b", "512xH100", 1024, (4, 8)), ("llama2-70b", "1024xH100", 1024, (4, 8))]
+PIPELINE_CASES = [("llama2-70b", "1024xH100", 1024, (4, 8)), ("llama2-70b", "512xH100", 1024, (4, 8))]
 
 
 def pipeline_grid():
+    """Each row is printed as soon as it is planned: autopar's plan first (the ratios are to it), then
+    the grid points. Planning seconds are wall and CPU (this process and its forked children)."""
+    import resource
     import time
 
+    def cpu_seconds():
+        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
     print(f"\n{'model':<11} {'cluster':<10} {'plan':<34} {'mesh':<12} {'step (ms)':>10} {'peak GiB':>9} "
-          f"{'bubble (ms)':>11} {'step ratio':>11} {'planning (s)':>12}")
+          f"{'bubble (ms)':>11} {'step ratio':>11} {'planning wall/CPU (s)':>22}", flush=True)
     for name, cluster_name, batch, pps in PIPELINE_CASES:
         model, args, kwargs = zoo.build(name, batch=batch, dtype=torch.float32, device="meta")
         cluster = autopar.ClusterSpec.preset(cluster_name)
-        t0 = time.perf_counter()
+
+        def row(label, grid, t, peak, bubble, seconds=None):
+            if t is None:
+                print(f"{name:<11} {cluster_name:<10} {label:<34} {str(grid):<12} {'-':>10}", flush=True)
+                return
+            spent = f"{seconds[0]:.1f}/{seconds[1]:.1f}" if seconds else ""
+            print(f"{name:<11} {cluster_name:<10} {label:<34} {str(grid):<12} {t * 1e3:>10.1f} "
+                  f"{(peak or 0) / 2**30:>9.2f} {(bubble or 0) * 1e3:>11.1f} {t / auto.step_time:>10.2f}x "
+                  f"{spent:>22}", flush=True)
+
+        t0, c0 = time.perf_counter(), cpu_seconds()
         auto = autopar.plan(model, cluster, args, kwargs, progress=False, sharded_outputs=True,
                             precision="bf16-mixed")
-        auto_seconds = time.perf_counter() - t0
-        rows = []
+        spent = (time.perf_counter() - t0, cpu_seconds() - c0)
+        pipe = auto.pipeline
+        label = f"autopar ({pipe['schedule']} m={pipe['microbatches']})" if pipe else "autopar (no pipeline)"
+        row(label, tuple(auto.mesh["shape"]), auto.step_time, auto.memory["peak"],
+            pipe["bubble_seconds"] if pipe else 0.0, spent)
+        if auto.zero:
+            print(f"{'':<22} autopar's plan shards the optimizer states of {len(auto.zero)} of "
+                  f"{len(auto.params)} parameters (ZeRO-1)", flush=True)
         for pp in pps:
             tp = cluster.devices_per_node
             grid = (pp, cluster.num_devices // (pp * tp), tp)
@@ -62,26 +85,15 @@ def pipeline_grid():
                                      pins=pins, microbatches=m, progress=False, sharded_outputs=True,
                                      precision="bf16-mixed")
                 except autopar.InfeasiblePlanError:
-                    rows.append((f"Megatron pp={pp} m={m}: does not fit", grid, None, None, None))
+                    row(f"Megatron pp={pp} m={m}: does not fit", grid, None, None, None)
                     continue
                 except autopar.AutoparError:
                     # The solver's node limit ran out before any layout within the budget was found.
-                    rows.append((f"Megatron pp={pp} m={m}: none found", grid, None, None, None))
+                    row(f"Megatron pp={pp} m={m}: none found", grid, None, None, None)
                     continue
                 for sched, t in p.solver["candidates"][0]["pipeline"]["schedules"].items():
-                    rows.append((f"Megatron pp={pp} m={m} {sched}", grid, t, p.memory["peak"] if t is not None
-                                 and sched == p.pipeline["schedule"] else None, None))
-        pipe = auto.pipeline
-        label = f"autopar ({pipe['schedule']} m={pipe['microbatches']})" if pipe else "autopar (no pipeline)"
-        rows.append((label, tuple(auto.mesh["shape"]), auto.step_time, auto.memory["peak"],
-                     pipe["bubble_seconds"] if pipe else 0.0))
-        for label, grid, t, peak, bubble in rows:
-            if t is None:
-                print(f"{name:<11} {cluster_name:<10} {label:<34} {str(grid):<12} {'-':>10}")
-                continue
-            print(f"{name:<11} {cluster_name:<10} {label:<34} {str(grid):<12} {t * 1e3:>10.1f} "
-                  f"{(peak or 0) / 2**30:>9.2f} {(bubble or 0) * 1e3:>11.1f} {t / auto.step_time:>10.2f}x "
-                  f"{auto_seconds if label.startswith('autopar') else 0:>12.1f}", flush=True)
+                    row(f"Megatron pp={pp} m={m} {sched}", grid, t,
+                        p.memory["peak"] if t is not None and sched == p.pipeline["schedule"] else None, None)
 
 
 # GPT-2's Megatron layout on one tensor-parallel axis: c_attn strided in q, k, v (S(1,3)), then the

@@ -180,8 +180,10 @@ class PipelineParallelModule(ParallelModule):
                 self.local_tensor(fqn).grad = g
         # Data parallelism's gradient sync, once per step (codegen/stages.py took it out of backward). A
         # ZeRO-1 parameter's gradient is reduce-scattered along its state's axis into the block its
-        # optimizer steps (Megatron-LM's distributed optimizer); the whole local gradient stays for the
-        # next step's accumulation until the optimizer's gradient is set to None.
+        # optimizer steps (Megatron-LM's distributed optimizer), after its all-reduces along any other
+        # axis; the whole local gradient stays for the next step's accumulation until the optimizer's
+        # gradient is set to None.
+        scatters = []
         for fqn, axis in self._grad_sums:
             p = self.local_tensor(fqn)
             if p.grad is None:
@@ -189,10 +191,11 @@ class PipelineParallelModule(ParallelModule):
             group = self.mesh.get_group(axis)
             zero = self._zero_of.get(fqn)
             if zero is not None and zero[1] == group.group_name:
-                _stage, name, dim, _bucket = zero
-                self.local_parameter(fqn).grad = C._reduce_scatter(p.grad, dim, dist.get_world_size(group), name)
+                scatters.append((fqn, p.grad, zero, dist.get_world_size(group)))
             else:
                 dist.all_reduce(p.grad, group=group)
+        for fqn, grad, (_stage, name, dim, _bucket), size in scatters:
+            self.local_parameter(fqn).grad = C._reduce_scatter(grad, dim, size, name)
 
     def _check_batch(self, flat, spec):
         m = self._microbatches
