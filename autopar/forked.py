@@ -10,7 +10,12 @@ from autopar.errors import AutoparError
 
 
 def fork_available() -> bool:
-    return "fork" in multiprocessing.get_all_start_methods()
+    """Whether a child can be forked here: on a platform with fork, in a process that has not
+    initialized CUDA (a forked child cannot use the parent's CUDA context, and capturing a model on
+    a GPU touches it)."""
+    import torch
+
+    return "fork" in multiprocessing.get_all_start_methods() and not torch.cuda.is_initialized()
 
 
 class Forked:

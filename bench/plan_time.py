@@ -10,10 +10,11 @@ depth.
 Columns: capture (torch.export; pipeline meshes capture again at their microbatch shapes), passes
 (normalize, layers, saved activations), build (strategies, costs, the solver's problem and the step's
 memory events for every candidate mesh), solve (the searches, two meshes at a time, and the pipeline
-meshes' solves, with the memory re-solves, less the evaluation of their plans), total wall seconds and the summed CPU seconds of the process (on a
-shared machine the CPU seconds vary less than the wall; the child processes that plan the pipeline
-meshes count too), the meshes solved of those tried, and the
-worst optimality gap the solver proved for a mesh it solved.
+meshes' solves, with the memory re-solves, less the evaluation of their plans), total wall seconds and
+the summed CPU seconds of the process and of the child processes that plan the pipeline meshes (on a
+shared machine the CPU seconds vary less than the wall; each phase sums its seconds over the
+processes, so the phases may add up to more than the total), the meshes solved of those tried, and
+the worst optimality gap the solver proved for a mesh it solved.
 """
 from __future__ import annotations
 

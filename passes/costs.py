@@ -339,9 +339,14 @@ class CostModel:
         # A copy of an input in another dtype (an additive mask) is the op's own, shared with no one.
         for k, itemsize in enumerate(saved.converted):
             if itemsize and k < len(ctx.ins):
-                elements = ctx.ins[k].nbytes / ctx.ins[k].dtype.itemsize
-                total += elements * itemsize * local_fraction(s.inputs[k], self.mesh_shape)
+                total += self.converted_bytes(ctx.ins[k].nbytes, ctx.ins[k].dtype.itemsize, itemsize, s.inputs[k])
         return total
+
+    def converted_bytes(self, nbytes: float, from_itemsize: int, itemsize: int, layout) -> float:
+        """Bytes per device of a copy, ``itemsize`` bytes an element, of a tensor of ``nbytes`` whole
+        bytes in elements of ``from_itemsize``, at ``layout``: what an op keeps of an input it converts
+        (ATen's additive copy of a boolean mask), in the ILP's activation bytes and the step memory model."""
+        return nbytes / from_itemsize * itemsize * local_fraction(layout, self.mesh_shape)
 
 
 def _pointwise(node: fx.Node) -> bool:

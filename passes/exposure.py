@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from autopar.passes.meta import is_param
+from autopar.passes.meta import is_param, meta_of
 from autopar.passes.strategies import requires_grad
 from autopar.plan import PlanCollective, pack_buckets
 
@@ -223,11 +223,19 @@ class HidingWindows:
         order = list(gm.graph.nodes)
         self.position = {n: i for i, n in enumerate(order)}
         self._forward_before, self._backward_before = [0.0], [0.0]     # compute of the ops before position i
+        # Per node, or per position in a repeated layer: its copies share strategies and costs (unless
+        # fused kernels are priced, whose figures depend on the neighbours, which differ at the stack's ends).
+        least = {}
         for n in order:
             fwd = bwd = 0.0
             if n.op == "call_function" and n in strategies:
-                fwd = min(cm.forward_compute_seconds(n, s) for s in strategies[n])
-                bwd = min(cm.compute_seconds(n, s) - cm.forward_compute_seconds(n, s) for s in strategies[n])
+                tag = meta_of(n).layer
+                key = n if tag is None or cm.fused else (tag.cls, tag.index)
+                if key not in least:
+                    sset = strategies[n]
+                    least[key] = (min(cm.forward_compute_seconds(n, s) for s in sset),
+                                  min(cm.compute_seconds(n, s) - cm.forward_compute_seconds(n, s) for s in sset))
+                fwd, bwd = least[key]
             self._forward_before.append(self._forward_before[-1] + fwd)
             self._backward_before.append(self._backward_before[-1] + bwd)
         self._boundaries = sorted(self.position[n] for n in boundaries)

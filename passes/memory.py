@@ -46,12 +46,32 @@ def _to_meta(v):
 _FUSED_ON_CPU = {torch.ops.aten.scaled_dot_product_attention.default}
 
 
-def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda") -> fx.GraphModule:
-    """Write ``SavedForBackward`` on every call_function node."""
+def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda", fold: bool = True) -> fx.GraphModule:
+    """Write ``SavedForBackward`` on every call_function node.
+
+    With ``fold``, a repeated layer's fourth and later instances are not run: where its second and
+    third instances agree at every position (what each node keeps, and whether a view copies), the
+    later ones take the third's records, and the values they hand to the ops after them are made from
+    their recorded shapes. (The first instance may differ: it reads the embedding, not a layer.)"""
+    from autopar.passes.strategies import requires_grad
+
     owner: dict = {}            # storage -> (node, is_param)
     env: dict = {}
     transients: dict = {}       # _call_key -> _backward_transient
     current = {"node": None, "saved": []}
+    template, pairs = _fold_templates(gm) if fold else ({}, {})
+    agreed: dict = {}           # layer class -> whether its second and third instances agree
+
+    def value_of(n):
+        if n not in env:        # the output of a node not run: a tensor of its recorded shape
+            out = pytree.tree_map(_to_meta, n.meta.get("val"))
+            for o in pytree.tree_leaves(out):
+                if isinstance(o, torch.Tensor):
+                    if o.dtype.is_floating_point and requires_grad(n):
+                        o.requires_grad_(True)
+                    owner.setdefault(_storage_key(o), (n, False))
+            env[n] = out
+        return env[n]
 
     def pack(t):
         if current["node"] is not None:
@@ -75,7 +95,17 @@ def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda") -
                 continue
             if node.op == "output":
                 break
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+            t = template.get(node)
+            if t is not None:
+                cls = meta_of(node).layer.cls
+                if cls not in agreed:
+                    agreed[cls] = all(a.target == b.target and meta_of(b).saved is not None
+                                      and _view_records(a) == _view_records(b)
+                                      for a, b in pairs[cls])
+                if agreed[cls]:
+                    set_meta(node, saved=meta_of(t).saved, copies=meta_of(t).copies, copies_from=meta_of(t).copies_from)
+                    continue
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), value_of)
             if "device" in kwargs:                   # factories: keep everything on meta
                 kwargs = {**kwargs, "device": torch.device("meta")}
             current["node"], current["saved"] = node, []
@@ -98,8 +128,11 @@ def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda") -
                     owner.setdefault(_storage_key(o), (node, False))
             if node.target in VIEW_OPS and node.target is not operator.getitem and outs:
                 first = next((a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)), None)
-                if first is not None and _storage_key(outs[0]) != _storage_key(first) and _reads_narrowed(node):
-                    set_meta(node, copies=True)
+                if first is not None and _storage_key(outs[0]) != _storage_key(first):
+                    if _reads_narrowed(node):
+                        set_meta(node, copies=True)
+                    elif target_device == "cpu":
+                        set_meta(node, copies_from=(tuple(first.shape), tuple(first.stride())))
             saved = _attribute(node, current["saved"], outs, owner, target_device)
             if node.target not in _FUSED_ON_CPU and node.target is not operator.getitem:
                 # Repeated layers run the same ops on the same shapes: one backward per distinct call.
@@ -115,11 +148,36 @@ def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda") -
     return gm
 
 
+def _fold_templates(gm: fx.GraphModule) -> tuple[dict, dict]:
+    """For layer classes of 4 or more instances whose instances have the same ops: each node of the
+    fourth and later instances -> the node at its position in the third, and per class, the pairs of
+    nodes at each position of the second and third instances (which must agree for the fold)."""
+    from autopar.passes.layers import layer_instances
+
+    template, pairs = {}, {}
+    for cls, insts in layer_instances(gm).items():
+        lists = list(insts.values())
+        if len(lists) < 4 or any([n.target for n in nodes] != [n.target for n in lists[2]] for nodes in lists[1:]):
+            continue
+        pairs[cls] = list(zip(lists[1], lists[2]))
+        for nodes in lists[3:]:
+            template.update(zip(nodes, lists[2]))
+    return template, pairs
+
+
+def _view_records(node: fx.Node) -> tuple:
+    """What the meta run records of a node: what it keeps, and whether (and from what) a view copies."""
+    m = meta_of(node)
+    return m.saved, m.copies, m.copies_from
+
+
 def _reads_narrowed(node: fx.Node) -> bool:
     """Whether a view op reads, through views, a slice that drops part of a dim (the shifted logits
-    of a causal LM's loss). Such a reshape copies whatever the shards and kernels: other reshapes that
-    copy on meta tensors may view on a rank (one local head of an expanded key; attention kernels
-    whose output is laid out sequence-major), so only these count as copies."""
+    of a causal LM's loss). Such a reshape copies whatever the shards and kernels. Other reshapes that
+    copy on meta tensors may view on a rank (one local head of an expanded key) or on CUDA (the flash
+    kernels' outputs are laid out sequence-major): on CPU, whose kernels lay out their outputs as the
+    meta run does, the step memory model finds at each layout whether the local input's strides allow
+    a view (``StepMemory._local_copy``)."""
     n = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
     while n is not None and n.op == "call_function" and n.target in VIEW_OPS:
         if n.target is torch.ops.aten.slice.Tensor:
@@ -511,6 +569,34 @@ class StepMemory:
             self._copies[key] = tuple(None if q.zero() else q for q in (_pair(ca, cb, t) for t in tables))
         return self._copies[key]
 
+    def _local_copy(self, node) -> Bytes | None:
+        """Bytes of the copy a view op makes at each of its options where its local input's strides
+        allow no view (``copies_from``: a reshape of grouped-query attention's expanded keys, which
+        views where a rank holds one key head, or of a transposed attention output), or None."""
+        from autopar.layout import local_shape
+        from autopar.passes.strategies import Value
+
+        spec = meta_of(node).copies_from
+        if spec is None:
+            return None
+        shape, stride = spec
+        out_shape, c, vb = tuple(node.meta["val"].shape), self._choice(node), self.value(Value(node))
+        table = []
+        for o in self._options(c):
+            s = self._strategy(node, o)
+            x = torch.empty_strided(shape, stride, device="meta")
+            if s is not None:
+                for d, size in enumerate(local_shape(shape, s.inputs[0], self.cm.mesh_shape)):
+                    x = x.narrow(d, 0, size)
+                out_shape = local_shape(tuple(node.meta["val"].shape), s.outputs[0], self.cm.mesh_shape)
+            try:
+                x.view(out_shape)
+                table.append(0.0)
+            except RuntimeError:
+                table.append(vb.at({c: o}))
+        q = _one(c, table)
+        return None if q.zero() else q
+
     def _output_copy(self, node, gathered: bool):
         """(bytes of the replicated copy a gathered user output is returned as, bytes of the contiguous
         copy made of it at the end of forward), or (None, None).
@@ -562,15 +648,15 @@ class StepMemory:
     def _converted(self, v, node, k, itemsize) -> Bytes:
         """Bytes of the copy of input ``k`` (value ``v``) in another dtype that ``node`` keeps for
         backward, ``itemsize[option]`` bytes an element, at the layout each option reads it in."""
-        from autopar.layout import local_fraction
+        from autopar.layout import R
         from autopar.passes.strategies import value_info
 
         info, c = value_info(v), self._choice(node)
         table = []
         for o in self._options(c):
             s = self._strategy(node, o)
-            fraction = 1.0 if s is None else local_fraction(s.inputs[k], self.cm.mesh_shape)
-            table.append(info.nbytes * fraction * itemsize[o] / info.dtype.itemsize)
+            layout = tuple(R for _ in self.cm.mesh_shape) if s is None else s.inputs[k]
+            table.append(self.cm.converted_bytes(info.nbytes, info.dtype.itemsize, itemsize[o], layout))
         return _one(c, table)
 
     def _backward_work(self, node, saved) -> Bytes:
@@ -683,13 +769,19 @@ class StepMemory:
 
         # A view that reads its input through a resharded copy is a view of that copy: the copy lives as
         # long as the view's readers need it (the logits moved to the vocab-parallel loss's layout, then
-        # reshaped for it, which keeps them), a storage of its own whose bytes are the copy's.
+        # reshaped for it, which keeps them), a storage of its own whose bytes are the copy's. So is a
+        # view that copies at its layout where no collective made its input (``_local_copy``).
         copy_views = {}
         for n in calls:
             if is_view(n) and n.target is not operator.getitem and input_values(n):
-                cp = self.copy(input_values(n)[0], n, 0)[0]
-                if cp is not None:
-                    copy_views[Value(n)] = cp
+                v = input_values(n)[0]
+                cp, own = self.copy(v, n, 0)[0], self._local_copy(n)
+                if cp is not None and own is not None:      # a collective's output is contiguous: a view
+                    ca, cb = self._choice(v.node), self._choice(n)
+                    cp = _pair(ca, cb, [[cp.at({ca: i, cb: j}) or own.at({cb: j}) for j in self._options(cb)]
+                                        for i in self._options(ca)])
+                if cp is not None or own is not None:
+                    copy_views[Value(n)] = cp or own
 
         def bases(v):
             """The storages ``v`` shares: the copies of the copy views it is read through, then its base."""
@@ -924,8 +1016,8 @@ class StepMemory:
                 cp = None if (n, k) in grouped else self.copy(v, n, k)[0]
                 if cp is not None:
                     cp = held_copy.get((n, k), cp)
-                if cp is not None and Value(n) in copy_views:       # the view's own storage from here
-                    add((_A if Value(n) in held else _T, 1, cp))
+                if Value(n) in copy_views:       # the view's own storage from here
+                    add((_A if Value(n) in held else _T, 1, copy_views[Value(n)]))
                 elif cp is not None:
                     add((_T, 1, cp))
                     transient.append(cp)

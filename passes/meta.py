@@ -63,6 +63,7 @@ class AutoparMeta:
     saved_by: int = 1                     # how many nodes keep this value for backward (shared)
     requires_grad: bool = False           # whether a gradient flows through this value
     copies: bool = False                  # a view op (reshape of a non-contiguous tensor) that copies
+    copies_from: tuple | None = None      # a view op that copies on CPU at full size: (input shape, strides)
     signature: tuple | None = None        # what strategies and costs depend on (passes.strategies)
     refused: tuple[str, ...] = ()         # why rule options were refused here (named in pin errors)
     strided: tuple[tuple[int, int], ...] = ()   # (output dim, groups): strided shards a consumer can

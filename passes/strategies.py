@@ -384,6 +384,8 @@ def strategies_pass(gm: fx.GraphModule, mesh_shape, zero: int = 2, offload: bool
 def _assign_strategies(gm, mesh_shape, drop: dict, zero: int, offload: bool = False) -> dict:
     cache: dict = {}
     sets: dict = {}
+    partial_axes: dict = {}     # value -> the mesh axes along which some strategy of its producer leaves it Partial
+    reached: dict = {}          # (strategies, those axes of each input) -> _reachable's answer
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", "call_function"):
             continue
@@ -391,7 +393,7 @@ def _assign_strategies(gm, mesh_shape, drop: dict, zero: int, offload: bool = Fa
             sets[node] = _getitem_strategies(node, sets[node.args[0]])
             continue
         ins = input_values(node) if node.op == "call_function" else []
-        own = _reachable(node_strategies(node, mesh_shape, cache, zero, offload), ins, sets)
+        own = _reachable(node_strategies(node, mesh_shape, cache, zero, offload), ins, sets, partial_axes, reached)
         tag = meta_of(node).layer
         bad = drop.get((tag.cls, tag.index)) if tag is not None else None
         if bad:
@@ -425,12 +427,20 @@ def _same_layer(a: fx.Node, b: fx.Node) -> bool:
     return (ta.layer if ta else None) == (tb.layer if tb else None)
 
 
-def _reachable(strategies: list[Strategy], ins: list[Value], sets: dict) -> list[Strategy]:
+def _reachable(strategies: list[Strategy], ins: list[Value], sets: dict, partial_axes: dict, reached: dict
+               ) -> list[Strategy]:
     """Drop strategies that need a Partial input its producer can never give: no resharding makes a
-    Partial out of anything else."""
+    Partial out of anything else. Copies of a layer share their strategies (``node_strategies``'s cache)
+    and their inputs' Partial axes, so the answer is found once for them all."""
     partial_ok = []
     for v in ins:
-        sset = sets[v.node]
-        partial_ok.append({a for s in sset for a, p in enumerate(s.outputs[v.index]) if p.is_partial})
-    return [s for s in strategies
-            if all(not p.is_partial or a in partial_ok[k] for k, lay in enumerate(s.inputs) for a, p in enumerate(lay))]
+        if v not in partial_axes:
+            partial_axes[v] = frozenset(a for s in sets[v.node] for a, p in enumerate(s.outputs[v.index])
+                                        if p.is_partial)
+        partial_ok.append(partial_axes[v])
+    key = (id(strategies), tuple(partial_ok))
+    if key not in reached:      # the list is kept with its answer, so its id is not reused
+        reached[key] = (strategies, [s for s in strategies if all(not p.is_partial or a in partial_ok[k]
+                                                                  for k, lay in enumerate(s.inputs)
+                                                                  for a, p in enumerate(lay))])
+    return list(reached[key][1])

@@ -342,22 +342,28 @@ class _DeferredGradients:
     """Reduce-scatters of parameter gradients issued in backward and waited later, as FSDP2 does: one
     is waited when the next is issued (so that at most one extra gradient is held, the one in flight),
     the last when backward ends (an autograd engine callback). Waiting adds the reduced block to the
-    parameter's ``.grad``. Every rank issues them in backward's order, which is the same on all."""
+    parameter's ``.grad``. Every rank issues them in backward's order, which is the same on all. One
+    left by a backward that raised (its end callback never ran) is waited for and dropped."""
 
     def __init__(self):
-        self.in_flight: tuple | None = None      # (parameter, the issued reduce-scatter's raw result)
+        self.in_flight: tuple | None = None      # (parameter, the issued reduce-scatter's raw result,
+                                                 # the backward that issued it)
 
     def issue(self, param: torch.Tensor, issued: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        if self.in_flight is not None and self.in_flight[2] != task:
+            _ops.wait_tensor(self.in_flight[1])
+            self.in_flight = None
         if self.in_flight is None:
             torch.autograd.Variable._execution_engine.queue_callback(self.wait)
         else:
             self.wait()
-        self.in_flight = param, issued
+        self.in_flight = param, issued, task
 
     def wait(self) -> None:
         if self.in_flight is None:
             return
-        param, issued = self.in_flight
+        param, issued, _ = self.in_flight
         self.in_flight = None
         block = _scattered(_ops.wait_tensor(issued)).squeeze(0)
         param.grad = block if param.grad is None else param.grad.add_(block)

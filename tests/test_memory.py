@@ -253,3 +253,32 @@ def test_smallest_budget_plan_of_zero_2_3_and_recompute_is_predicted_within_10_p
     """The plan at the smallest feasible budget shards states (ZeRO-2), parameters (ZeRO-3) and
     recomputes layers: its measured peak is its prediction's within 10%."""
     run_distributed(_smallest_budget_plan, 2, timeout=300)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_saved_activations_of_folded_layers_are_those_of_running_every_layer(name, monkeypatch):
+    """The saved-activations pass runs a repeated layer's first three instances and gives the later ones
+    the third's records: every node's record equals the one running every layer gives."""
+    from autopar.pass_pipeline import FRONT_END
+    from autopar.passes import memory
+    from autopar.passes.capture import capture
+    from autopar.passes.meta import meta_of, set_meta
+    from tests import hf_models
+
+    gm = capture(hf_models.build(name, layers=5), (hf_models.batch()[0],), {}).gm
+    for p in FRONT_END:
+        gm = p(gm)
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    attributed = []
+    attribute = memory._attribute
+    monkeypatch.setattr(memory, "_attribute", lambda node, *a: attributed.append(node) or attribute(node, *a))
+    records = []
+    for fold in (False, True):
+        for n in calls:
+            set_meta(n, saved=None, copies=False)
+        memory.saved_activations_pass(gm, fold=fold)
+        records.append([(n.name, meta_of(n).saved, meta_of(n).copies) for n in calls])
+    assert records[0] == records[1]
+    # Layers 3 and 4 of 5 were not run.
+    per_layer = sum(meta_of(n).layer is not None and meta_of(n).layer.layer.endswith(".1") for n in calls)
+    assert len(attributed) == 2 * len(calls) - 2 * per_layer > len(calls)

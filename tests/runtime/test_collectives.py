@@ -27,6 +27,7 @@ from autopar.runtime.collectives import (
     all_gather_start,
     all_reduce_start,
     all_to_all_start,
+    defer_reduce_scatter,
     reduce_scatter_start,
     same_on_all_ranks,
 )
@@ -162,8 +163,34 @@ def test_collectives_match_single_process_reference(world_size):
     run_distributed(_reference_body, world_size)
 
 
+def _deferred_after_a_failed_backward(name, world_size):
+    """A gradient reduce-scatter left in flight by a backward that raised is dropped, not added to the
+    next backward's gradient."""
+    param = torch.zeros(2, requires_grad=True)
+
+    class Reduced(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, fail):
+            ctx.fail = fail
+            return x.repeat(world_size)
+
+        @staticmethod
+        def backward(ctx, g):
+            defer_reduce_scatter(param, g, 0, name)
+            if ctx.fail:
+                raise RuntimeError("backward fails after issuing")
+            return None, None
+
+    with pytest.raises(RuntimeError, match="fails after issuing"):
+        (Reduced.apply(param, True) * 5.0).sum().backward()
+    assert param.grad is None
+    (Reduced.apply(param, False) * 1.0).sum().backward()
+    assert_close(param.grad, torch.full((2,), float(world_size)))
+
+
 def _misc_body(rank, world_size):
     name = dist.group.WORLD.group_name
+    _deferred_after_a_failed_backward(name, world_size)
 
     # Divisibility: every rank raises before communicating, so nothing hangs.
     odd = torch.zeros(3, 4)
