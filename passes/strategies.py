@@ -307,13 +307,21 @@ def node_strategies(node: fx.Node, mesh_shape, cache: dict | None = None, zero: 
     """``zero``: parameters also offer their ZeRO-1 up to ZeRO-``zero`` variants (``ZeroState``); ``offload``:
     their optimizer state in host memory (``Strategy.offload``)."""
     if cache is not None:
-        key = (signature(node), zero, offload)
+        key = (_placeholder_key(node) if node.op == "placeholder" else signature(node), zero, offload)
         if key not in cache:
             cache[key] = _node_strategies(node, mesh_shape, zero, offload), meta_of(node).refused
         strategies, refused = cache[key]
         set_meta(node, refused=refused)
         return strategies
     return _node_strategies(node, mesh_shape, zero, offload)
+
+
+def _placeholder_key(node: fx.Node) -> tuple:
+    """What a placeholder's strategies depend on (``_placeholder_strategies``), its name aside: the
+    parameters of every copy of a layer share them."""
+    role = meta_of(node).role
+    return ("placeholder", role.kind if role else None, _val_sig(node.meta.get("val")), meta_of(node).strided,
+            requires_grad(node))
 
 
 def _node_strategies(node: fx.Node, mesh_shape, zero: int = 0, offload: bool = False) -> list[Strategy]:
