@@ -13,7 +13,7 @@ def _elementwise_flops(ctx):
 
 # Unary ops that are linear in their input: a Partial passes through.
 @register_rule(aten.neg.default, aten.clone.default, aten.contiguous.default, aten.to.dtype,
-               aten.to.dtype_layout, aten._to_copy.default, aten.type_as.default,
+               aten.to.device, aten.to.dtype_layout, aten._to_copy.default, aten.type_as.default,
                flops=_elementwise_flops)
 def linear_unary_rule(ctx):
     return broadcast_options(ctx, linear=[0] if len(ctx.ins) == 1 else [])
