@@ -380,8 +380,24 @@ def defer_reduce_scatter(param: torch.Tensor, grad: torch.Tensor, dim: int, grou
 
 def _plain_leaf(x: torch.Tensor) -> bool:
     """A parameter whose gradient autograd would only accumulate: no hooks read it on the way (the
-    runtime's ZeRO-1/2, offload and bucketed reductions register post-accumulate hooks)."""
+    runtime's ZeRO-1, offload and bucketed reductions register post-accumulate hooks)."""
     return x.is_leaf and x.requires_grad and not x._backward_hooks and not x._post_accumulate_grad_hooks
+
+
+def accumulates(param: torch.Tensor) -> bool:
+    """Whether the running backward adds ``param``'s gradient to its ``.grad`` (``backward()``, or
+    ``backward(inputs=...)`` naming it) rather than returning it (``torch.autograd.grad``, which leaves
+    ``.grad`` and the post-accumulate hooks alone): a reduction the runtime defers to ``.grad`` or to
+    such a hook must then run at once, in the gradient autograd returns."""
+    try:
+        return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(param).node)
+    except RuntimeError:        # torch's refusal for a leaf whose gradient autograd.grad returns
+        return False
+
+
+def deferrable(param: torch.Tensor) -> bool:
+    """Whether ``param``'s reduce-scatter may go to ``defer_reduce_scatter`` from the running backward."""
+    return _plain_leaf(param) and accumulates(param)
 
 
 class _AllGatherStart(torch.autograd.Function):
@@ -389,9 +405,9 @@ class _AllGatherStart(torch.autograd.Function):
     def forward(ctx, x, name, grad):
         rank, size = _group(name)
         ctx.args = name, grad, rank, size
-        # A sharded parameter (ZeRO-3): its gradient's reduce-scatter is waited after the rest of
+        # A sharded parameter (ZeRO-3): its gradient's reduce-scatter may be waited after the rest of
         # backward has run past it.
-        ctx.param = x if grad == "reduce_scatter" and _plain_leaf(x) else None
+        ctx.param = x if grad == "reduce_scatter" and x.is_leaf else None
         return _start_gather(x, size, name)
 
     @staticmethod
@@ -401,7 +417,7 @@ class _AllGatherStart(torch.autograd.Function):
         name, grad, rank, size = ctx.args
         if grad == "slice":
             return _chunk(g, 0, rank, size), None, None
-        if ctx.param is not None:
+        if ctx.param is not None and deferrable(ctx.param):
             defer_reduce_scatter(ctx.param, g, 0, name)
             return None, None, None
         return _reduce_scatter(g, 0, size, name), None, None

@@ -5,6 +5,7 @@ The program lists the parameters whose accumulated gradient is summed over a gro
 about ``bucket_bytes`` (one group and dtype per bucket); a bucket's all-reduce starts, asynchronously,
 once every gradient in it is accumulated, and buckets start in index order so that every rank issues
 the same collectives in the same order. The end of backward waits for them and writes the sums back.
+A gradient ``torch.autograd.grad`` returns is all-reduced alone, at once.
 
 A gradient already held from an earlier backward (accumulation without ``zero_grad``) is set aside at
 forward and added back after the reduction, so only this backward's gradient is summed.
@@ -26,8 +27,9 @@ class GradBuckets:
         self.buckets: list[list] = [[p for p, _ in b] for b in packed]
         self.groups: list[str] = [b[0][1] for b in packed]
         self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b}
-        for p in self.bucket_of:
+        for p, i in self.bucket_of.items():
             p.register_post_accumulate_grad_hook(self._ready)
+            p.register_hook(self._returned(p, self.groups[i]))
         self._reset()
         self.saved: dict = {}
 
@@ -50,6 +52,14 @@ class GradBuckets:
         for p, g in self.saved.items():
             p.grad = g if p.grad is None else g.add_(p.grad)
         self.saved = {}
+
+    @staticmethod
+    def _returned(p, group: str):
+        """A gradient ``torch.autograd.grad`` returns, rather than accumulates (no post-accumulate hook
+        runs for it), all-reduced at once."""
+        def hook(g):
+            return None if C.accumulates(p) else C._all_reduce(g, group)
+        return hook
 
     def _ready(self, p):
         if not self.queued:

@@ -189,6 +189,38 @@ def _reduce_scatters_overlap_backward(pm, ids, labels, where):
         assert torch.equal(g, grads[1][name]), f"{where}: {name}'s gradient differs when waited at once"
 
 
+def _autograd_grad_gives_the_blocks(pm, ref_grads, ids, labels, where):
+    """With overlap on, ``torch.autograd.grad`` over the module's parameters returns this rank's blocks of
+    the single-device gradients and leaves every ``.grad`` alone (no deferred reduce-scatter writes one);
+    ``backward(inputs=...)`` fills the named parameters' ``.grad`` only."""
+    from torch.distributed.tensor import DTensor
+
+    assert pm._program.overlap, where
+    pm.zero_grad(set_to_none=True)
+    scale = max(g.abs().max().item() for g in ref_grads.values())
+
+    def check(fqn, local_grad, how):
+        assert local_grad is not None, f"{where}: {how} gave no gradient for {fqn}"
+        full = DTensor.from_local(local_grad, pm.mesh, [x.to_dtensor() for x in pm.state_layout(fqn)],
+                                  run_check=False).full_tensor()
+        assert (full - ref_grads[fqn]).abs().max().item() <= 1e-5 * scale, f"{where}: {how}, gradient of {fqn}"
+
+    fqns = list(pm.plan.params)
+    params = [pm.local_parameter(f) for f in fqns]
+    grads = torch.autograd.grad(pm(ids, labels=labels).loss, params)
+    for fqn, g in zip(fqns, grads):
+        check(fqn, g, "torch.autograd.grad")
+    assert all(p.grad is None for p in params), f"{where}: torch.autograd.grad wrote a .grad"
+    named = fqns[::2]
+    pm(ids, labels=labels).loss.backward(inputs=[pm.local_parameter(f) for f in named])
+    for fqn in fqns:
+        if fqn in named:
+            check(fqn, pm.local_parameter(fqn).grad, "backward(inputs=...)")
+        else:
+            assert pm.local_parameter(fqn).grad is None, f"{where}: backward(inputs=...) wrote {fqn}'s .grad"
+    pm.zero_grad(set_to_none=True)
+
+
 def _check_sharded_states(rank, world, mesh, checkpoint_dir):
     from tests.hf_models import MEGATRON, batch, build
     from tests.live_memory import step_peak_over_ranks
@@ -199,6 +231,14 @@ def _check_sharded_states(rank, world, mesh, checkpoint_dir):
     ids, labels = batch()
     cluster = autopar.ClusterSpec.local_cpu(world)
     tp = {k: v for k, v in MEGATRON["gpt2"].items()} if len(mesh) == 2 else None
+    ref_grads = dict(zip([f for f, _ in ref.named_parameters()],
+                         torch.autograd.grad(ref(ids, labels=labels).loss, list(ref.parameters()))))
+    if len(mesh) == 1:
+        zero3 = {"*.weight": ["S(0)"], "input_ids": ["S(0)"], "labels": ["S(0)"], "mm_default*": ["S(0)"]}
+        pm = autopar.compile(model, cluster, (ids,), {"labels": labels}, mesh_shape=mesh, pins=zero3,
+                             recompute=False)
+        assert "grad = 'reduce_scatter'" in pm.code and "all_gather_start(" in pm.code
+        _autograd_grad_gives_the_blocks(pm, ref_grads, ids, labels, "ZeRO-3")
     pms = {}
     for stage in (1, 2):
         pm = autopar.compile(model, cluster, (ids,), {"labels": labels}, mesh_shape=mesh,
@@ -208,6 +248,8 @@ def _check_sharded_states(rank, world, mesh, checkpoint_dir):
         # The optimizer sees this rank's blocks: its states are a world-th of the replicated size.
         sharded = pm.local_parameter(next(iter(pm.plan.zero)))
         assert sharded.numel() * mesh[0] == pm.local_tensor(next(iter(pm.plan.zero))).numel()
+        if stage == 2:
+            _autograd_grad_gives_the_blocks(pm, ref_grads, ids, labels, where)
         opt = _train_and_compare(pm, copy.deepcopy(ref), ids, labels, where)
         pms[stage] = (pm, opt)
 
