@@ -58,13 +58,13 @@ def alternatives(prob, idx: ProblemIndex, assignment, cm: CostModel, axis_names,
                 if m.op == "call_function":
                     for k, v in enumerate(input_values(m)):
                         if root_of(v.node) is not rep and v.node in chosen:
-                            colls += _edge_collectives(cm, v, chosen[v.node].outputs[v.index], s, k, v.node.name, axis_names)
+                            colls += _edge_collectives(cm, v, chosen[v.node], s, k, v.node.name, axis_names)
                 for c in m.users:
                     if c.op != "call_function" or root_of(c) is rep or c not in chosen:
                         continue
                     for k, v in enumerate(input_values(c)):
                         if v.node is m:
-                            colls += _edge_collectives(cm, v, s.outputs[v.index], chosen[c], k, c.name, axis_names)
+                            colls += _edge_collectives(cm, v, s, chosen[c], k, c.name, axis_names)
             mem = fwd_mem.get(ci, [0.0] * len(choice.costs))[o] / choice.count
             rs = strategies[rep][o]
             entries.append(PlanAlternative(choice.labels[o] if choice.labels else str(o), o == assignment[ci],
@@ -82,7 +82,7 @@ def _op_collectives(cm, node, s, axis_names):
 def _edge_collectives(cm, v, src, dst_strategy, k, neighbor, axis_names):
     from autopar.passes.strategies import value_info
 
-    steps = cm.resharding(v, src, None, dst_strategy, k)
+    steps = cm.resharding(v, src, dst_strategy, k)
     if steps is None:
         return [AlternativeCollective("impossible", neighbor, v.node.name)]
     priced = cm.priced_steps(steps, value_info(v).dtype.itemsize, requires_grad(v.node))

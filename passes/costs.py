@@ -24,7 +24,7 @@ from autopar.cluster import ClusterSpec
 from autopar.layout import local_fraction, local_shape
 from autopar.plan import AlternativeCollective, PlanCollective
 from autopar.passes.meta import is_param, meta_of, set_meta
-from autopar.passes.resharding import Step, collective_seconds, grad_partial_axes, transition
+from autopar.passes.resharding import Step, collective_seconds, transition
 from autopar.passes.rules import context_for, rule_for, tensor_inputs
 from autopar.passes.runner import requires
 from autopar.passes.strategies import Strategy, Value, requires_grad, signature, value_info
@@ -187,13 +187,11 @@ class CostModel:
         return [(st, Collective(kind, st.axis, phase, nbytes, self.collective_seconds(kind, nbytes, st.axis)))
                 for st in steps for kind, phase, nbytes in st.collectives(itemsize, needs_grad)]
 
-    def resharding(self, value: Value, src_layout, consumer: fx.Node | None, dst_strategy: Strategy | None,
-                   position: int, dst_layout=None):
-        """Steps to bring ``value`` from ``src_layout`` to what the consumer's strategy reads."""
+    def resharding(self, value: Value, src: Strategy, dst_strategy: Strategy | None, position: int, dst_layout=None):
+        """Steps to bring ``value`` from its layout under its producer's strategy ``src`` to what the
+        consumer's strategy reads."""
         dst = dst_layout if dst_layout is not None else dst_strategy.inputs[position]
-        partial_axes = frozenset() if dst_strategy is None else grad_partial_axes(
-            dst, dst_strategy.splits_work, requires_grad(value.node))
-        return self.transition(value, src_layout, dst, partial_axes)
+        return self.transition(value, src.outputs[value.index], dst, src.read_grad_partial(value, dst, dst_strategy))
 
     def transition(self, value: Value, src_layout, dst_layout, partial_axes: frozenset):
         """Steps to bring ``value`` from ``src_layout`` to ``dst_layout``, reducing its gradient over
@@ -245,7 +243,7 @@ class CostModel:
         if zero is not None:
             n = self.mesh_shape[zero.axis]
             o /= n
-            if zero.stage >= 2:
+            if zero.scatters_grad:
                 g /= n
         return p, g, o
 
@@ -262,7 +260,7 @@ class CostModel:
         node's devices share it), reads and writes what the device's would."""
         p, g, o = self.param_bytes(node, layout, zero)
         if zero is not None:
-            p, g = p / self.mesh_shape[zero.axis], g if zero.stage >= 2 else g / self.mesh_shape[zero.axis]
+            p, g = p / self.mesh_shape[zero.axis], g if zero.scatters_grad else g / self.mesh_shape[zero.axis]
         # Adam reads the parameter, gradient and states and writes the parameter and states.
         touched = 2 * p + g + 2 * o
         if offload:
@@ -279,7 +277,7 @@ class CostModel:
             return []
         p = self.param_bytes(node, layout)[0]
         out = []
-        if zero.stage >= 2:
+        if zero.scatters_grad:
             out.append(Collective("reduce_scatter", zero.axis, "backward", p,
                                   self.collective_seconds("reduce_scatter", p, zero.axis)))
         out.append(Collective("all_gather", zero.axis, "optimizer", p,

@@ -66,7 +66,7 @@ def bucketed_params(gm: fx.GraphModule, colls: list[PlanCollective], strategy: d
         if n.op != "placeholder" or n.name not in by_value or n not in strategy:
             continue
         s = strategy[n]
-        if (s.zero is not None and s.zero.stage >= 2) or s.offload:
+        if s.grad_scatter_axis is not None or s.offload:
             continue
         own = by_value[n.name]
         axes = {c.axis for c in own}
@@ -135,7 +135,7 @@ def exposure(gm: fx.GraphModule, strategy: dict, colls: list[PlanCollective], cm
             continue
         if (c.value, c.node) in split_reads and st.zero is None:
             deferred[i] = c.node                                   # ZeRO-3, at its reader's backward
-        elif c.node == c.value and st.zero is not None and st.zero.stage >= 2 and nodes[c.value].users:
+        elif c.node == c.value and st.grad_scatter_axis is not None and nodes[c.value].users:
             deferred[i] = first_reader_of(nodes[c.value])          # ZeRO-2, once accumulated
     first_reader = {p: first_reader_of(n) for n in order if (p := n.name) in buckets}
     members: dict[str, list[int]] = {}

@@ -429,7 +429,7 @@ def _shared_edge(v: Value, rs, count: int, idx: ProblemIndex, cm: CostModel,
             hidden = min(fwd, forward_window)
             # Only a parameter's gradient all-reduce alone runs in the runtime's buckets (passes.exposure
             # .bucketed_params): not a ZeRO-2 one (reduce-scattered), nor an offloaded one.
-            if fwd == 0.0 and not src.offload and (src.zero is None or src.zero.stage < 2):
+            if fwd == 0.0 and not src.offload and src.grad_scatter_axis is None:
                 hidden += min(bwd, backward_window)
             cost_row.append(fwd + bwd - hidden)
             credit_row.append(hidden)

@@ -618,7 +618,7 @@ class StepMemory:
         table, again = [], []
         for o in self._options(c):
             s = self._strategy(node, o)
-            steps = self.cm.resharding(v, s.outputs[0], None, None, 0, dst_layout=rep) if s else []
+            steps = self.cm.resharding(v, s, None, 0, dst_layout=rep) if s else []
             nbytes = value_info(v).nbytes if steps else 0.0
             table.append(nbytes)
             again.append(nbytes if any(st.op == "all_gather" and st.dim and prod(st.in_shape[:st.dim]) > 1
@@ -826,10 +826,10 @@ class StepMemory:
                 # device only where host and device are one memory.
                 on_device = [0.0 if s.offload and not self.cm.cluster.host_is_device else 1.0 for s in opts]
                 step_of[n] = _one(c, [f[1] / k * d for f, k, d in zip(full, shards, on_device)])
-                if any((s.zero is not None and s.zero.stage >= 2) or s.offload for s in opts):
+                if any(s.grad_scatter_axis is not None or s.offload for s in opts):
                     # ZeRO-2: once accumulated, the gradient is reduce-scattered into its shard; offload:
                     # it is copied to host memory (nothing on the device unless host and device are one).
-                    z2 = [(s.zero is not None and s.zero.stage >= 2) or s.offload for s in opts]
+                    z2 = [s.grad_scatter_axis is not None or s.offload for s in opts]
                     scatter[n] = (_one(c, [k[1] if z else 0.0 for k, z in zip(kept, z2)]),
                                   _one(c, [f[1] if z else 0.0 for f, z in zip(full, z2)]))
                 if any(s.zero is not None for s in opts):
@@ -874,7 +874,6 @@ class StepMemory:
                 gather_sources.append(_one(c, [vb.at({c: i}) * (1.0 if cp.at({c: i}) else 0.0)
                                                for i in self._options(c)]))
         grouped, copies_before = self._shared_copies(calls, pos, input_values, inst_of, frees, copy_views)
-        import os as _os
         holders = {}          # storage -> [(saving node, None or Bytes kept only where no copy is read)]
         kept = {}             # node -> [Bytes] allocated in its forward, freed after its backward
         held_copy = {}        # (node, input position) whose copy backward keeps -> the part it does not keep

@@ -15,7 +15,7 @@ import torch.fx as fx
 from autopar.layout import R
 from autopar.plan import PlanCollective
 from autopar.passes.meta import op_name
-from autopar.passes.resharding import global_transition, grad_partial_axes
+from autopar.passes.resharding import global_transition
 from autopar.passes.strategies import Strategy, Value, input_values, requires_grad, value_info
 
 
@@ -66,9 +66,9 @@ def plan_reshards(gm: fx.GraphModule, strategy: dict, mesh_shape, sharded_output
 
 
 def _reshard(low: ReshardPlan, mesh_shape, v: Value, dst, s: Strategy | None, consumer: fx.Node):
-    src = low.strategy[v.node].outputs[v.index]
-    partial = frozenset() if s is None else low.strategy[v.node].readers_grad_partial(
-        grad_partial_axes(dst, s.splits_work, requires_grad(v.node)))
+    producer = low.strategy[v.node]
+    src = producer.outputs[v.index]
+    partial = producer.read_grad_partial(v, dst, s)
     key = ReshardKey(v, tuple(dst), partial)
     if key not in low.reshards:
         steps = global_transition(tuple(src), tuple(dst), value_info(v).shape, mesh_shape, grad_partial=partial)

@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from autopar.layout import R, S, divides, format_layout, local_shape
 from autopar.passes.meta import meta_of, program_meta, set_meta, set_program_meta
+from autopar.passes.resharding import grad_partial_axes
 from autopar.passes.rules import (AxisOption, TensorInfo, axis_options, context_for, output_infos)
 from autopar.passes.runner import requires
 
@@ -33,6 +34,13 @@ class ZeroState:
     stage: int
     axis: int
     dim: int
+
+    @property
+    def scatters_grad(self) -> bool:
+        """ZeRO-2: the runtime reduce-scatters the accumulated gradient into the state's shard, once for
+        all the parameter's readers (which then leave it out of their reductions, ``readers_grad_partial``)
+        and in place of a bucketed all-reduce."""
+        return self.stage >= 2
 
     def state_layout(self, layout: Layout) -> Layout:
         """The layout of the optimizer state (and of a ZeRO-2 gradient) for a parameter in ``layout``."""
@@ -63,13 +71,22 @@ class Strategy:
     def grad_scatter_axis(self) -> int | None:
         """The mesh axis along which a ZeRO-2 parameter's own reduce-scatter reduces its gradient,
         once for all its readers; None for every other value."""
-        return self.zero.axis if self.zero is not None and self.zero.stage >= 2 else None
+        return self.zero.axis if self.zero is not None and self.zero.scatters_grad else None
 
     def readers_grad_partial(self, partial_axes: frozenset) -> frozenset:
         """Of the axes along which a reader leaves this value's gradient partial (``grad_partial_axes``),
         those the reader's resharding reduces: all but ``grad_scatter_axis``."""
         axis = self.grad_scatter_axis
         return partial_axes if axis is None else partial_axes - {axis}
+
+    def read_grad_partial(self, value: Value, dst, reader: Strategy | None) -> frozenset:
+        """The mesh axes along which the resharding of ``value`` (an output of this strategy) that
+        ``reader`` reads as ``dst`` reduces its gradient on the way back: those the reader leaves it
+        partial on (``grad_partial_axes``), as ``readers_grad_partial`` keeps them; none for a user
+        output (no reader)."""
+        if reader is None:
+            return frozenset()
+        return self.readers_grad_partial(grad_partial_axes(dst, reader.splits_work, requires_grad(value.node)))
 
     def label(self) -> str:
         outs = ",".join("[" + ",".join(map(str, lay)) + "]" for lay in self.outputs)

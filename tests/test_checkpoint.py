@@ -72,6 +72,36 @@ def _save_then_reshard(rank, world, root):
         Path(root, "eager.json").write_text(json.dumps(eager))
     for label, (mesh, pins) in list(_plans(world).items())[1:]:
         _resume_and_compare(_compile(world, mesh, pins, seed=1), ckpt, eager, f"{label} on mesh {mesh}")
+    _pipeline_zero_checkpoint(world, root, eager)
+
+
+def _pipeline_zero_checkpoint(world, root, eager):
+    """pp=2 x dp=2 with ZeRO-1 inside the stages (each rank holds its stage's parameters, the optimizer
+    steps their dp-th blocks): saved after SAVE_AT steps with eager's losses, resumed under the same
+    plan and under data parallelism."""
+    import autopar
+    from tests.test_pipeline_parity import _dp_pins
+
+    ids, labels = batch()
+
+    def pipeline(seed):
+        torch.manual_seed(seed)
+        return autopar.compile(build("gpt2"), autopar.ClusterSpec.local_cpu(world), (ids,), {"labels": labels},
+                               mesh_shape=(2, 2), axis_names=("pp", "dp"), schedule="1F1B", microbatches=2,
+                               pins=_dp_pins("gpt2", zero=1))
+
+    pm = pipeline(0)
+    assert pm.plan.zero and {z["stage"] for z in pm.plan.zero.values()} == {1}
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    for step in range(SAVE_AT):
+        loss = pm.train_step(ids, labels=labels).item()
+        opt.step(), opt.zero_grad()
+        assert abs(loss - eager[step]) <= 1e-5 * abs(eager[step]), f"pipeline ZeRO-1: step {step} loss {loss}"
+    ckpt = Path(root) / "pipeline_zero1"
+    autopar.checkpoint.save(ckpt, pm, opt, extra={"step": SAVE_AT, "data": "position"})
+    _resume_and_compare(pipeline(2), ckpt, eager, "pipeline plan with ZeRO-1 -> the same plan")
+    mesh, pins = _plans(world)["data parallel"]
+    _resume_and_compare(_compile(world, mesh, pins, seed=1), ckpt, eager, "pipeline plan with ZeRO-1 -> data parallel")
 
 
 def _resume_on_other_world(rank, world, root):
@@ -83,7 +113,8 @@ def _resume_on_other_world(rank, world, root):
 
 def test_checkpoint_reshards_across_plans_meshes_and_world_sizes(tmp_path):
     """Saved under data parallelism on 4 ranks; resumed under a tensor split and a 2-D mesh on 4 ranks,
-    and under a tensor split on 2 ranks."""
+    and under a tensor split on 2 ranks. In the same 4-rank launch, a pipeline plan with ZeRO-1 inside
+    its stages saves and resumes (``_pipeline_zero_checkpoint``)."""
     run_distributed(_save_then_reshard, 4, str(tmp_path), timeout=600)
     run_distributed(_resume_on_other_world, 2, str(tmp_path), timeout=300)
 

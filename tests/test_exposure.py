@@ -11,12 +11,14 @@ import torch.fx as fx
 import autopar
 from autopar.passes.exposure import exposure
 from autopar.plan import PlanCollective
+from autopar.passes.strategies import Strategy
 
 
 @dataclass(frozen=True)
 class _Plain:          # what exposure() reads of a Strategy
     zero: object = None
     offload: bool = False
+    grad_scatter_axis = Strategy.grad_scatter_axis
 
 
 class _Clock:

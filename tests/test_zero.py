@@ -75,6 +75,19 @@ def test_zero_entries_are_typed_records_that_round_trip(zero_plans):
     assert again.zero == p.zero and again.to_json() == p.to_json()
 
 
+def test_alternatives_leave_a_zero2_gradient_to_its_reduce_scatter(zero_plans):
+    """The plan's alternatives report lists a ZeRO-2 parameter's edges as the plan runs them: its reader
+    does not all-reduce the gradient (the parameter's own reduce-scatter reduces it), while the same
+    parameter's replicated and ZeRO-1 options do."""
+    options = {a.layout: a for a in zero_plans["zero2"].alternatives["proj.weight"]}
+
+    def all_reduces(option):
+        return [c for c in option.collectives if c.kind == "all_reduce"]
+
+    assert options["[R] ZeRO-2@0"].chosen and not all_reduces(options["[R] ZeRO-2@0"])
+    assert all_reduces(options["[R]"]) and all_reduces(options["[R] ZeRO-1@0"])
+
+
 def test_zero_communication_matches_data_parallel_volume(zero_plans):
     """ZeRO-2 moves the same bytes as data parallelism (2 Psi: a reduce-scatter and an all-gather in
     place of an all-reduce); ZeRO-1 as built here all-reduces and all-gathers (3 Psi, docs/cost-model.md)."""
