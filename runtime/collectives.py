@@ -122,6 +122,11 @@ def _start_all_reduce(x: torch.Tensor, name: str, *, op: str = "sum") -> torch.T
     return _ops.all_reduce(x.contiguous(), op, name)
 
 
+def _start_all_reduce_(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Issue a sum all-reduce of the contiguous ``x`` into ``x`` itself (its handle is ``x``)."""
+    return _ops.all_reduce_(x, "sum", name)
+
+
 def _start_all_to_all(x: torch.Tensor, dst_dim: int, size: int, name: str, *, dst_groups: int = 1) -> torch.Tensor:
     """Issue an all-to-all sending block r of ``x`` along ``dst_dim`` to rank r; the result stacks the
     received blocks on a new dim 0."""

@@ -73,7 +73,8 @@ class GradBuckets:
     def _launch(self, i):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[i]]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        self.works.append((i, C._start_all_reduce(flat, self.groups[i])))
+        # In place: the bucket is a fresh tensor, so the functional all-reduce's copy of it is not needed.
+        self.works.append((i, C._start_all_reduce_(flat, self.groups[i])))
         self.next = i + 1
 
     def _finish(self):
