@@ -204,8 +204,8 @@ def _reduce_scatters_overlap_backward(pm, ids, labels, where):
 
 def _autograd_grad_gives_the_blocks(pm, ref_grads, ids, labels, where):
     """With overlap on, ``torch.autograd.grad`` over the module's parameters returns this rank's blocks of
-    the single-device gradients and leaves every ``.grad`` alone (no deferred reduce-scatter writes one);
-    ``backward(inputs=...)`` fills the named parameters' ``.grad`` only."""
+    the single-device gradients and leaves every ``.grad`` as an earlier backward left it (no deferred
+    reduce-scatter writes one); ``backward(inputs=...)`` fills the named parameters' ``.grad`` only."""
     from torch.distributed.tensor import DTensor
 
     assert pm._program.overlap, where
@@ -220,10 +220,13 @@ def _autograd_grad_gives_the_blocks(pm, ref_grads, ids, labels, where):
 
     fqns = list(pm.plan.params)
     params = [pm.local_parameter(f) for f in fqns]
+    pm(ids, labels=labels).loss.backward()
+    before = [p.grad.clone() for p in params]
     grads = torch.autograd.grad(pm(ids, labels=labels).loss, params)
     for fqn, g in zip(fqns, grads):
         check(fqn, g, "torch.autograd.grad")
-    assert all(p.grad is None for p in params), f"{where}: torch.autograd.grad wrote a .grad"
+    assert all(torch.equal(p.grad, b) for p, b in zip(params, before)), f"{where}: torch.autograd.grad changed a .grad"
+    pm.zero_grad(set_to_none=True)
     named = fqns[::2]
     pm(ids, labels=labels).loss.backward(inputs=[pm.local_parameter(f) for f in named])
     for fqn in fqns:
