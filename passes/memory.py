@@ -874,7 +874,6 @@ class StepMemory:
                 gather_sources.append(_one(c, [vb.at({c: i}) * (1.0 if cp.at({c: i}) else 0.0)
                                                for i in self._options(c)]))
         grouped, copies_before = self._shared_copies(calls, pos, input_values, inst_of, frees, copy_views)
-        import os as _os
         holders = {}          # storage -> [(saving node, None or Bytes kept only where no copy is read)]
         kept = {}             # node -> [Bytes] allocated in its forward, freed after its backward
         held_copy = {}        # (node, input position) whose copy backward keeps -> the part it does not keep
