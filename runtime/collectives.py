@@ -385,7 +385,7 @@ def defer_reduce_scatter(param: torch.Tensor, grad: torch.Tensor, dim: int, grou
 
 def _plain_leaf(x: torch.Tensor) -> bool:
     """A parameter whose gradient autograd would only accumulate: no hooks read it on the way (the
-    runtime's ZeRO-1, offload and bucketed reductions register post-accumulate hooks)."""
+    runtime's ZeRO-1/2, offload and bucketed reductions register post-accumulate hooks)."""
     return x.is_leaf and x.requires_grad and not x._backward_hooks and not x._post_accumulate_grad_hooks
 
 

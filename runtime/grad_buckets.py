@@ -53,12 +53,14 @@ class GradBuckets:
             p.grad = g if p.grad is None else g.add_(p.grad)
         self.saved = {}
 
-    @staticmethod
-    def _returned(p, group: str):
+    def _returned(self, p, group: str):
         """A gradient ``torch.autograd.grad`` returns, rather than accumulates (no post-accumulate hook
-        runs for it), all-reduced at once."""
+        runs for it), all-reduced at once; the gradients set aside at forward come back when it ends."""
         def hook(g):
-            return None if C.accumulates(p) else C._all_reduce(g, group)
+            if C.accumulates(p):
+                return None
+            torch.autograd.Variable._execution_engine.queue_callback(self.restore)
+            return C._all_reduce(g, group)
         return hook
 
     def _ready(self, p):
