@@ -169,6 +169,7 @@ def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str]
                 else:
                     outs.append(env[a] if isinstance(a, fx.Node) else a)
             g.output(pytree.tree_unflatten(outs, spec))
+    _fold_biases(gm, env)
     local = fx.GraphModule(gm, g, class_name="LocalProgram")
     # A plan without gather buckets (written before they existed) gathers each parameter alone.
     zero = tuple((fqn, z.stage, group_names[plan.axis_names.index(z.axis)], z.dim,
@@ -205,6 +206,37 @@ def example_local_inputs(gm: fx.GraphModule, plan: Plan) -> list:
             val = torch.empty(shape, dtype=val.dtype, device="meta")
         out.append(val)
     return out
+
+
+# The matmuls normalize_pass split a bias off, and the op that adds the bias back in one kernel.
+_BIASED = {aten.mm.default: aten.addmm.default, aten.linear.default: aten.linear.default}
+
+
+def _fold_biases(gm: fx.GraphModule, env: dict) -> None:
+    """Where a split-off bias is added to its matmul's local result with nothing between them (no
+    resharding, no other reader), emit the biased matmul again (``addmm``, ``linear`` with a bias):
+    one op less and no extra pass over the output, forward and backward. Any layout qualifies, as
+    both forms compute the same local sum; the plan's graph keeps the split."""
+    for node in gm.graph.nodes:
+        if node.target is not aten.add.Tensor or node.kwargs or not isinstance(node.args[0], fx.Node):
+            continue
+        mm, bias = node.args
+        if mm.target not in _BIASED or len(mm.users) != 1 or not isinstance(bias, fx.Node):
+            continue
+        if mm.target is aten.linear.default and len(mm.args) > 2:
+            continue
+        out, b = mm.meta.get("val"), bias.meta.get("val")
+        if not (isinstance(b, torch.Tensor) and b.dim() == 1 and b.shape[0] == out.shape[-1]
+                and b.dtype == out.dtype == node.meta["val"].dtype):
+            continue
+        add, local_mm = env[node], env[mm]
+        if add.args[0] is not local_mm or len(local_mm.users) != 1 or local_mm.target is not mm.target:
+            continue
+        local_bias = add.args[1]
+        add.target = _BIASED[mm.target]
+        add.args = ((local_bias, *local_mm.args) if mm.target is aten.mm.default
+                    else (*local_mm.args, local_bias))
+        local_mm.graph.erase_node(local_mm)
 
 
 def _emit(g, node, s: Strategy, low, env, reshard, mesh_shape, group_names):

@@ -4,8 +4,14 @@ The program lists the parameters whose accumulated gradient is summed over a gro
 (``Program.grad_reductions``, in the order backward makes them ready). They are packed into buckets of
 about ``bucket_bytes`` (one group and dtype per bucket); a bucket's all-reduce starts, asynchronously,
 once every gradient in it is accumulated, and buckets start in index order so that every rank issues
-the same collectives in the same order. The end of backward waits for them and writes the sums back.
+the same collectives in the same order. The end of backward waits for them.
 A gradient ``torch.autograd.grad`` returns is all-reduced alone, at once.
+
+A bucket's launch copies its gradients into one flat buffer and makes each parameter's ``.grad`` a
+view into it (DDP's ``gradient_as_bucket_view``): the all-reduce sums in place and nothing is copied
+back. The gradients then hold the buffer, so it lives as long as they do and ``zero_grad`` frees it:
+the step memory model's gradients (passes/memory.py), made in backward and held until then, stay
+true. Each backward makes new buffers, as the gradients of the one before may still be held.
 
 A gradient already held from an earlier backward (accumulation without ``zero_grad``) is set aside at
 forward and added back after the reduction, so only this backward's gradient is summed.
@@ -50,7 +56,7 @@ class GradBuckets:
     def restore(self):
         """Give back gradients set aside for a backward that did not run."""
         for p, g in self.saved.items():
-            p.grad = g if p.grad is None else g.add_(p.grad)
+            p.grad = g if p.grad is None else p.grad.add_(g)      # in place: a bucket's view stays one
         self.saved = {}
 
     def _returned(self, p, group: str):
@@ -73,22 +79,24 @@ class GradBuckets:
             self._launch(self.next)
 
     def _launch(self, i):
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[i]]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        # In place: the bucket is a fresh tensor, so the functional all-reduce's copy of it is not needed.
+        members = self.buckets[i]
+        flat = torch.empty(sum(p.numel() for p in members), dtype=members[0].dtype, device=members[0].device)
+        offset = 0
+        for p in members:
+            view = flat[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad)
+                p.grad = view
         self.works.append((i, C._start_all_reduce_(flat, self.groups[i])))
         self.next = i + 1
 
     def _finish(self):
         while self.next < len(self.buckets):     # buckets with parameters this backward did not reach
             self._launch(self.next)
-        for i, issued in self.works:
-            flat = torch.ops._c10d_functional.wait_tensor(issued)
-            offset = 0
-            for p in self.buckets[i]:
-                n = p.numel()
-                if p.grad is not None:
-                    p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                offset += n
+        for _, issued in self.works:
+            torch.ops._c10d_functional.wait_tensor(issued)     # summed in place, into the gradients' views
         self._reset()
         self.restore()

@@ -313,6 +313,16 @@ def _bucketed_gradients(rank, world):
     assert all(f"grad_all_reduce(p_{t.replace('.', '_')}," in plain.code for t, _, _ in reduced)
     assert len(one._grad_buckets.buckets) == 1 and len(each._grad_buckets.buckets) == len(reduced)
 
+    # A Conv1D's bias split off by normalize_pass is added in the matmul again where nothing comes
+    # between them (a whole or sharded result, not a Partial one reduced first).
+    aten = torch.ops.aten
+    conv1d = sum(type(m).__name__ == "Conv1D" for m in model.modules())
+    nodes = list(one.local_program.graph.nodes)
+    biased = [n for n in nodes if n.target is aten.addmm.default]
+    plain_mm = [n for n in nodes if n.target is aten.mm.default]
+    assert biased and len(biased) + len(plain_mm) == conv1d, one.code
+    assert not [n for n in plain_mm if [u.target for u in n.users] == [aten.add.Tensor]], one.code
+
     # One bucket per parameter: all but the last bucket are launched before backward ends.
     last = each.local_parameter(reduced[-1][0])
     launched = []
@@ -321,6 +331,9 @@ def _bucketed_gradients(rank, world):
         for m in (one, each, plain):
             m(ids, labels=labels).loss.backward()
         assert launched[-1] == len(reduced), launched
+        # The reduced gradients are views into their bucket's buffer (summed there, not copied back).
+        storages = {one.local_parameter(t).grad.untyped_storage().data_ptr() for t, _, _ in reduced}
+        assert len(storages) == 1, f"step {step}: one bucket's gradients in {len(storages)} storages"
         for (name, a), (_, b), (_, c) in zip(one.named_parameters(), each.named_parameters(),
                                              plain.named_parameters()):
             assert torch.equal(a.grad, b.grad), f"step {step}: {name} differs between bucket sizes"
