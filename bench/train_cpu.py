@@ -1,15 +1,18 @@
 """Training step time and peak live-tensor memory on 2 gloo ranks, side by side in one run:
-autopar's plan, DDP, FSDP2 (fully_shard) and manual tensor parallel (parallelize_module), on one
-GPT-2-shaped model; plus a 1-rank autopar plan against plain eager.
+autopar's plan, autopar running DDP's layout (pinned), DDP, FSDP2 (fully_shard) and manual tensor
+parallel (parallelize_module), on one GPT-2-shaped model; plus a 1-rank autopar plan against plain eager.
 
     OMP_NUM_THREADS=1 python bench/train_cpu.py [--model gpt|hf-gpt2] [--rounds 3] [--steps 4]
                                                 [--layers N] [--d-model N] [--vocab N] [--batch N]
 
 autopar plans on the profiled cluster (``ClusterSpec.profile()``; ``--no-profile`` keeps local_cpu's
-rough figures), and the table prints, beside each system's measured step, the step time autopar's cost
-model predicts for that system's layout (forced through pins: DDP's replicated parameters and split
-batch, FSDP2's parameters sharded on dim 0, Megatron's column/row split). Systems are timed in rounds,
-in turn, and each keeps its fastest round.
+rough figures) with ``sharded_outputs=True``: each rank keeps the logits in the layout they are
+computed in, as DDP and FSDP2 keep their own batch's (gathering the whole batch's logits on every rank
+is work the others do not do). The table prints, beside each system's measured step, the step time
+autopar's cost model predicts for that system's layout (forced through pins: DDP's replicated
+parameters and split batch, FSDP2's parameters sharded on dim 0, Megatron's column/row split).
+"autopar DP" is autopar's plan on DDP's pins (activations left to the solver), run by its runtime.
+Systems are timed in rounds, in turn, and each keeps its fastest round.
 
 ``--model gpt`` (the default) is autopar's built-in GPT (GPT-2's architecture with nn.Linear
 projections, so that parallelize_module's ColwiseParallel/RowwiseParallel apply to it), 4 layers,
@@ -132,7 +135,7 @@ def systems(args, rank, world, predicted: dict):
     cluster = autopar.ClusterSpec.local_cpu(world)
     if not args.no_profile:
         cluster = cluster.profile()
-    pm = autopar.compile(copy.deepcopy(base), cluster, (ids,), {"labels": labels})
+    pm = autopar.compile(copy.deepcopy(base), cluster, (ids,), {"labels": labels}, sharded_outputs=True)
     if rank == 0:
         print(f"cluster: {cluster}")
         print(pm.plan.summary().splitlines()[0], "|", pm.plan.summary().splitlines()[-2])
@@ -140,9 +143,16 @@ def systems(args, rank, world, predicted: dict):
     # Each other system's layout, priced by the same cost model through pins.
     manual_tp = args.model == "gpt"
     for name, pins in like_pins(base, world, manual_tp).items():
-        predicted[name] = autopar.plan(base, cluster, (ids,), {"labels": labels}, pins=pins, progress=False).step_time
+        predicted[name] = autopar.plan(base, cluster, (ids,), {"labels": labels}, pins=pins, progress=False,
+                                       sharded_outputs=True).step_time
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
     out.append(("autopar", pm, opt, trainer(pm, opt, lambda: pm(ids, labels=labels).loss)))
+    # DDP's layout run by autopar's runtime: what the generated program costs against DDP's on one layout.
+    dp = autopar.compile(copy.deepcopy(base), cluster, (ids,), {"labels": labels},
+                         pins=like_pins(base, world, False)["DDP"], sharded_outputs=True)
+    predicted["autopar DP"] = dp.plan.step_time
+    opt = torch.optim.AdamW(dp.parameters(), lr=1e-4)
+    out.append(("autopar DP", dp, opt, trainer(dp, opt, lambda: dp(ids, labels=labels).loss)))
 
     ddp = DDP(copy.deepcopy(base))
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)

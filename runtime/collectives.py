@@ -122,6 +122,11 @@ def _start_all_reduce(x: torch.Tensor, name: str, *, op: str = "sum") -> torch.T
     return _ops.all_reduce(x.contiguous(), op, name)
 
 
+def _start_all_reduce_(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Issue a sum all-reduce of the contiguous ``x`` into ``x`` itself (its handle is ``x``)."""
+    return _ops.all_reduce_(x, "sum", name)
+
+
 def _start_all_to_all(x: torch.Tensor, dst_dim: int, size: int, name: str, *, dst_groups: int = 1) -> torch.Tensor:
     """Issue an all-to-all sending block r of ``x`` along ``dst_dim`` to rank r; the result stacks the
     received blocks on a new dim 0."""
@@ -380,7 +385,7 @@ def defer_reduce_scatter(param: torch.Tensor, grad: torch.Tensor, dim: int, grou
 
 def _plain_leaf(x: torch.Tensor) -> bool:
     """A parameter whose gradient autograd would only accumulate: no hooks read it on the way (the
-    runtime's ZeRO-1, offload and bucketed reductions register post-accumulate hooks)."""
+    runtime's ZeRO-1/2, offload and bucketed reductions register post-accumulate hooks)."""
     return x.is_leaf and x.requires_grad and not x._backward_hooks and not x._post_accumulate_grad_hooks
 
 

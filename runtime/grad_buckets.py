@@ -53,12 +53,14 @@ class GradBuckets:
             p.grad = g if p.grad is None else g.add_(p.grad)
         self.saved = {}
 
-    @staticmethod
-    def _returned(p, group: str):
+    def _returned(self, p, group: str):
         """A gradient ``torch.autograd.grad`` returns, rather than accumulates (no post-accumulate hook
-        runs for it), all-reduced at once."""
+        runs for it), all-reduced at once; the gradients set aside at forward come back when it ends."""
         def hook(g):
-            return None if C.accumulates(p) else C._all_reduce(g, group)
+            if C.accumulates(p):
+                return None
+            torch.autograd.Variable._execution_engine.queue_callback(self.restore)
+            return C._all_reduce(g, group)
         return hook
 
     def _ready(self, p):
@@ -73,7 +75,8 @@ class GradBuckets:
     def _launch(self, i):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[i]]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        self.works.append((i, C._start_all_reduce(flat, self.groups[i])))
+        # In place: the bucket is a fresh tensor, so the functional all-reduce's copy of it is not needed.
+        self.works.append((i, C._start_all_reduce_(flat, self.groups[i])))
         self.next = i + 1
 
     def _finish(self):

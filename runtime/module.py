@@ -166,8 +166,7 @@ class ParallelModule(nn.Module):
         call = []
         for kind, target in self._program.placeholders:
             if kind == "param":
-                local = self.local_tensor(target)
-                call.append(local if self._sharded_states is None else self._sharded_states.read(target, local))
+                call.append(self.local_tensor(target))
             elif kind == "buffer":
                 call.append(self._buffers_by_name[target])
             elif kind == "constant":

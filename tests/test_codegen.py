@@ -19,7 +19,8 @@ def _count_executed(pm, ids, labels):
     phase = {"now": "forward"}
     # Every collective, one-call or split (codegen/overlap.py), forward or backward, is issued here.
     kinds = {"_start_gather": "all_gather", "_start_reduce_scatter": "reduce_scatter",
-             "_start_all_reduce": "all_reduce", "_start_all_to_all": "all_to_all"}
+             "_start_all_reduce": "all_reduce", "_start_all_reduce_": "all_reduce",
+             "_start_all_to_all": "all_to_all"}
     originals = {name: getattr(C, name) for name in kinds}
 
     def counting(name):

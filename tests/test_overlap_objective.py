@@ -77,3 +77,51 @@ def test_the_objective_is_the_serial_step_less_the_credits_and_they_never_exceed
         assert (credit > 0) == overlap
         assert prob.objective(sol.assignment) + credit == pytest.approx(plan.breakdown["serial"], rel=1e-9)
         assert credit <= plan.breakdown["hidden"] * (1 + 1e-9)
+
+
+class Deep(nn.Module):
+    """Four 512-wide layers with biases: eight gradients that the runtime's DDP-style bucket reduces in
+    one all-reduce, where the solver's objective prices one all-reduce, with its latency, per parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.fcs = nn.ModuleList(nn.Linear(512, 512) for _ in range(4))
+
+    def forward(self, x, y):
+        for fc in self.fcs:
+            x = torch.relu(fc(x))
+        return ((x - y) ** 2).mean()
+
+
+def _deep_plan(latency):
+    cpu = autopar.ClusterSpec.local_cpu(2)
+    cluster = dataclasses.replace(cpu, intra_node_latency=latency)
+    torch.manual_seed(0)
+    model = Deep()
+    args = (torch.randn(512, 512), torch.randn(512, 512))
+    prep = prepare(model, args, {}, cluster)
+    strategies_pass(prep.gm, (2,))
+    cm = CostModel(cluster, (2,), default_optimizer(model))
+    prob, idx = build_problem(prep.gm, cm, None, None, recompute=False)
+    sol = solve(prob, time_limit=60.0)
+    sm = StepMemory(prep.gm, cm, idx, [len(c.costs) for c in prob.choices])
+    ilp = assemble_plan(prep, SolvedMesh((2,), default_axis_names((2,)), idx, cm, sm), sol.assignment, cluster,
+                        cluster.usable_memory)
+    return ilp, autopar.plan(model, cluster, args, recompute=False, progress=False)
+
+
+def test_the_planner_keeps_the_replicated_parameters_where_the_replay_prices_them_faster():
+    # Over a link of 3 ms latency the solver, paying it once per gradient, splits the layers (tensor
+    # parallel); the replay of the replicated layout pays it once for the bucket and is faster.
+    ilp, plan = _deep_plan(latency=3e-3)
+    assert any(lay != ["R"] for lay in ilp.params.values()) or ilp.zero
+    assert plan.solver["replayed"]["solver"] == pytest.approx(ilp.step_time, rel=1e-9)
+    assert all(lay == ["R"] for lay in plan.params.values()) and not plan.zero
+    assert plan.step_time == plan.solver["replayed"]["replicated parameters"] < ilp.step_time
+
+
+def test_the_planner_keeps_the_solvers_answer_where_the_replay_prices_it_faster():
+    ilp, plan = _deep_plan(latency=1e-4)       # the latency the bucket saves is small beside the bytes
+    assert any(lay != ["R"] for lay in ilp.params.values()) or ilp.zero
+    assert plan.params == ilp.params and plan.step_time == pytest.approx(ilp.step_time, rel=1e-9)
+    assert plan.solver["replayed"]["replicated parameters"] > plan.step_time

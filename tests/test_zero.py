@@ -182,12 +182,39 @@ def _gathers_in_buckets_as_one_by_one(pm, model, cluster, ids, labels, mesh, whe
         assert torch.equal(t, runs[1][fqn]), f"{where}: {fqn} gathered in buckets differs from gathered alone"
 
 
+def _compute_after_first_reduce_scatter(pm, ids, labels) -> float:
+    """The share of backward's ATen compute ops (not views) that run after its first reduce-scatter is
+    issued: high when each is issued once its gradient is accumulated, near 0 when all wait for the end."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    c10d = torch.ops._c10d_functional
+    issues = (c10d.reduce_scatter_tensor.default, c10d.all_to_all_single.default)    # on CPU: all-to-all + sum
+    events = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in issues:
+                events.append("issue")
+            elif func.namespace == "aten" and not func.is_view:
+                events.append("compute")
+            return func(*args, **(kwargs or {}))
+
+    loss = pm(ids, labels=labels).loss
+    with Log():
+        loss.backward()
+    pm.zero_grad(set_to_none=True)
+    after = events[events.index("issue"):]
+    return after.count("compute") / events.count("compute")
+
+
 def _reduce_scatters_overlap_backward(pm, ids, labels, where):
     """ZeRO-2's gradient reduce-scatters are waited after later backward compute has run, and give the
     gradients they give waited at once (what ``compile(overlap=False)`` runs), bitwise."""
     from tests.test_codegen import _reduce_scatters_waited_after_compute
 
     assert pm._sharded_states.defer, where
+    assert _compute_after_first_reduce_scatter(pm, ids, labels) >= 0.5, \
+        f"{where}: the reduce-scatters are issued after most of backward, not as gradients are ready"
     between = _reduce_scatters_waited_after_compute(pm, ids, labels)
     assert len(between) >= len(pm.plan.zero) and sum(n > 0 for n in between) >= len(between) // 4, \
         f"{where}: ops between each reduce-scatter's issue and its wait: {between}"
@@ -204,8 +231,8 @@ def _reduce_scatters_overlap_backward(pm, ids, labels, where):
 
 def _autograd_grad_gives_the_blocks(pm, ref_grads, ids, labels, where):
     """With overlap on, ``torch.autograd.grad`` over the module's parameters returns this rank's blocks of
-    the single-device gradients and leaves every ``.grad`` alone (no deferred reduce-scatter writes one);
-    ``backward(inputs=...)`` fills the named parameters' ``.grad`` only."""
+    the single-device gradients and leaves every ``.grad`` as an earlier backward left it (no deferred
+    reduce-scatter writes one); ``backward(inputs=...)`` fills the named parameters' ``.grad`` only."""
     from torch.distributed.tensor import DTensor
 
     assert pm._program.overlap, where
@@ -220,10 +247,13 @@ def _autograd_grad_gives_the_blocks(pm, ref_grads, ids, labels, where):
 
     fqns = list(pm.plan.params)
     params = [pm.local_parameter(f) for f in fqns]
+    pm(ids, labels=labels).loss.backward()
+    before = [p.grad.clone() for p in params]
     grads = torch.autograd.grad(pm(ids, labels=labels).loss, params)
     for fqn, g in zip(fqns, grads):
         check(fqn, g, "torch.autograd.grad")
-    assert all(p.grad is None for p in params), f"{where}: torch.autograd.grad wrote a .grad"
+    assert all(torch.equal(p.grad, b) for p, b in zip(params, before)), f"{where}: torch.autograd.grad changed a .grad"
+    pm.zero_grad(set_to_none=True)
     named = fqns[::2]
     pm(ids, labels=labels).loss.backward(inputs=[pm.local_parameter(f) for f in named])
     for fqn in fqns:
@@ -261,8 +291,6 @@ def _check_sharded_states(rank, world, mesh, checkpoint_dir):
         # The optimizer sees this rank's blocks: its states are a world-th of the replicated size.
         sharded = pm.local_parameter(next(iter(pm.plan.zero)))
         assert sharded.numel() * mesh[0] == pm.local_tensor(next(iter(pm.plan.zero))).numel()
-        if stage == 2:
-            _autograd_grad_gives_the_blocks(pm, ref_grads, ids, labels, where)
         opt = _train_and_compare(pm, copy.deepcopy(ref), ids, labels, where)
         pms[stage] = (pm, opt)
 
