@@ -1162,11 +1162,11 @@ class StepMemory:
         """Reader node -> [Bytes] of the gradient buckets launched after its backward. With overlap
         (compile's default) a parameter's gradient all-reduce is taken out of the program into DDP's
         buckets where every reader reduces it (codegen/grad_buckets.py): once its gradients are
-        accumulated a bucket copies them into one flat buffer and all-reduces that out of place, and
-        backward's end waits for both (runtime/grad_buckets.py). A use whose reader reduces the
-        gradient counts its share of the two buffers from the backward of the parameter's first reader
-        on; a bucket launches when its last gradient is ready, and a parameter some reader does not
-        reduce is reduced in the program instead (both the safe side)."""
+        accumulated a bucket copies them into one flat buffer and all-reduces it in place, and
+        backward's end waits for it (runtime/grad_buckets.py). A use whose reader reduces the gradient
+        counts its share of that buffer from the backward of the parameter's first reader on; a bucket
+        launches when its last gradient is ready, and a parameter some reader does not reduce is
+        reduced in the program instead (both the safe side)."""
         from autopar.passes.strategies import Value, requires_grad
 
         launched = {}
@@ -1185,7 +1185,7 @@ class StepMemory:
                         dst = self._strategy(m, j)
                         reduced = src is not None and dst is not None and not src.offload and \
                             src.read_grad_partial(Value(p), dst.inputs[k], dst)
-                        row.append(2.0 * grad.at({ca: i}) / len(uses) if reduced else 0.0)
+                        row.append(grad.at({ca: i}) / len(uses) if reduced else 0.0)
                     table.append(row)
                 q = _pair(ca, cb, table)
                 if not q.zero():
