@@ -1064,6 +1064,8 @@ class StepMemory:
             first = min((m for m in p.users if m in pos), key=pos.__getitem__, default=None)
             if first is not None:
                 ready.setdefault(first, []).append(p)
+        launched = self._bucketed_gradients(grads_of, pos, input_values)
+        in_flight = []
         started = set()
         for t in range(len(calls) - 1, -1, -1):
             n = calls[t]
@@ -1117,6 +1119,14 @@ class StepMemory:
                 add((_G, 1, shard))
                 self.points.append((len(self.events), "backward", f"reduce_scatter {meta_of(p).role.target}"))
                 add((_G, -1, whole))
+            for q in launched.get(n, ()):
+                add((_T, 1, q))
+                in_flight.append(q)
+        if in_flight:
+            # Backward's end waits for every bucket, then copies the sums into the gradients.
+            self.points.append((len(self.events), "backward", "all_reduce gradient buckets"))
+            for q in in_flight:
+                add((_T, -1, q))
 
         # The optimizer step and its transient buffers, as torch's Adam makes them by default (states
         # in the parameter's dtype). The foreach path on CUDA makes one buffer as large as all the
@@ -1147,6 +1157,40 @@ class StepMemory:
                                 f"all_gather {', '.join(meta_of(n).role.target for n in members)}"))
             for n in members:
                 add((_T, -1, gathers[n][0]))
+
+    def _bucketed_gradients(self, grads_of, pos, input_values) -> dict:
+        """Reader node -> [Bytes] of the gradient buckets launched after its backward. With overlap
+        (compile's default) a parameter's gradient all-reduce is taken out of the program into DDP's
+        buckets where every reader reduces it (codegen/grad_buckets.py): once its gradients are
+        accumulated a bucket copies them into one flat buffer and all-reduces it in place, and
+        backward's end waits for it (runtime/grad_buckets.py). A use whose reader reduces the gradient
+        counts its share of that buffer from the backward of the parameter's first reader on; a bucket
+        launches when its last gradient is ready, and a parameter some reader does not reduce is
+        reduced in the program instead (both the safe side)."""
+        from autopar.passes.strategies import Value, requires_grad
+
+        launched = {}
+        for p, grad in grads_of.items():
+            uses = [(m, k) for m in p.users if m in pos for k, v in enumerate(input_values(m)) if v.node is p]
+            if not uses or not requires_grad(p):
+                continue
+            ca = self._choice(p)
+            first = min((m for m, _ in uses), key=pos.__getitem__)
+            for m, k in uses:
+                cb = self._choice(m)
+                table = []
+                for i in self._options(ca):
+                    src, row = self._strategy(p, i), []
+                    for j in self._options(cb):
+                        dst = self._strategy(m, j)
+                        reduced = src is not None and dst is not None and not src.offload and \
+                            src.read_grad_partial(Value(p), dst.inputs[k], dst)
+                        row.append(grad.at({ca: i}) / len(uses) if reduced else 0.0)
+                    table.append(row)
+                q = _pair(ca, cb, table)
+                if not q.zero():
+                    launched.setdefault(first, []).append(q)
+        return launched
 
     # --- evaluation ---------------------------------------------------------------------------------
     def walk(self, assignment: Sequence[int]) -> list[StepPoint]:

@@ -9,8 +9,13 @@ updates the block in place, inside the whole tensor.
 
 - ZeRO-1: the gradient is reduced as in plain data parallelism (all-reduced, in the program's
   buckets); the parameter's ``.grad`` is the view of its block of the reduced gradient.
-- ZeRO-2: the gradient is reduce-scattered along the axis once backward has accumulated it, straight
-  into the parameter's ``.grad``, and the whole gradient is freed.
+- ZeRO-2: the program reads the whole tensor through ``whole_of``, just before its first use, as an
+  autograd function of the block (``_WholeOf``): its backward, once autograd has summed the gradients
+  of every read, reduce-scatters the whole gradient along the axis into the block's gradient, so that
+  ``loss.backward()`` and ``torch.autograd.grad`` over the module's parameters both give it, and the
+  whole gradient is freed. Autograd runs the ready node made last first, so a read made where the
+  program first uses the parameter runs its backward as soon as the gradient is complete; one made
+  before the program starts would hold every whole gradient to the end of backward.
 
 After the optimizer steps (a global optimizer step hook, and before any forward whose parameters
 changed since the last gather), every rank's updated blocks are all-gathered into the whole tensors,
@@ -20,6 +25,7 @@ bytes as one all-gather per parameter.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 
@@ -68,6 +74,33 @@ def split(full: torch.Tensor, group: str, dim: int, requires_grad: bool) -> tupl
     return whole, nn.Parameter(whole.detach().narrow(dim, r * k, k), requires_grad=requires_grad)
 
 
+class _WholeOf(torch.autograd.Function):
+    """A ZeRO-2 parameter's whole local tensor, read by the program, as a function of this rank's block."""
+
+    @staticmethod
+    def forward(ctx, shard, states, s):
+        ctx.states, ctx.s = states, s
+        return s.full.detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        s = ctx.s
+        if ctx.states.defer and C.deferrable(s.shard):
+            C.defer_reduce_scatter(s.shard, g, s.dim, s.group)
+            return None, None, None
+        n = dist.get_world_size(_resolve_process_group(s.group))
+        return C._reduce_scatter(g, s.dim, n, s.group), None, None
+
+
+def whole_of(full: torch.Tensor) -> torch.Tensor:
+    """What the program reads for a ZeRO-2 parameter whose whole local tensor is ``full`` (code
+    generation emits the call before the parameter's first use): the tensor as a function of this
+    rank's block, or ``full`` itself where no ``ShardedStates`` owns it (a program run on example
+    inputs)."""
+    read = getattr(full, "_autopar_whole_of", None)
+    return full if read is None else read()
+
+
 class ShardedStates:
     def __init__(self, states: list[ShardedState], defer: bool = False):
         """``defer``: a ZeRO-2 gradient's reduce-scatter is waited at the next one's issue or when
@@ -77,30 +110,18 @@ class ShardedStates:
         self._ids = {id(s.shard) for s in states}
         self._seen: dict = {}
         for s in states:
-            if s.full.requires_grad:
+            if s.stage == 1 and s.full.requires_grad:
                 s.full.register_post_accumulate_grad_hook(self._ready_hook(s))
+            if s.stage == 2:
+                s.full._autopar_whole_of = functools.partial(_WholeOf.apply, s.shard, self, s)
         self.mark_gathered()
         after_optimizer_steps(self, "gather")
 
     def _ready_hook(self, s: ShardedState):
         def ready(full):
-            if full.grad is None:
-                return
-            if s.stage == 1:
-                # The gradient is reduced in place (the program's buckets) before the optimizer runs.
+            # A ZeRO-1 gradient is reduced in place (the program's buckets) before the optimizer runs.
+            if full.grad is not None:
                 self._expose(s)
-                return
-            if self.defer:
-                C.defer_reduce_scatter(s.shard, full.grad, s.dim, s.group)
-                full.grad = None
-                return
-            n = dist.get_world_size(_resolve_process_group(s.group))
-            part = C._reduce_scatter(full.grad, s.dim, n, s.group)
-            full.grad = None
-            if s.shard.grad is None:
-                s.shard.grad = part
-            else:
-                s.shard.grad.add_(part)
         return ready
 
     def _expose(self, s: ShardedState) -> None:

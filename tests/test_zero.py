@@ -291,6 +291,8 @@ def _check_sharded_states(rank, world, mesh, checkpoint_dir):
         # The optimizer sees this rank's blocks: its states are a world-th of the replicated size.
         sharded = pm.local_parameter(next(iter(pm.plan.zero)))
         assert sharded.numel() * mesh[0] == pm.local_tensor(next(iter(pm.plan.zero))).numel()
+        if stage == 2:
+            _autograd_grad_gives_the_blocks(pm, ref_grads, ids, labels, where)
         opt = _train_and_compare(pm, copy.deepcopy(ref), ids, labels, where)
         pms[stage] = (pm, opt)
 
