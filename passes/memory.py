@@ -1123,7 +1123,7 @@ class StepMemory:
                 add((_T, 1, q))
                 in_flight.append(q)
         if in_flight:
-            # Backward's end waits for every bucket, then copies the sums into the gradients.
+            # Backward's end waits for every bucket.
             self.points.append((len(self.events), "backward", "all_reduce gradient buckets"))
             for q in in_flight:
                 add((_T, -1, q))
@@ -1162,11 +1162,13 @@ class StepMemory:
         """Reader node -> [Bytes] of the gradient buckets launched after its backward. With overlap
         (compile's default) a parameter's gradient all-reduce is taken out of the program into DDP's
         buckets where every reader reduces it (codegen/grad_buckets.py): once its gradients are
-        accumulated a bucket copies them into one flat buffer and all-reduces it in place, and
-        backward's end waits for it (runtime/grad_buckets.py). A use whose reader reduces the gradient
-        counts its share of that buffer from the backward of the parameter's first reader on; a bucket
-        launches when its last gradient is ready, and a parameter some reader does not reduce is
-        reduced in the program instead (both the safe side)."""
+        accumulated a bucket copies them into one flat buffer, which the gradients then are views of
+        (their own storage freed), and all-reduces it in place; backward's end waits for it
+        (runtime/grad_buckets.py). Both are live at the copy, the latest of a bucket's launch. A use
+        whose reader reduces the gradient counts its share of that buffer from the backward of the
+        parameter's first reader to backward's end; a bucket launches when its last gradient is ready,
+        the gradients free their storage at the copy, and a parameter some reader does not reduce is
+        reduced in the program instead (all the safe side)."""
         from autopar.passes.strategies import Value, requires_grad
 
         launched = {}
