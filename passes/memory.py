@@ -829,9 +829,18 @@ class StepMemory:
                 if any(s.grad_scatter_axis is not None or s.offload for s in opts):
                     # ZeRO-2: once accumulated, the gradient is reduce-scattered into its shard; offload:
                     # it is copied to host memory (nothing on the device unless host and device are one).
-                    z2 = [s.grad_scatter_axis is not None or s.offload for s in opts]
-                    scatter[n] = (_one(c, [k[1] if z else 0.0 for k, z in zip(kept, z2)]),
-                                  _one(c, [f[1] if z else 0.0 for f, z in zip(full, z2)]))
+                    # A ZeRO-2 reduce-scatter is waited when the next one is issued or backward ends
+                    # (runtime/collectives.py, _DeferredGradients): until then the collective holds the
+                    # whole gradient and its output, the whole's size on CPU (gloo's all-to-all), the
+                    # block on CUDA. An offloaded gradient's hooks copy it at once.
+                    cpu = self.cm.cluster.device_type != "cuda"
+                    deferred = [1.0 if s.grad_scatter_axis is not None and not s.offload else 0.0 for s in opts]
+                    scatter[n] = tuple(
+                        (_one(c, [k[1] if z else 0.0 for k, z in zip(kept, z2)]),
+                         _one(c, [f[1] if z else 0.0 for f, z in zip(full, z2)]),
+                         _one(c, [(f[1] if cpu else k[1]) if z and later else 0.0
+                                  for f, k, z in zip(full, kept, z2)]))
+                        for later, z2 in ((False, [s.offload for s in opts]), (True, deferred))) + (deferred,)
                 if any(s.zero is not None for s in opts):
                     # After the step the updated shards of a bucket are copied into one flat buffer and
                     # all-gathered into a new one, then copied into the parameters.
@@ -1066,6 +1075,9 @@ class StepMemory:
                 ready.setdefault(first, []).append(p)
         launched = self._bucketed_gradients(grads_of, pos, input_values)
         in_flight = []
+        # (block, whole, collective output) of the ZeRO-2 reduce-scatter in flight, and those counted
+        # until backward's end.
+        pending, held_to_end = (Bytes(None, None, 0.0),) * 3, []
         started = set()
         for t in range(len(calls) - 1, -1, -1):
             n = calls[t]
@@ -1115,13 +1127,33 @@ class StepMemory:
             for cat, sign, q in frees.get(("B", t), ()):
                 add((cat, sign, q))
             for p in ready.get(n, ()):
-                shard, whole = scatter[p]
+                (shard, whole, _), (dshard, dwhole, staging), deferred = scatter[p]
                 add((_G, 1, shard))
+                add((_T, 1, staging))
+                # The one in flight before is waited here where this one is deferred too (its wait makes
+                # its block); where not, it is counted until backward's end: which one is in flight
+                # depends on every decision since (the safe side).
+                c = self._choice(p)
+                waited = [_gated(q, c, deferred) for q in pending]
+                add((_G, 1, waited[0]))
                 self.points.append((len(self.events), "backward", f"reduce_scatter {meta_of(p).role.target}"))
                 add((_G, -1, whole))
+                add((_G, -1, waited[1]))
+                add((_T, -1, waited[2]))
+                held_to_end.append([_gated(q, c, [1.0 - x for x in deferred]) for q in pending])
+                pending = (dshard, dwhole, staging)
             for q in launched.get(n, ()):
                 add((_T, 1, q))
                 in_flight.append(q)
+        held_to_end = [q for q in [pending, *held_to_end] if not all(x.zero() for x in q)]
+        if held_to_end:
+            # Backward's end waits for the last reduce-scatter.
+            for q in held_to_end:
+                add((_G, 1, q[0]))
+            self.points.append((len(self.events), "backward", "wait reduce_scatter"))
+            for q in held_to_end:
+                add((_G, -1, q[1]))
+                add((_T, -1, q[2]))
         if in_flight:
             # Backward's end waits for every bucket.
             self.points.append((len(self.events), "backward", "all_reduce gradient buckets"))
