@@ -1074,10 +1074,10 @@ class StepMemory:
             if first is not None:
                 ready.setdefault(first, []).append(p)
         launched = self._bucketed_gradients(grads_of, pos, input_values)
-        in_flight = []
         # (block, whole, collective output) of the ZeRO-2 reduce-scatter in flight, and those counted
         # until backward's end.
         pending, held_to_end = (Bytes(None, None, 0.0),) * 3, []
+        bucketed = []         # the bucketed gradients' shares ready so far
         started = set()
         for t in range(len(calls) - 1, -1, -1):
             n = calls[t]
@@ -1142,9 +1142,16 @@ class StepMemory:
                 add((_T, -1, waited[2]))
                 held_to_end.append([_gated(q, c, [1.0 - x for x in deferred]) for q in pending])
                 pending = (dshard, dwhole, staging)
-            for q in launched.get(n, ()):
-                add((_T, 1, q))
-                in_flight.append(q)
+            # A bucket's buffer and its gradients are both live at its copy, then the gradients are views
+            # of it (counted as gradients). A bucket may copy where any of its gradients is ready, holding
+            # at most every gradient ready so far twice.
+            if n in launched:
+                bucketed.extend(launched[n])
+                for q in bucketed:
+                    add((_T, 1, q))
+                self.points.append((len(self.events), "backward", f"gradient buckets after {n.name}"))
+                for q in bucketed:
+                    add((_T, -1, q))
         held_to_end = [q for q in [pending, *held_to_end] if not all(x.zero() for x in q)]
         if held_to_end:
             # Backward's end waits for the last reduce-scatter.
@@ -1154,11 +1161,6 @@ class StepMemory:
             for q in held_to_end:
                 add((_G, -1, q[1]))
                 add((_T, -1, q[2]))
-        if in_flight:
-            # Backward's end waits for every bucket.
-            self.points.append((len(self.events), "backward", "all_reduce gradient buckets"))
-            for q in in_flight:
-                add((_T, -1, q))
 
         # The optimizer step and its transient buffers, as torch's Adam makes them by default (states
         # in the parameter's dtype). The foreach path on CUDA makes one buffer as large as all the
@@ -1197,10 +1199,10 @@ class StepMemory:
         accumulated a bucket copies them into one flat buffer, which the gradients then are views of
         (their own storage freed), and all-reduces it in place; backward's end waits for it
         (runtime/grad_buckets.py). Both are live at the copy, the latest of a bucket's launch. A use
-        whose reader reduces the gradient counts its share of that buffer from the backward of the
-        parameter's first reader to backward's end; a bucket launches when its last gradient is ready,
-        the gradients free their storage at the copy, and a parameter some reader does not reduce is
-        reduced in the program instead (all the safe side)."""
+        whose reader reduces the gradient counts its share of that buffer at the backward of the
+        parameter's first reader and at each copy after it; a bucket launches when its last gradient is
+        ready, and a parameter some reader does not reduce is reduced in the program instead (all the
+        safe side)."""
         from autopar.passes.strategies import Value, requires_grad
 
         launched = {}
