@@ -99,11 +99,8 @@ def search(meshes: list[MeshCandidate], best, prep, cluster, memory_budget, shar
                     continue
                 report(f"mesh {m.shape}: evaluating")
                 t0 = time.perf_counter()
-                p = assemble_plan(prep, m.solved(), sol.assignment, cluster, memory_budget, sharded_outputs)
-                if p.memory.peak > memory_budget * (1 + 1e-9):
-                    raise AutoparError(f"internal error: the plan for mesh {list(m.shape)} peaks at "
-                                       f"{p.memory.peak:.0f} bytes, over its budget of {memory_budget:.0f}; please "
-                                       f"report this")
+                p = within_budget(assemble_plan(prep, m.solved(), sol.assignment, cluster, memory_budget,
+                                                sharded_outputs), m, memory_budget)
                 p.alternatives = alternatives(m.prob, m.idx, sol.assignment, m.cm, m.names)
                 p.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
                                 constraints=sol.num_constraints, backend=sol.backend, gap=sol.gap)
@@ -117,6 +114,13 @@ def search(meshes: list[MeshCandidate], best, prep, cluster, memory_budget, shar
     infeasible.sort(key=lambda m: m.position)
     return best, [tried[k] for k in sorted(tried)], infeasible, t_eval
 
+
+def within_budget(p, m: MeshCandidate, memory_budget: float):
+    """``p``, the plan solved on mesh ``m``, checked against its budget: one over it is a bug."""
+    if p.memory.peak > memory_budget * (1 + 1e-9):
+        raise AutoparError(f"internal error: the plan for mesh {list(m.shape)} peaks at {p.memory.peak:.0f} "
+                           f"bytes, over its budget of {memory_budget:.0f}; please report this")
+    return p
 
 
 def replicated_parameters(prob: Problem, idx: ProblemIndex) -> Problem:
@@ -150,7 +154,9 @@ def replay_cheapest(best, m: MeshCandidate, assignment, prep, cluster, memory_bu
     sol = solve_under_budget(alt, m.memory, memory_budget, time_limit=time_limit)
     if sol.status == "infeasible" or alt.objective(sol.assignment) >= INFEASIBLE:
         return best
-    p = assemble_plan(prep, m.solved(), sol.assignment, cluster, memory_budget, sharded_outputs)
+    # Solved under the same memory rounds as the first plan, and held to the same budget.
+    p = within_budget(assemble_plan(prep, m.solved(), sol.assignment, cluster, memory_budget, sharded_outputs),
+                      m, memory_budget)
     replayed = {"solver": best.step_time, "replicated parameters": p.step_time}
     if p.step_time < best.step_time:
         p.alternatives = alternatives(m.prob, m.idx, sol.assignment, m.cm, m.names)

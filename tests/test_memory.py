@@ -240,7 +240,7 @@ def _smallest_budget_plan(rank, world):
     pm = autopar.compile(model, cluster, args, kwargs, memory_budget=budget[0], kernels="aten")
     stages = {stage for stage, _ in pm.plan.zero_stages().values()}
     recomputed = sum(r["count"] for r in pm.plan.recompute["classes"].values())
-    assert {2, 3} <= stages and recomputed, (stages, pm.plan.recompute["classes"])
+    assert 3 in stages and recomputed, (stages, pm.plan.recompute["classes"])
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     predicted = pm.plan.memory["peak"]
 
@@ -263,9 +263,11 @@ def _smallest_budget_plan(rank, world):
     assert held - logits <= loss_only <= held, (held, loss_only, logits)
 
 
-def test_smallest_budget_plan_of_zero_2_3_and_recompute_is_predicted_within_10_percent():
-    """The plan at the smallest feasible budget shards states (ZeRO-2), parameters (ZeRO-3) and
-    recomputes layers: its measured peak is its prediction's within 10%."""
+def test_smallest_budget_plan_of_zero_3_and_recompute_is_predicted_within_10_percent():
+    """The plan at the smallest feasible budget shards parameters (ZeRO-3) and recomputes layers: its
+    measured peak is its prediction's within 10%. (It sharded states by ZeRO-2 too while a ZeRO-2
+    reduce-scatter was counted as freeing the whole gradient at its issue; the tight-budget cases of
+    test_predicted_peak_matches_measured_on_two_ranks hold ZeRO-2 plans.)"""
     run_distributed(_smallest_budget_plan, 2, timeout=300)
 
 
