@@ -5,7 +5,7 @@ import math
 from typing import Sequence
 
 from .greedy import greedy
-from .ilp import Formulation, resolve_backend, run
+from .ilp import Formulation, memory_pair_matrices, resolve_backend, run
 from .milp import INF
 from .problem import Problem
 
@@ -40,6 +40,9 @@ def minimum_feasible_budget(problem: Problem, *, time_limit: float = math.inf, b
         return 0.0, start
 
     f = Formulation(problem)
+    # Options a pair's memory terms cannot tell apart share its pair columns: the same relaxation with
+    # fewer columns (tests/memory_cases.py's LLaMA on a 2 x 2 mesh, four points: 41977 columns, 12940).
+    f.group(memory_pair_matrices(problem.memory, f.x))
     rows = f.memory_rows()
     m = f.model
     # Bytes are ~1e10: scale to O(1) for the solvers' tolerances; the answer is recomputed exactly below.
