@@ -2,14 +2,16 @@
 the most memory there; and the check of offloaded states against the host's memory."""
 from __future__ import annotations
 
+import math
+
 from autopar.cluster import ClusterSpec
-from autopar.errors import InfeasiblePlanError
+from autopar.errors import AutoparError, InfeasiblePlanError
 from autopar.mesh_search import MeshCandidate
 from autopar.passes.costs import INFEASIBLE
-from autopar.passes.memory import StepMemory, minimum_budget
+from autopar.passes.memory import StepMemory, minimum_budget, solve_under_budget
 from autopar.plan import Plan
 from autopar.plan_assembly import assemble_plan
-
+from autopar.solver import NODE_LIMIT
 
 def check_host_memory(plan: Plan, cluster: ClusterSpec) -> None:
     """The offloaded states of a node's devices must fit its host memory: a constraint of the ILP
@@ -26,12 +28,26 @@ def check_host_memory(plan: Plan, cluster: ClusterSpec) -> None:
 
 def _smallest_valid_budget(prob, sm: StepMemory, above: float | None = None):
     """The smallest budget with a valid plan, and that plan; None where there is none, or none below
-    ``above``. The minimum is over layouts that can run (``minimum_feasible_budget`` forbids what the
-    time-aware solve prices INFEASIBLE), so its layout is a valid plan whenever one exists."""
+    ``above``.
+
+    The memory-only minimum forbids the reshardings that cannot happen between two choices but not a
+    shared value's (priced INFEASIBLE); where its layout takes one, look for the least budget at which
+    the time-aware solve avoids them.
+    """
     found = minimum_budget(prob, sm, above=above)
-    if found is None or prob.objective(found[1]) >= INFEASIBLE:
+    if found is None:
         return None
-    return found
+    lower_bound, least = found
+    if prob.objective(least) < INFEASIBLE:          # the least peak's own layout is a valid plan
+        return lower_bound, least
+    for factor in (1.0 + 1e-6, 1.01, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0, 100.0):
+        try:
+            sol = solve_under_budget(prob, sm, lower_bound * factor, time_limit=math.inf, node_limit=NODE_LIMIT)
+        except AutoparError:        # no layout found within the node limit at this budget: try a larger one
+            continue
+        if sol.status != "infeasible" and prob.objective(sol.assignment) < INFEASIBLE:
+            return sm.peak(sol.assignment)[1], sol.assignment
+    return None
 
 
 def raise_infeasible(prep, infeasible: list[MeshCandidate], cluster, memory_budget):
