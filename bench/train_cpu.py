@@ -17,10 +17,11 @@ Systems are timed in rounds, in turn, and each keeps its fastest round.
 
 ``--budget`` plans autopar's own layout under a memory budget per device instead of none: ``fsdp2`` is
 the peak autopar's step memory model predicts for FSDP2's layout (the FSDP2 pins), the memory FSDP2
-is measured against, under which replicating every parameter with its gradient and optimizer state
-no longer fits; ``0.9x`` is a factor of that figure, and a plain number is bytes. The script prints
-which parameters the plan shards (ZeRO stage or tensor layout) and autopar's CPU and wall time against
-FSDP2's and DDP's.
+is measured against; on both models it is below the DDP layout's predicted peak (every parameter
+replicated with its gradient and optimizer state), so the plan must shard parameters (the script
+prints both peaks). ``0.9x`` is a factor of that figure, and a plain number is bytes. The script
+prints which parameters the plan shards (ZeRO stage or tensor layout) and autopar's CPU and wall time
+against FSDP2's and DDP's.
 
 ``--model gpt`` (the default) is autopar's built-in GPT (GPT-2's architecture with nn.Linear
 projections, so that parallelize_module's ColwiseParallel/RowwiseParallel apply to it), 4 layers,
@@ -285,7 +286,7 @@ def main():
     ap.add_argument("--no-profile", action="store_true",
                     help="plan with ClusterSpec.local_cpu's rough figures instead of profiled ones")
     ap.add_argument("--budget", help="plan autopar under a memory budget per rank: 'fsdp2' (the peak the step "
-                    "memory model predicts for FSDP2's layout, where replicating every parameter no longer fits), "
+                    "memory model predicts for FSDP2's layout, below the DDP layout's on both models), "
                     "'0.9x' (a factor of that peak) or a number of bytes; default: no budget")
     ap.add_argument("--no-one-rank", action="store_true", help="skip the 1-rank comparison with eager")
     args = ap.parse_args()
