@@ -388,6 +388,32 @@ def _shared(src: int | None, readers, table):
     return SharedBytes(src, free, tuple(table), always)
 
 
+def _staging(steps, info, size: float, cpu: bool) -> float:
+    """Bytes a resharding's collectives hold while they run beyond its input and its result (``size``
+    bytes): each step's own buffers (``Step.staging``), beside the result of the step before it and,
+    before the last, its own result where it makes a storage."""
+    from math import prod
+
+    def made(st):
+        return float(info.dtype.itemsize * prod(st.out_shape)) if st.makes_storage else 0.0
+
+    extra = [(made(steps[i - 1]) if i else 0.0) + st.staging(info.dtype.itemsize, cpu)
+             + (made(st) - size if i < len(steps) - 1 else 0.0) for i, st in enumerate(steps)]
+    return max([0.0, *extra])
+
+
+def _where_recomputed(q: Bytes, r: int, ind: Sequence[float]) -> Bytes:
+    """``q`` where recompute decision ``r`` takes an option whose indicator in ``ind`` is 1. Bytes of two
+    layouts are bounded first by their larger rows over one of them (the tighter on average): their
+    product with the recompute count would depend on three decisions."""
+    if q.b is None:
+        return _times(q, r, ind)
+    rows = [max(row) for row in q.table]
+    cols = [max(col) for col in zip(*q.table)]
+    one = _one(q.a, rows) if sum(rows) / len(rows) <= sum(cols) / len(cols) else _one(q.b, cols)
+    return _times(one, r, ind)
+
+
 def _times(q: Bytes, r: int, ind: Sequence[float]) -> Bytes:
     """``q`` (bytes of at most one decision) times an indicator over the options of decision ``r``."""
     if q.a is None:
@@ -439,6 +465,7 @@ class StepMemory:
         self._reads: dict = {}
         self._copies: dict = {}
         self._moved: dict = {}   # an instance whose saved activations go to host -> (decision, indicator)
+        self._recomputed: dict = {}   # a region that runs its forward again -> (decision, indicator)
         self._host: dict = {}    # a parameter's decision -> host bytes per option (offloaded optimizer states)
         instances = {}        # a recomputed region (a layer instance, or its attention core) -> (decision,
         #                       1 or 0 per option of it: whether the region recomputes, its nodes)
@@ -458,10 +485,14 @@ class StepMemory:
                         self._moved[inst] = (ri, moved)
                     if any(ind):
                         instances[inst] = (ri, ind, nodes)
+                    again = tuple(1.0 if r > j else 0.0 for r in counts)
+                    if any(again):
+                        self._recomputed[inst] = (ri, again)
                     ind = tuple(1.0 if r <= j < r + k else 0.0 for r, k in zip(counts, selective))
                     if any(ind):
                         for c, core in enumerate(attention_cores(nodes)):
                             instances[core_region(inst, c)] = (ri, ind, core)
+                            self._recomputed[core_region(inst, c)] = (ri, ind)
         self._build(gm, instances)
 
     # --- bytes of values under the decisions -------------------------------------------------------
@@ -514,7 +545,8 @@ class StepMemory:
         each reader option makes (target layout, gradient reduction: one copy per distinct request, as
         codegen reshards), and per request, per option of the value, (bytes of the resharded copy, bytes
         of the gradient at the layout read when a resharding's backward converts it, bytes of the
-        gathered blocks beside that gradient's contiguous copy))."""
+        gathered blocks beside that gradient's contiguous copy, bytes the resharding's collectives hold
+        beyond the value and the copy while they run))."""
         from math import prod
 
         from autopar.layout import local_fraction
@@ -525,6 +557,7 @@ class StepMemory:
         if key not in self._reads:
             info = value_info(v)
             mesh = tuple(self.cm.mesh_shape)
+            cpu = self.cm.cluster.device_type != "cuda"
             grad = requires_grad(v.node)
             ca, cb = self._choice(v.node), self._choice(node)
             # Readers' options ask for few distinct requests and producers make few distinct layouts:
@@ -552,7 +585,7 @@ class StepMemory:
                         gathered = max((info.dtype.itemsize * prod(st.in_shape) for st in steps if st.op == "local_chunk"
                                         and st.dim and prod(st.in_shape[:st.dim]) > 1), default=0.0)
                         found[pair] = (size if any(st.makes_storage for st in steps) else 0.0,
-                                       size if steps else 0.0, float(gathered))
+                                       size if steps else 0.0, float(gathered), _staging(steps, info, size, cpu))
                     rows.append(found[pair])
                 per_request[(dst, partial)] = rows
             self._reads[key] = (ca, cb, tuple(requests), per_request)
@@ -561,11 +594,12 @@ class StepMemory:
     def copy(self, v, node, k):
         """(bytes of the resharded copy that ``node`` reads input ``k`` through, bytes of that input's
         gradient at the layout read when a resharding's backward converts it, bytes of the gathered blocks
-        beside that gradient's contiguous copy); None where there is none."""
+        beside that gradient's contiguous copy, bytes the resharding's collectives hold beyond the value
+        and the copy while they run); None where there is none."""
         key = self._fold_key(v, node, k)
         if key not in self._copies:
             ca, cb, requests, per_request = self.reads(v, node, k)
-            tables = [[[per_request[r][i][part] for r in requests] for i in self._options(ca)] for part in range(3)]
+            tables = [[[per_request[r][i][part] for r in requests] for i in self._options(ca)] for part in range(4)]
             self._copies[key] = tuple(None if q.zero() else q for q in (_pair(ca, cb, t) for t in tables))
         return self._copies[key]
 
@@ -700,7 +734,7 @@ class StepMemory:
                 ca, cb, requests, per_request = self.reads(v, n, k)
                 if (ca is not None and ca == cb) or Value(n) in copy_views:
                     continue
-                if not any(f or b for rows in per_request.values() for f, b, _ in rows):
+                if not any(f or b for rows in per_request.values() for f, b, *_ in rows):
                     continue
                 cp = self.copy(v, n, k)[0]
                 if n in inst_of and cp is not None and cp.b is None:
@@ -901,7 +935,7 @@ class StepMemory:
                 if not any(keeps):
                     continue
                 everywhere = all(keeps)
-                cp, _, _ = self.copy(v, n, k)
+                cp = self.copy(v, n, k)[0]
                 if cp is not None and (n, k) not in grouped:
                     kept.setdefault(n, []).append(cp if everywhere else _gated(cp, cb, keeps))
                     held_copy[(n, k)] = None if everywhere else _gated(cp, cb, [1.0 - x for x in keeps])
@@ -958,7 +992,8 @@ class StepMemory:
                 kept.setdefault(n, []).append(internal)
 
         held = set()          # storages a backward keeps whatever the layouts
-        remat = {}            # instance -> [Bytes] re-materialized when its backward starts
+        remat = {}            # instance -> [(position of the op that makes it, Bytes)] re-materialized
+        #                       when its backward starts
         for s, hs in holders.items():
             if s in to_end or s.node.op != "call_function":     # inputs and buffers live all step
                 continue
@@ -975,13 +1010,13 @@ class StepMemory:
                     if all(inst in inst_of.get(h, ()) for h, _ in hs):
                         ri, ind, _ = instances[inst]
                         frees.setdefault(("F", t), []).append((_A, -1, _times(vb, ri, ind)))
-                        remat.setdefault(inst, []).append(_times(vb, ri, ind))
+                        remat.setdefault(inst, []).append((pos[s.node], _times(vb, ri, ind)))
                 # A storage made before an instance and saved only inside it: where the instance's saved
                 # activations go to host memory, so does it (a recomputed instance keeps it instead).
                 for inst, (ri, moved) in self._moved.items():
                     if inst not in inst_of.get(s.node, ()) and all(inst in inst_of.get(h, ()) for h, _ in hs):
                         frees.setdefault(("F", t), []).append((_A, -1, _times(vb, ri, moved)))
-                        remat.setdefault(inst, []).append(_times(vb, ri, moved))
+                        remat.setdefault(inst, []).append((pos[s.node], _times(vb, ri, moved)))
             else:
                 cond = next(c for h, c in hs if h is h0)
                 frees.setdefault(("F", t), []).extend([(_T, -1, vb), (_A, 1, cond)])
@@ -996,11 +1031,8 @@ class StepMemory:
         # order, the last of theirs (exact when whole layers alone recompute: counts recompute the
         # first instances; with attention cores too, on the safe side).
         external = {}         # (storage, recompute decision) -> (indicator, position of its instance)
-        for inst, (ri, ind, nodes) in instances.items():
-            if inst in self._moved:   # an offloaded instance keeps no input it does not save
-                ind = tuple(x - y for x, y in zip(ind, self._moved[inst][1]))
-                if not any(ind):
-                    continue
+        for inst, (ri, ind) in self._recomputed.items():   # an offloaded one keeps no input it does not save
+            nodes = instances[inst][2]
             for n in nodes:
                 for v in input_values(n):
                     s = base(v)
@@ -1014,6 +1046,10 @@ class StepMemory:
             q = _times(self.value(s), ri, ind)
             frees.setdefault(("F", last_use[s]), []).append((_A, 1, q))
             frees.setdefault(("B", first), []).append((_A, -1, q))
+
+        def workspace(n) -> Bytes:
+            c = self._choice(n)
+            return _one(c, [self.cm.workspace_bytes(n, self._strategy(n, o)) for o in self._options(c)])
 
         # Forward.
         for t, n in enumerate(calls):
@@ -1029,13 +1065,16 @@ class StepMemory:
                 elif cp is not None:
                     add((_T, 1, cp))
                     transient.append(cp)
+                staging = None if (n, k) in grouped else self.copy(v, n, k)[3]
+                if staging is not None:
+                    add((_T, 1, staging))
+                    transient.append(staging)
             if not is_view(n):
                 for o in output_values(n):
                     add((_A if o in held else _T, 1, self.value(o)))
             for q in kept.get(n, ()):
                 add((_A, 1, q))
-            c = self._choice(n)
-            work = _one(c, [self.cm.workspace_bytes(n, self._strategy(n, o)) for o in self._options(c)])
+            work = workspace(n)
             if not work.zero():             # what a sharded op holds while it runs (ring attention's blocks)
                 add((_T, 1, work))
                 transient.append(work)
@@ -1053,7 +1092,7 @@ class StepMemory:
                     if q.b is None:
                         q = _times(q, ri, ind)
                         add((_A, -1, q))
-                        remat.setdefault(inst, []).append(q)
+                        remat.setdefault(inst, []).append((t, q))
 
         for q in gather_sources:        # the waits drop them, before the copies below
             add((_T, -1, q))
@@ -1062,6 +1101,57 @@ class StepMemory:
         self.points.append((len(self.events), "forward", "outputs"))
         for cp in output_copies:        # the gathered blocks, once made contiguous
             add((_T, -1, cp))
+
+        def replay(inst):
+            """Where ``inst`` recomputes, its forward runs again when its backward starts: what it keeps is
+            made op by op, and each op's outputs it does not keep, the copies it reads (but shared ones)
+            and its workspace are live as in forward; then the outputs it does not keep are dropped. A
+            copy sized by two layouts is bounded by its larger row first (``_where_recomputed``). Where it
+            keeps its saved activations in host memory, they come back at once."""
+            nodes = instances[inst][2]
+            first, made = pos[nodes[0]], remat.get(inst, ())
+            ri, ind = self._recomputed.get(inst, (None, None))
+            for p, q in made:
+                if p < first or ri is None:
+                    add((_A, 1, q))
+            self.points.append((len(self.events), "recompute", inst))
+            if ri is None:
+                return
+            live = {}           # storage -> Bytes, made in the replay and not kept
+            for m in nodes:
+                t = pos[m]
+                for p, q in made:
+                    if p == t:
+                        add((_A, 1, q))
+                transient = []
+                if Value(m) in copy_views:
+                    if Value(m) not in held:
+                        live[Value(m)] = _where_recomputed(copy_views[Value(m)], ri, ind)
+                        add((_T, 1, live[Value(m)]))
+                for k, v in enumerate(input_values(m)):
+                    if (m, k) in grouped:
+                        continue
+                    cp, *_, staging = self.copy(v, m, k)
+                    for q in (None if Value(m) in copy_views else held_copy.get((m, k), cp), staging):
+                        if q is not None:
+                            transient.append(_where_recomputed(q, ri, ind))
+                if not is_view(m):
+                    for o in output_values(m):
+                        if o not in held:
+                            live[o] = _times(self.value(o), ri, ind)
+                            add((_T, 1, live[o]))
+                work = workspace(m)
+                if not work.zero():
+                    transient.append(_times(work, ri, ind))
+                for q in transient:
+                    add((_T, 1, q))
+                self.points.append((len(self.events), "recompute", f"{inst} {m.name}"))
+                for q in transient:
+                    add((_T, -1, q))
+                for s in [s for s in live if last_use.get(s) == t]:
+                    add((_T, -1, live.pop(s)))
+            for q in live.values():
+                add((_T, -1, q))
 
         # Backward, seeded by the gradient of the scalar outputs (the loss).
         grads = {_canonical(Value(a)): self.value(Value(a)) for a in outputs
@@ -1084,9 +1174,7 @@ class StepMemory:
             for inst in inst_of.get(n, ()):
                 if inst not in started:
                     started.add(inst)
-                    for q in remat.get(inst, ()):
-                        add((_A, 1, q))
-                    self.points.append((len(self.events), "recompute", inst))
+                    replay(inst)
             outs = output_values(n)
             if n.target is not operator.getitem and requires_grad(n) and any(o in grads for o in outs):
                 view = n.target in VIEW_OPS
@@ -1100,7 +1188,7 @@ class StepMemory:
                         continue
                     # The gradient at the layout read (a view's too), converted by the resharding's
                     # backward into the input's.
-                    _, gcp, blocks = self.copy(v, n, k)
+                    _, gcp, blocks, _ = self.copy(v, n, k)
                     for q in (gcp, blocks):
                         if q is not None:
                             add((_T, 1, q))
