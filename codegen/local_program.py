@@ -230,22 +230,31 @@ def example_local_inputs(gm: fx.GraphModule, plan: Plan) -> list:
 _BIASED = {aten.mm.default: aten.addmm.default, aten.linear.default: aten.linear.default}
 
 
+def folded_matmul(node: fx.Node) -> fx.Node | None:
+    """The matmul whose split-off bias ``node`` adds back, where ``_fold_biases`` folds the two into one
+    biased matmul as long as no resharding comes between them; else None."""
+    if node.target is not aten.add.Tensor or node.kwargs or not isinstance(node.args[0], fx.Node):
+        return None
+    mm, bias = node.args
+    if mm.target not in _BIASED or len(mm.users) != 1 or not isinstance(bias, fx.Node):
+        return None
+    if mm.target is aten.linear.default and len(mm.args) > 2:
+        return None
+    out, b = mm.meta.get("val"), bias.meta.get("val")
+    if not (isinstance(b, torch.Tensor) and b.dim() == 1 and b.shape[0] == out.shape[-1]
+            and b.dtype == out.dtype == node.meta["val"].dtype):
+        return None
+    return mm
+
+
 def _fold_biases(gm: fx.GraphModule, env: dict) -> None:
     """Where a split-off bias is added to its matmul's local result with nothing between them (no
     resharding, no other reader), emit the biased matmul again (``addmm``, ``linear`` with a bias):
     one op less and no extra pass over the output, forward and backward. Any layout qualifies, as
     both forms compute the same local sum; the plan's graph keeps the split."""
     for node in gm.graph.nodes:
-        if node.target is not aten.add.Tensor or node.kwargs or not isinstance(node.args[0], fx.Node):
-            continue
-        mm, bias = node.args
-        if mm.target not in _BIASED or len(mm.users) != 1 or not isinstance(bias, fx.Node):
-            continue
-        if mm.target is aten.linear.default and len(mm.args) > 2:
-            continue
-        out, b = mm.meta.get("val"), bias.meta.get("val")
-        if not (isinstance(b, torch.Tensor) and b.dim() == 1 and b.shape[0] == out.shape[-1]
-                and b.dtype == out.dtype == node.meta["val"].dtype):
+        mm = folded_matmul(node)
+        if mm is None:
             continue
         add, local_mm = env[node], env[mm]
         if add.args[0] is not local_mm or len(local_mm.users) != 1 or local_mm.target is not mm.target:

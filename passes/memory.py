@@ -309,6 +309,9 @@ def _views_of(node: fx.Node, producer: fx.Node) -> bool:
 
 CATEGORIES = ("params", "optimizer", "grads", "activations", "transient")
 _P, _O, _G, _A, _T = range(5)
+# The bucketed gradients' shares ready so far: a running sum of its own, counted as transient only at the
+# points where a bucket may copy (``StepMemory._copy_points``).
+_S = len(CATEGORIES)
 
 
 @dataclass(frozen=True)
@@ -402,16 +405,21 @@ def _staging(steps, info, size: float, cpu: bool) -> float:
     return max([0.0, *extra])
 
 
-def _where_recomputed(q: Bytes, r: int, ind: Sequence[float]) -> Bytes:
-    """``q`` where recompute decision ``r`` takes an option whose indicator in ``ind`` is 1. Bytes of two
-    layouts are bounded first by their larger rows over one of them (the tighter on average): their
-    product with the recompute count would depend on three decisions."""
+def _if_recomputed(q: Bytes, r: int, ind: Sequence[float]) -> Bytes:
+    """``q`` where recompute decision ``r`` takes an option whose indicator in ``ind`` is 1; bytes of two
+    layouts whatever it takes (their product with the recompute count would depend on three decisions:
+    the safe side)."""
+    return q if q.b is not None else _times(q, r, ind)
+
+
+def _below(q: Bytes) -> Bytes:
+    """At most ``q``, as bytes of at most one decision: ``q``, or for two, the least of its rows over
+    one of them (the larger on average)."""
     if q.b is None:
-        return _times(q, r, ind)
-    rows = [max(row) for row in q.table]
-    cols = [max(col) for col in zip(*q.table)]
-    one = _one(q.a, rows) if sum(rows) / len(rows) <= sum(cols) / len(cols) else _one(q.b, cols)
-    return _times(one, r, ind)
+        return q
+    rows = [min(row) for row in q.table]
+    cols = [min(col) for col in zip(*q.table)]
+    return _one(q.a, rows) if sum(rows) / len(rows) >= sum(cols) / len(cols) else _one(q.b, cols)
 
 
 def _times(q: Bytes, r: int, ind: Sequence[float]) -> Bytes:
@@ -420,6 +428,19 @@ def _times(q: Bytes, r: int, ind: Sequence[float]) -> Bytes:
         return Bytes(r, None, tuple(q.table * f for f in ind))
     assert q.b is None, "a product with a recompute count takes bytes of one decision"
     return Bytes(q.a, r, tuple(tuple(v * f for f in ind) for v in q.table))
+
+
+@dataclass(frozen=True)
+class _MovedGradient:
+    """Per option of a parameter, what happens to its gradient once accumulated: an offloaded one is
+    copied to host memory at once, leaving ``offloaded`` on the device and freeing ``offloaded_whole``;
+    a ZeRO-2 one (``deferred`` 1) is reduce-scattered, and ``in_flight`` is (its block, the whole
+    gradient the collective holds until its wait, the collective's output until then)."""
+
+    offloaded: Bytes
+    offloaded_whole: Bytes
+    in_flight: tuple
+    deferred: tuple
 
 
 @dataclass
@@ -461,6 +482,7 @@ class StepMemory:
         self.sharded_outputs = sharded_outputs
         self.events: list[tuple[int, int, Bytes]] = []     # (category, +1 or -1, bytes)
         self.points: list[tuple[int, str, str]] = []       # (number of events before it, phase, name)
+        self._copy_points: set[int] = set()                # the points where a gradient bucket may copy
         self._values: dict = {}
         self._reads: dict = {}
         self._copies: dict = {}
@@ -781,6 +803,7 @@ class StepMemory:
 
     # --- the events ---------------------------------------------------------------------------------
     def _build(self, gm, instances):
+        from autopar.codegen.local_program import folded_matmul
         from autopar.passes.reshard_plan import gathered_output
         from autopar.passes.strategies import Value, requires_grad
 
@@ -816,6 +839,20 @@ class StepMemory:
                                         for i in self._options(ca)])
                 if cp is not None or own is not None:
                     copy_views[Value(n)] = cp or own
+
+        # A bias add that runs as one biased matmul with its matmul (codegen/local_program.py) where no
+        # resharding comes between them: the matmul's output, not live beside the add's there.
+        folded = {}
+        for n in calls:
+            mm = folded_matmul(n)
+            if mm is None:
+                continue
+            ca, cb, requests, per_request = self.reads(Value(mm), n, 0)
+            vb = self.value(Value(mm))
+            q = _pair(ca, cb, [[0.0 if per_request[r][i][1] else vb.at({ca: i}) for r in requests]
+                               for i in self._options(ca)])
+            if not q.zero():
+                folded[n] = q
 
         def bases(v):
             """The storages ``v`` shares: the copies of the copy views it is read through, then its base."""
@@ -868,13 +905,16 @@ class StepMemory:
                     # whole gradient and its output, the whole's size on CPU (gloo's all-to-all), the
                     # block on CUDA. An offloaded gradient's hooks copy it at once.
                     cpu = self.cm.cluster.device_type != "cuda"
-                    deferred = [1.0 if s.grad_scatter_axis is not None and not s.offload else 0.0 for s in opts]
-                    scatter[n] = tuple(
-                        (_one(c, [k[1] if z else 0.0 for k, z in zip(kept, z2)]),
-                         _one(c, [f[1] if z else 0.0 for f, z in zip(full, z2)]),
-                         _one(c, [(f[1] if cpu else k[1]) if z and later else 0.0
-                                  for f, k, z in zip(full, kept, z2)]))
-                        for later, z2 in ((False, [s.offload for s in opts]), (True, deferred))) + (deferred,)
+                    deferred = tuple(1.0 if s.grad_scatter_axis is not None and not s.offload else 0.0 for s in opts)
+
+                    def where(mask, sizes, c=c):
+                        return _one(c, [x if m else 0.0 for x, m in zip(sizes, mask)])
+
+                    offloaded, block, whole = [s.offload for s in opts], [k[1] for k in kept], [f[1] for f in full]
+                    scatter[n] = _MovedGradient(
+                        where(offloaded, block), where(offloaded, whole),
+                        (where(deferred, block), where(deferred, whole),
+                         where(deferred, [f if cpu else k for f, k in zip(whole, block)])), deferred)
                 if any(s.zero is not None for s in opts):
                     # After the step the updated shards of a bucket are copied into one flat buffer and
                     # all-gathered into a new one, then copied into the parameters.
@@ -1078,9 +1118,13 @@ class StepMemory:
             if not work.zero():             # what a sharded op holds while it runs (ring attention's blocks)
                 add((_T, 1, work))
                 transient.append(work)
+            if n in folded:
+                add((_T, -1, folded[n]))
             self.points.append((len(self.events), "forward", n.name))
             for q in transient:
                 add((_T, -1, q))
+            if n in folded:
+                add((_T, 1, folded[n]))
             for cat, sign, q in frees.get(("F", t), ()):
                 add((cat, sign, q))
             for inst in inst_of.get(n, ()):
@@ -1106,7 +1150,7 @@ class StepMemory:
             """Where ``inst`` recomputes, its forward runs again when its backward starts: what it keeps is
             made op by op, and each op's outputs it does not keep, the copies it reads (but shared ones)
             and its workspace are live as in forward; then the outputs it does not keep are dropped. A
-            copy sized by two layouts is bounded by its larger row first (``_where_recomputed``). Where it
+            copy sized by two layouts counts whether or not it recomputes (``_if_recomputed``). Where it
             keeps its saved activations in host memory, they come back at once."""
             nodes = instances[inst][2]
             first, made = pos[nodes[0]], remat.get(inst, ())
@@ -1126,7 +1170,7 @@ class StepMemory:
                 transient = []
                 if Value(m) in copy_views:
                     if Value(m) not in held:
-                        live[Value(m)] = _where_recomputed(copy_views[Value(m)], ri, ind)
+                        live[Value(m)] = _if_recomputed(copy_views[Value(m)], ri, ind)
                         add((_T, 1, live[Value(m)]))
                 for k, v in enumerate(input_values(m)):
                     if (m, k) in grouped:
@@ -1134,7 +1178,7 @@ class StepMemory:
                     cp, *_, staging = self.copy(v, m, k)
                     for q in (None if Value(m) in copy_views else held_copy.get((m, k), cp), staging):
                         if q is not None:
-                            transient.append(_where_recomputed(q, ri, ind))
+                            transient.append(_if_recomputed(q, ri, ind))
                 if not is_view(m):
                     for o in output_values(m):
                         if o not in held:
@@ -1143,11 +1187,16 @@ class StepMemory:
                 work = workspace(m)
                 if not work.zero():
                     transient.append(_times(work, ri, ind))
+                fold = _times(_below(folded[m]), ri, ind) if m in folded else None
                 for q in transient:
                     add((_T, 1, q))
+                if fold is not None:
+                    add((_T, -1, fold))
                 self.points.append((len(self.events), "recompute", f"{inst} {m.name}"))
                 for q in transient:
                     add((_T, -1, q))
+                if fold is not None:
+                    add((_T, 1, fold))
                 for s in [s for s in live if last_use.get(s) == t]:
                     add((_T, -1, live.pop(s)))
             for q in live.values():
@@ -1167,7 +1216,6 @@ class StepMemory:
         # (block, whole, collective output) of the ZeRO-2 reduce-scatter in flight, and those counted
         # until backward's end.
         pending, held_to_end = (Bytes(None, None, 0.0),) * 3, []
-        bucketed = []         # the bucketed gradients' shares ready so far
         started = set()
         for t in range(len(calls) - 1, -1, -1):
             n = calls[t]
@@ -1215,31 +1263,29 @@ class StepMemory:
             for cat, sign, q in frees.get(("B", t), ()):
                 add((cat, sign, q))
             for p in ready.get(n, ()):
-                (shard, whole, _), (dshard, dwhole, staging), deferred = scatter[p]
-                add((_G, 1, shard))
-                add((_T, 1, staging))
+                moved = scatter[p]
+                add((_G, 1, moved.offloaded))
+                add((_T, 1, moved.in_flight[2]))
                 # The one in flight before is waited here where this one is deferred too (its wait makes
                 # its block); where not, it is counted until backward's end: which one is in flight
                 # depends on every decision since (the safe side).
                 c = self._choice(p)
-                waited = [_gated(q, c, deferred) for q in pending]
+                waited = [_gated(q, c, moved.deferred) for q in pending]
                 add((_G, 1, waited[0]))
                 self.points.append((len(self.events), "backward", f"reduce_scatter {meta_of(p).role.target}"))
-                add((_G, -1, whole))
+                add((_G, -1, moved.offloaded_whole))
                 add((_G, -1, waited[1]))
                 add((_T, -1, waited[2]))
-                held_to_end.append([_gated(q, c, [1.0 - x for x in deferred]) for q in pending])
-                pending = (dshard, dwhole, staging)
+                held_to_end.append([_gated(q, c, [1.0 - x for x in moved.deferred]) for q in pending])
+                pending = moved.in_flight
             # A bucket's buffer and its gradients are both live at its copy, then the gradients are views
             # of it (counted as gradients). A bucket may copy where any of its gradients is ready, holding
             # at most every gradient ready so far twice.
             if n in launched:
-                bucketed.extend(launched[n])
-                for q in bucketed:
-                    add((_T, 1, q))
+                for q in launched[n]:
+                    add((_S, 1, q))
+                self._copy_points.add(len(self.points))
                 self.points.append((len(self.events), "backward", f"gradient buckets after {n.name}"))
-                for q in bucketed:
-                    add((_T, -1, q))
         held_to_end = [q for q in [pending, *held_to_end] if not all(x.zero() for x in q)]
         if held_to_end:
             # Backward's end waits for the last reduce-scatter.
@@ -1319,14 +1365,17 @@ class StepMemory:
     # --- evaluation ---------------------------------------------------------------------------------
     def walk(self, assignment: Sequence[int]) -> list[StepPoint]:
         """Every point of the step under ``assignment``, with its live bytes per category."""
-        running = [0.0] * len(CATEGORIES)
+        running = [0.0] * (len(CATEGORIES) + 1)
         out, e = [], 0
-        for upto, phase, name in self.points:
+        for k, (upto, phase, name) in enumerate(self.points):
             while e < upto:
                 cat, sign, q = self.events[e]
                 running[cat] += sign * q.at(assignment)
                 e += 1
-            out.append(StepPoint(phase, name, dict(zip(CATEGORIES, running))))
+            live = dict(zip(CATEGORIES, running))
+            if k in self._copy_points:
+                live["transient"] += running[_S]
+            out.append(StepPoint(phase, name, live))
         return out
 
     def peak(self, assignment: Sequence[int]) -> tuple[int, float]:
@@ -1358,36 +1407,50 @@ class StepMemory:
 
         order = sorted(set(ks))
         made, e = {}, 0
-        constant, terms, pairs, shared = 0.0, {}, {}, {}
+        shared = {}
+        # [constant, one-decision terms, pair terms] of the live bytes, and of the bucketed shares (_S).
+        sums = ([0.0, {}, {}], [0.0, {}, {}])
         arrays: dict[int, np.ndarray] = {}      # id of a Bytes -> its table, (a, b) ordered
         for k in order:
             upto, phase, name = self.points[k]
             while e < upto:
-                _cat, sign, q = self.events[e]
+                cat, sign, q = self.events[e]
                 e += 1
                 if isinstance(q, SharedBytes):
                     key = (q.src, q.readers, q.always)
                     shared[key] = shared.get(key, 0.0) + sign * np.asarray(q.bytes, dtype=float)
                     continue
+                into = sums[cat == _S]
                 if q.a is None:
-                    constant += sign * q.table
+                    into[0] += sign * q.table
                     continue
                 table = arrays.get(id(q))
                 if table is None:
                     table = np.asarray(q.table, dtype=float)
                     arrays[id(q)] = table = table.T if q.b is not None and q.a > q.b else table
                 key = q.a if q.b is None else (min(q.a, q.b), max(q.a, q.b))
-                acc = terms if q.b is None else pairs
+                acc = into[1] if q.b is None else into[2]
                 if key in acc:
                     acc[key] += sign * table
                 else:
                     acc[key] = sign * table
+            constant, terms, pairs = sums[0]
+            if k in self._copy_points:
+                constant, terms, pairs = constant + sums[1][0], _added(terms, sums[1][1]), _added(pairs, sums[1][2])
             made[k] = MemoryConstraint(f"{phase} {name} (point {k})",
                                        tuple((c, tuple(v.tolist())) for c, v in terms.items()), constant,
                                        tuple((a, b, tuple(map(tuple, m.tolist()))) for (a, b), m in pairs.items()),
                                        tuple(_live_copies(key, table) for key, table in shared.items()
                                              if np.any(table > 0)))
         return [made[k] for k in ks]
+
+
+def _added(a: dict, b: dict) -> dict:
+    """The sum of two dicts of tables."""
+    out = dict(a)
+    for key, table in b.items():
+        out[key] = out[key] + table if key in out else table
+    return out
 
 
 def _live_copies(key, table: np.ndarray):
