@@ -803,7 +803,7 @@ class StepMemory:
 
     # --- the events ---------------------------------------------------------------------------------
     def _build(self, gm, instances):
-        from autopar.codegen.local_program import folded_matmul
+        from autopar.passes.normalize import folded_matmul
         from autopar.passes.reshard_plan import gathered_output
         from autopar.passes.strategies import Value, requires_grad
 
