@@ -9,6 +9,11 @@ flight at a time, and collectives are issued in program order, so every rank iss
 order and no more than one extra communication buffer is alive (a ZeRO-3 parameter is gathered
 while the compute before its first use runs, not all parameters at the start of the step).
 
+A parameter read through ``local_chunk`` (a replicated weight a rank uses one chunk of, as the
+solver's feature splits over DDP's layout do) is read through ``param_chunk`` instead: its gradient's
+all-gather is issued in backward and waited at the next such issue or when backward ends, so the rest
+of backward runs while it is in flight (runtime/collectives.py).
+
 Only the top-level graph is scheduled: collectives inside recomputed layers (codegen/recompute.py)
 and those inside sharded ops (runtime/sharded_ops.py) still wait at once.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from autopar.passes.meta import program_meta
 from autopar.passes.runner import requires
 from autopar.runtime import collectives as C
 
@@ -43,6 +49,11 @@ def overlap_pass(gm: fx.GraphModule) -> fx.GraphModule:
         graph.erase_node(node)
         position = {n: i for i, n in enumerate(graph.nodes)}
         previous_wait = wait
+    params = {p for p, (kind, _) in zip((n for n in graph.nodes if n.op == "placeholder"),
+                                        program_meta(gm).placeholders) if kind == "param"}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is C.local_chunk and node.args[0] in params:
+            node.target = C.param_chunk
     graph.lint()
     gm.recompile()
     return gm

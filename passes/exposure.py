@@ -15,11 +15,12 @@ streams, compute and communication, the way the generated program runs them:
   bucket has started, and runs on the communication stream while the rest of backward computes.
   A sharded parameter's gradient reduce-scatter (the backward of its split forward all-gather,
   ZeRO-3) is issued at the backward of its reader, a ZeRO-2 one once its gradient is accumulated (the
-  backward of its first reader), and each is waited when the next one is issued or when backward ends
-  (runtime/collectives.py, FSDP2's scheme). The communication stream runs these and the buckets in
-  issue order. Every other backward collective (Megatron's "f", sequence parallelism's pairs,
-  recomputed layers' collectives) waits where it is issued: autograd runs the reader of its result
-  next, so there is no compute to hide it behind.
+  backward of its first reader), and so is the all-gather of a replicated parameter's gradient where
+  the program reads the parameter in chunks (a feature split over replicated weights); each is waited
+  when the next one is issued or when backward ends (runtime/collectives.py, FSDP2's scheme). The
+  communication stream runs these and the buckets in issue order. Every other backward collective
+  (Megatron's "f", sequence parallelism's pairs, recomputed layers' collectives) waits where it is
+  issued: autograd runs the reader of its result next, so there is no compute to hide it behind.
 - the optimizer step's collectives (ZeRO-1/2 gathers) wait where they are issued.
 
 ``exposure`` returns, per collective, the seconds it runs for (a bucketed reduction: its share of its
@@ -128,10 +129,16 @@ def exposure(gm: fx.GraphModule, strategy: dict, colls: list[PlanCollective], cm
 
     deferred: dict[int, str] = {}         # collective -> the node whose backward issues it
     for i, c in enumerate(colls):
-        if c.phase != "backward" or c.kind != "reduce_scatter" or c.value not in nodes:
+        if c.phase != "backward" or c.kind not in ("reduce_scatter", "all_gather") or c.value not in nodes:
             continue
         st = strategy.get(nodes[c.value])
         if st is None or not is_param(nodes[c.value]) or st.offload:
+            continue
+        if c.kind == "all_gather":
+            # A replicated parameter read in chunks (runtime/collectives.py: param_chunk), at its reader's
+            # backward, where the program's top level reads it.
+            if st.zero is None and c.node not in recomputed:
+                deferred[i] = c.node
             continue
         if (c.value, c.node) in split_reads and st.zero is None:
             deferred[i] = c.node                                   # ZeRO-3, at its reader's backward

@@ -38,6 +38,7 @@ __all__ = [
     "all_to_all_wait",
     "grad_all_reduce",
     "local_chunk",
+    "param_chunk",
     "reduce_scatter",
     "reduce_scatter_start",
     "reduce_scatter_wait",
@@ -303,6 +304,14 @@ def local_chunk(x: torch.Tensor, dim: int, group_name: str, groups: int = 1) -> 
     return _LocalChunk.apply(x, _dim(x, dim), group_name, groups)
 
 
+def param_chunk(x: torch.Tensor, dim: int, group_name: str, groups: int = 1) -> torch.Tensor:
+    """``local_chunk`` of a parameter (codegen/overlap.py): backward all-gathers its gradient's chunks
+    after the rest of backward has run past it, as ``defer_gather`` does, where autograd accumulates
+    the parameter's gradient; otherwise at once."""
+    _check_groups("local_chunk", groups)
+    return _ParamChunk.apply(x, _dim(x, dim), group_name, groups)
+
+
 def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group_name: str, src_groups: int = 1,
                dst_groups: int = 1) -> torch.Tensor:
     """S(src_dim) -> S(dst_dim): gather ``src_dim``, split ``dst_dim``. Backward: the inverse.
@@ -344,34 +353,34 @@ class _ReduceScatterWait(torch.autograd.Function):
 
 
 class _DeferredGradients:
-    """Reduce-scatters of parameter gradients issued in backward and waited later, as FSDP2 does: one
-    is waited when the next is issued (so that at most one extra gradient is held, the one in flight),
-    the last when backward ends (an autograd engine callback). Waiting adds the reduced block to the
-    parameter's ``.grad``. Every rank issues them in backward's order, which is the same on all. One
-    left by a backward that raised (its end callback never ran) is waited for and dropped."""
+    """Collectives of parameter gradients issued in backward and waited later, as FSDP2 does its
+    reduce-scatters: one is waited when the next is issued (so that at most one extra gradient is held,
+    the one in flight), the last when backward ends (an autograd engine callback). Waiting adds the
+    result to the parameter's ``.grad``. Every rank issues them in backward's order, which is the same
+    on all. One left by a backward that raised (its end callback never ran) is waited for and dropped."""
 
     def __init__(self):
-        self.in_flight: tuple | None = None      # (parameter, the issued reduce-scatter's raw result,
-                                                 # the backward that issued it)
+        self.in_flight: tuple | None = None      # (parameter, the issued collective's raw result, what
+                                                 # makes the gradient of it, the backward that issued it)
 
-    def issue(self, param: torch.Tensor, issued: torch.Tensor) -> None:
+    def issue(self, param: torch.Tensor, issued: torch.Tensor, finish) -> None:
         task = torch._C._current_graph_task_id()
-        if self.in_flight is not None and self.in_flight[2] != task:
+        if self.in_flight is not None and self.in_flight[3] != task:
             _ops.wait_tensor(self.in_flight[1])
             self.in_flight = None
         if self.in_flight is None:
             torch.autograd.Variable._execution_engine.queue_callback(self.wait)
         else:
             self.wait()
-        self.in_flight = param, issued, task
+        self.in_flight = param, issued, finish, task
 
     def wait(self) -> None:
         if self.in_flight is None:
             return
-        param, issued, _ = self.in_flight
+        param, issued, finish, _ = self.in_flight
         self.in_flight = None
-        block = _scattered(_ops.wait_tensor(issued)).squeeze(0)
-        param.grad = block if param.grad is None else param.grad.add_(block)
+        grad = finish(_ops.wait_tensor(issued))
+        param.grad = grad if param.grad is None else param.grad.add_(grad)
 
 
 _deferred = _DeferredGradients()
@@ -380,7 +389,16 @@ _deferred = _DeferredGradients()
 def defer_reduce_scatter(param: torch.Tensor, grad: torch.Tensor, dim: int, group_name: str) -> None:
     """Issue the sum reduce-scatter of ``grad`` along ``dim`` and add this rank's block to
     ``param.grad`` when it is waited: at the next such issue or when backward ends. Called in backward."""
-    _deferred.issue(param, _start_reduce_scatter(grad, dim, _group(group_name)[1], group_name))
+    _deferred.issue(param, _start_reduce_scatter(grad, dim, _group(group_name)[1], group_name),
+                    lambda y: _scattered(y).squeeze(0))
+
+
+def defer_gather(param: torch.Tensor, grad: torch.Tensor, dim: int, group_name: str, groups: int = 1) -> None:
+    """Issue the all-gather of ``grad``, this rank's chunk of ``param``'s gradient along ``dim``, and
+    add the whole gradient to ``param.grad`` when it is waited, as ``defer_reduce_scatter``."""
+    size = _group(group_name)[1]
+    _deferred.issue(param, _start_gather(grad, size, group_name),
+                    lambda y: y if dim == 0 and groups == 1 else _unblocks(y.view(size, *grad.shape), dim, groups))
 
 
 def _plain_leaf(x: torch.Tensor) -> bool:
@@ -403,6 +421,21 @@ def accumulates(param: torch.Tensor) -> bool:
 def deferrable(param: torch.Tensor) -> bool:
     """Whether ``param``'s reduce-scatter may go to ``defer_reduce_scatter`` from the running backward."""
     return _plain_leaf(param) and accumulates(param)
+
+
+class _ParamChunk(_LocalChunk):
+    @staticmethod
+    def forward(ctx, x, dim, name, groups):
+        ctx.param = x
+        return _LocalChunk.forward(ctx, x, dim, name, groups)
+
+    @staticmethod
+    def backward(ctx, g):
+        if not deferrable(ctx.param):
+            return _LocalChunk.backward(ctx, g)
+        dim, name, _, groups = ctx.args
+        defer_gather(ctx.param, g, dim, name, groups)
+        return None, None, None, None
 
 
 class _AllGatherStart(torch.autograd.Function):
@@ -579,6 +612,7 @@ COLLECTIVE_KIND = {
     all_reduce: "all_reduce",
     grad_all_reduce: "all_reduce",  # in the backward
     local_chunk: None,  # no communication in the forward
+    param_chunk: None,
     all_to_all: "all_to_all",
     all_gather_start: "all_gather",
     reduce_scatter_start: "reduce_scatter",

@@ -87,10 +87,18 @@ def _issue_before_wait(pm):
 def _reduce_scatters_waited_after_compute(pm, ids, labels):
     """Backward's reduce-scatters, each as the number of ATen ops (not views) autograd ran between its
     issue and its wait; every issued one must be waited by the end of backward."""
+    c10d = torch.ops._c10d_functional
+    # On CPU a reduce-scatter is an all-to-all and a sum.
+    return _waited_after_compute(pm, ids, labels, (c10d.reduce_scatter_tensor.default, c10d.all_to_all_single.default))
+
+
+def _waited_after_compute(pm, ids, labels, issues):
+    """Backward's collectives issued by one of the ops ``issues``, each as the number of ATen ops (not
+    views) autograd ran between its issue and its wait; every issued one must be waited by the end of
+    backward."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     c10d = torch.ops._c10d_functional
-    issues = (c10d.reduce_scatter_tensor.default, c10d.all_to_all_single.default)    # on CPU: all-to-all + sum
     events = []
 
     class Log(TorchDispatchMode):
@@ -111,7 +119,7 @@ def _reduce_scatters_waited_after_compute(pm, ids, labels):
     for i, (what, issued) in enumerate(events):
         if what == "issue":
             waited = next((j for j in range(i + 1, len(events)) if events[j][0] == "wait" and events[j][1] is issued), None)
-            assert waited is not None, f"a reduce-scatter issued in backward (event {i}) was never waited"
+            assert waited is not None, f"a collective issued in backward (event {i}) was never waited"
             between.append(sum(e[0] == "compute" for e in events[i + 1:waited]))
     pm.zero_grad()
     return between
@@ -146,6 +154,40 @@ def _collectives_match(rank, world, model_name, mesh, pins, options):
         assert torch.equal(plain.loss, pm.loss)
         for (name, a), (_, b) in zip(plain.named_parameters(), pm.named_parameters()):
             assert torch.equal(a.grad, b.grad), name
+
+
+def _replicated_weights_read_in_chunks(rank, world):
+    import autopar
+    from autopar.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=32, d_ff=128, max_seq=16))
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    # DDP's parameter layout, with the MLP's first projection split by features: each rank reads its
+    # chunk of the replicated weight, and the gradient's chunks are all-gathered in backward.
+    pins = {**{n: {"output": ["R"], "zero": 0} for n, _ in model.named_parameters()},
+            "input_ids": ["S(0)"], "labels": ["S(0)"], "linear_default_4": ["S(2)"]}
+    cluster = autopar.ClusterSpec.local_cpu(world)
+    pm = autopar.compile(model, cluster, (ids,), {"labels": ids}, pins=pins)
+    plain = autopar.compile(model, cluster, (ids,), {"labels": ids}, plan=pm.plan, overlap=False)
+    assert pm.code.count("param_chunk(") == 2 and "param_chunk(" not in plain.code, pm.code
+    gathers = (torch.ops._c10d_functional.all_gather_into_tensor.default,)
+    # The gradients' all-gathers wait at the next one's issue or at the end of backward, with the
+    # backward of the layers before them run in between; with overlap off, each waits at once.
+    assert sum(n > 0 for n in _waited_after_compute(pm, ids, ids, gathers)) >= 1
+    assert not any(_waited_after_compute(plain, ids, ids, gathers))
+    # The same numbers with overlap off, bitwise, over two backwards that accumulate.
+    for m in (plain, pm):
+        for _ in range(2):
+            m.loss = m(ids, labels=ids).loss
+            m.loss.backward()
+    assert torch.equal(plain.loss, pm.loss)
+    for (name, a), (_, b) in zip(plain.named_parameters(), pm.named_parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
+def test_replicated_weights_read_in_chunks_gather_their_gradients_deferred():
+    run_distributed(_replicated_weights_read_in_chunks, 2, timeout=300)
 
 
 def check_collectives(pm, ids, labels):

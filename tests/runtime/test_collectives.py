@@ -23,6 +23,7 @@ from autopar.runtime.collectives import (
     all_to_all,
     grad_all_reduce,
     local_chunk,
+    param_chunk,
     reduce_scatter,
     all_gather_start,
     all_reduce_start,
@@ -255,7 +256,7 @@ def test_errors_checksums_and_fx_codegen():
 def test_collective_kinds():
     assert COLLECTIVE_KIND == {
         all_gather: "all_gather", reduce_scatter: "reduce_scatter", all_reduce: "all_reduce",
-        grad_all_reduce: "all_reduce", local_chunk: None, all_to_all: "all_to_all",
+        grad_all_reduce: "all_reduce", local_chunk: None, param_chunk: None, all_to_all: "all_to_all",
         all_gather_start: "all_gather", reduce_scatter_start: "reduce_scatter", all_reduce_start: "all_reduce",
         all_to_all_start: "all_to_all",
     }
