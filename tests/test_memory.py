@@ -78,10 +78,10 @@ def _measure(rank, world, cases):
     [("llama", "megatron", 1.05, {"tokens": (64, 8), "strict": True}), ("gpt", "auto", 1.5), ("gpt2", "auto", 1.05),
      ("qwen2", "auto", 1.05)],
     # bench/train_cpu.py's built-in GPT (4 layers of width 256, vocabulary 2048, 8 x 128 tokens) at 1.05x
-    # its smallest feasible budget: the solver's own plan shards the attention weights' gradients and
-    # states (ZeRO-2), the position embedding (ZeRO-3), recomputes every layer and splits the head's
-    # vocabulary; its peak is at the end of forward, the measured one in backward at a ZeRO-2
-    # reduce-scatter.
+    # its smallest feasible budget: the solver's own plan shards the query, key and value weights'
+    # gradients and states (ZeRO-2), the attention output projections and the position embedding
+    # (ZeRO-3) and recomputes every layer; its peak is at the end of forward, the measured one in the
+    # first layer's recomputation, at the MLP output's reduce-scatter.
     [("gpt-probe", "auto", 1.05, {"tokens": (128, 8), "strict": True, "zero": 2})],
     # GPT-2's own plan at 1.05x its smallest feasible budget, at 64 x 8 tokens: ZeRO-2 weights in
     # recomputed layers. A ZeRO-2 reduce-scatter is waited at the next one's issue, so the whole gradient
