@@ -1153,20 +1153,21 @@ class StepMemory:
             copy sized by two layouts counts whether or not it recomputes (``_if_recomputed``). Where it
             keeps its saved activations in host memory, they come back at once."""
             nodes = instances[inst][2]
-            first, made = pos[nodes[0]], remat.get(inst, ())
+            made = sorted(remat.get(inst, ()), key=lambda e: e[0])[::-1]     # the next one last
             ri, ind = self._recomputed.get(inst, (None, None))
-            for p, q in made:
-                if p < first or ri is None:
-                    add((_A, 1, q))
+
+            def make(upto):
+                while made and made[-1][0] <= upto:
+                    add((_A, 1, made.pop()[1]))
+
+            make(pos[nodes[0]] - 1 if ri is not None else math.inf)
             self.points.append((len(self.events), "recompute", inst))
             if ri is None:
                 return
             live = {}           # storage -> Bytes, made in the replay and not kept
             for m in nodes:
                 t = pos[m]
-                for p, q in made:
-                    if p == t:
-                        add((_A, 1, q))
+                make(t)
                 transient = []
                 if Value(m) in copy_views:
                     if Value(m) not in held:
@@ -1199,6 +1200,7 @@ class StepMemory:
                     add((_T, 1, fold))
                 for s in [s for s in live if last_use.get(s) == t]:
                     add((_T, -1, live.pop(s)))
+            make(math.inf)
             for q in live.values():
                 add((_T, -1, q))
 
