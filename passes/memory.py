@@ -467,7 +467,7 @@ class StepMemory:
     op allocates the gradients of its inputs (at the layout read when a resharding's backward then
     converts them), then frees its outputs' gradients and what it kept; parameter gradients stay until
     the optimizer step, which adds the optimizer's transient buffers. A recomputed layer instance keeps
-    only its inputs through forward and re-materializes what it keeps when its backward starts.
+    only its inputs through forward and runs its forward again, op by op, when its backward starts.
 
     Every allocation is ``Bytes`` of at most two decisions (two layouts, or a layout and a recompute
     count), so the live bytes at any point are exactly a linear memory constraint with pair terms:
