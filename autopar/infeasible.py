@@ -30,8 +30,9 @@ def _smallest_valid_budget(prob, sm: StepMemory, above: float | None = None):
     """The smallest budget with a valid plan, and that plan; None where there is none, or none below
     ``above``.
 
-    The memory-only minimum ignores seconds, so it may pick a resharding that cannot happen (priced
-    INFEASIBLE); starting from it, look for the least budget at which the time-aware solve avoids them.
+    The memory-only minimum forbids the reshardings that cannot happen between two choices but not a
+    shared value's (priced INFEASIBLE); where its layout takes one, look for the least budget at which
+    the time-aware solve avoids them.
     """
     found = minimum_budget(prob, sm, above=above)
     if found is None:

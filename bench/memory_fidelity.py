@@ -115,6 +115,7 @@ def main():
         print(f"{'arch':<10} {'kind':<16} {'budget':>10} {'predicted':>10} {'measured':>10} {'meas/pred':>9} "
               f"{'meas/budget':>11}  mesh", flush=True)
     worst = 0.0
+    factors = [b for b in a.budgets.split(",") if b != "none"]
     for arch in a.archs.split(","):
         for kind in a.kinds.split(","):
             try:
@@ -131,7 +132,7 @@ def main():
             if a.gpu:
                 opts = {k: v for k, v in opts.items() if k not in ("mesh_shape", "pins")}
             smallest = [None]
-            if rank0:
+            if rank0 and factors:       # the search is only needed for a budget given as a factor
                 smallest = [smallest_budget(model, cluster, args, kwargs, opts)]
             dist.broadcast_object_list(smallest, src=0)
             for b in a.budgets.split(","):

@@ -4,6 +4,7 @@ parallel (parallelize_module), on one GPT-2-shaped model; plus a 1-rank autopar 
 
     OMP_NUM_THREADS=1 python bench/train_cpu.py [--model gpt|hf-gpt2] [--rounds 3] [--steps 4]
                                                 [--layers N] [--d-model N] [--vocab N] [--batch N]
+                                                [--budget fsdp2|BYTES|FACTORx]
 
 autopar plans on the profiled cluster (``ClusterSpec.profile()``; ``--no-profile`` keeps local_cpu's
 rough figures) with ``sharded_outputs=True``: each rank keeps the logits in the layout they are
@@ -13,6 +14,14 @@ autopar's cost model predicts for that system's layout (forced through pins: DDP
 parameters and split batch, FSDP2's parameters sharded on dim 0, Megatron's column/row split).
 "autopar DP" is autopar's plan on DDP's pins (activations left to the solver), run by its runtime.
 Systems are timed in rounds, in turn, and each keeps its fastest round.
+
+``--budget`` plans autopar's own layout under a memory budget per device instead of none: ``fsdp2`` is
+the peak autopar's step memory model predicts for FSDP2's layout (the FSDP2 pins), the memory FSDP2
+is measured against; on both models it is below the DDP layout's predicted peak (every parameter
+replicated with its gradient and optimizer state), so the plan must shard parameters (the script
+prints both peaks). ``0.9x`` is a factor of that figure, and a plain number is bytes. The script
+prints which parameters the plan shards (ZeRO stage or tensor layout) and autopar's CPU and wall time
+against FSDP2's and DDP's.
 
 ``--model gpt`` (the default) is autopar's built-in GPT (GPT-2's architecture with nn.Linear
 projections, so that parallelize_module's ColwiseParallel/RowwiseParallel apply to it), 4 layers,
@@ -119,6 +128,18 @@ def like_pins(model, world, manual_tp: bool) -> dict:
     return pins
 
 
+def memory_budget(spec: str | None, fsdp2_peak: float) -> float | None:
+    """Bytes per device from ``--budget``: None, "fsdp2" (FSDP2's layout's predicted peak), "0.9x" (a
+    factor of it) or a number of bytes."""
+    if spec is None:
+        return None
+    if spec == "fsdp2":
+        return fsdp2_peak
+    if spec.endswith("x"):
+        return float(spec[:-1]) * fsdp2_peak
+    return float(spec)
+
+
 def systems(args, rank, world, predicted: dict):
     """(name, module, optimizer, step) for each system, built fresh from the same weights; ``predicted``
     gets each one's step time as autopar's cost model prices its layout."""
@@ -135,16 +156,26 @@ def systems(args, rank, world, predicted: dict):
     cluster = autopar.ClusterSpec.local_cpu(world)
     if not args.no_profile:
         cluster = cluster.profile()
-    pm = autopar.compile(copy.deepcopy(base), cluster, (ids,), {"labels": labels}, sharded_outputs=True)
-    if rank == 0:
-        print(f"cluster: {cluster}")
-        print(pm.plan.summary().splitlines()[0], "|", pm.plan.summary().splitlines()[-2])
-    predicted["autopar"] = pm.plan.step_time
     # Each other system's layout, priced by the same cost model through pins.
     manual_tp = args.model == "gpt"
-    for name, pins in like_pins(base, world, manual_tp).items():
-        predicted[name] = autopar.plan(base, cluster, (ids,), {"labels": labels}, pins=pins, progress=False,
-                                       sharded_outputs=True).step_time
+    like = {name: autopar.plan(base, cluster, (ids,), {"labels": labels}, pins=pins, progress=False,
+                               sharded_outputs=True) for name, pins in like_pins(base, world, manual_tp).items()}
+    predicted.update({name: p.step_time for name, p in like.items()})
+    budget = memory_budget(args.budget, like["FSDP2"].memory.peak)
+    pm = autopar.compile(copy.deepcopy(base), cluster, (ids,), {"labels": labels}, sharded_outputs=True,
+                         memory_budget=budget)
+    if rank == 0:
+        print(f"cluster: {cluster}")
+        summary = pm.plan.summary().splitlines()
+        print(summary[0], "|", summary[-2])
+        if budget is not None:
+            print(f"memory budget {budget / 2**20:.1f} MiB per rank ({args.budget}; FSDP2's layout predicted "
+                  f"{like['FSDP2'].memory.peak / 2**20:.1f} MiB, DDP's {like['DDP'].memory.peak / 2**20:.1f} MiB)")
+            # The summary's parameter block: which parameters are sharded and how, to the predicted step.
+            first = next(i for i, line in enumerate(summary) if line.startswith("parameters:"))
+            last = next(i for i, line in enumerate(summary) if line.startswith("step time:"))
+            print("\n".join(summary[first:last + 1]))
+    predicted["autopar"] = pm.plan.step_time
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
     out.append(("autopar", pm, opt, trainer(pm, opt, lambda: pm(ids, labels=labels).loss)))
     # DDP's layout run by autopar's runtime: what the generated program costs against DDP's on one layout.
@@ -212,6 +243,10 @@ def two_ranks(rank, world, args):
                   f"{m / a_mem:>10.2f}x {predicted[name] * 1e3:>15.1f} {s / predicted[name]:>19.2f}")
         print("gloo CPU: the CPU time of the threads other than the training loop's (gloo's, moving the "
               "collectives' bytes), in the round of the least CPU time")
+        if args.budget is not None:
+            print(f"autopar under the budget ({args.budget}): CPU time {cpu['autopar'] / cpu['FSDP2']:.3f}x "
+                  f"FSDP2's, {cpu['autopar'] / cpu['DDP']:.3f}x DDP's; wall time {a_time / results['FSDP2'][0]:.3f}x "
+                  f"FSDP2's, {a_time / results['DDP'][0]:.3f}x DDP's")
         if "manual TP" not in results:
             print("manual TP: skipped (parallelize_module's column/row styles split nn.Linear; GPT-2's "
                   "projections are Conv1D)")
@@ -250,6 +285,9 @@ def main():
     ap.add_argument("--batch", type=int)
     ap.add_argument("--no-profile", action="store_true",
                     help="plan with ClusterSpec.local_cpu's rough figures instead of profiled ones")
+    ap.add_argument("--budget", help="plan autopar under a memory budget per rank: 'fsdp2' (the peak the step "
+                    "memory model predicts for FSDP2's layout, below the DDP layout's on both models), "
+                    "'0.9x' (a factor of that peak) or a number of bytes; default: no budget")
     ap.add_argument("--no-one-rank", action="store_true", help="skip the 1-rank comparison with eager")
     args = ap.parse_args()
     for key, value in DEFAULTS[args.model].items():

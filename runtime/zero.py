@@ -31,9 +31,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autopar.runtime import collectives as C
 
@@ -67,8 +65,7 @@ def split(full: torch.Tensor, group: str, dim: int, requires_grad: bool) -> tupl
     """(the whole local tensor as an autograd leaf, the parameter that is this rank's block of it). The
     whole tensor is a Parameter too: a pipeline stage's module holds it, and the zero-bubble schedules
     compute the gradients of its parameters."""
-    pg = _resolve_process_group(group)
-    n, r = dist.get_world_size(pg), dist.get_rank(pg)
+    r, n = C._group(group)
     whole = nn.Parameter(full.detach().clone(), requires_grad=requires_grad)
     k = whole.shape[dim] // n
     return whole, nn.Parameter(whole.detach().narrow(dim, r * k, k), requires_grad=requires_grad)
@@ -88,8 +85,7 @@ class _WholeOf(torch.autograd.Function):
         if ctx.states.defer and C.deferrable(s.shard):
             C.defer_reduce_scatter(s.shard, g, s.dim, s.group)
             return None, None, None
-        n = dist.get_world_size(_resolve_process_group(s.group))
-        return C._reduce_scatter(g, s.dim, n, s.group), None, None
+        return C._reduce_scatter(g, s.dim, C._group(s.group)[1], s.group), None, None
 
 
 def whole_of(full: torch.Tensor) -> torch.Tensor:
@@ -139,7 +135,7 @@ class ShardedStates:
 
     @staticmethod
     def _block(s: ShardedState) -> int:
-        return dist.get_rank(_resolve_process_group(s.group))
+        return C._group(s.group)[0]
 
     def before_forward(self) -> None:
         """Free a ZeRO-1 gradient the optimizer has let go of (``zero_grad``), and gather parameters
@@ -160,7 +156,7 @@ class ShardedStates:
         """All-gather every rank's updated blocks into the whole local tensors, a bucket at a time."""
         with torch.no_grad():
             for (_, group, dtype), members in self.buckets().items():
-                n = dist.get_world_size(_resolve_process_group(group))
+                n = C._group(group)[1]
                 flat = torch.empty(sum(s.shard.numel() for s in members), dtype=dtype, device=members[0].full.device)
                 offset = 0
                 for s in members:

@@ -337,13 +337,21 @@ def _pair_matrices(problem: Problem, x, residual: dict, memory) -> dict:
         mats[key].append(r)
     if problem.memory_budget is not None:
         chosen = problem.memory if memory is None else [problem.memory[k] for k in sorted(memory)]
-        for mc in chosen:
-            for a, b, per in mc.pairs:
-                if a == b or x[a] is None or x[b] is None:
-                    continue
-                if a > b:
-                    a, b, per = b, a, tuple(zip(*per))
-                mats[(a, b)].append(_pair_residual(per))
+        memory_pair_matrices(chosen, x, mats)
+    return mats
+
+
+def memory_pair_matrices(constraints, x, mats: dict | None = None) -> dict:
+    """Add to ``mats`` ((s, d) -> matrices, as ``Formulation.group`` takes them) the remainders of the
+    pair terms of memory ``constraints`` whose two choices are both free."""
+    mats = defaultdict(list) if mats is None else mats
+    for mc in constraints:
+        for a, b, per in mc.pairs:
+            if a == b or x[a] is None or x[b] is None:
+                continue
+            if a > b:
+                a, b, per = b, a, tuple(zip(*per))
+            mats[(a, b)].append(_pair_residual(per))
     return mats
 
 

@@ -5,7 +5,7 @@ import math
 from typing import Sequence
 
 from .greedy import greedy
-from .ilp import Formulation, resolve_backend, run
+from .ilp import Formulation, memory_pair_matrices, resolve_backend, run
 from .milp import INF
 from .problem import Problem
 
@@ -21,7 +21,8 @@ GUARD_SECONDS = 600.0
 def minimum_feasible_budget(problem: Problem, *, time_limit: float = math.inf, backend: str = "auto",
                             start: Sequence[int] | None = None,
                             cutoff: float | None = None) -> tuple[float, tuple[int, ...]]:
-    """(L, assignment): L = min over assignments of the max over memory constraints of their bytes.
+    """(L, assignment): L = min over valid assignments (no forbidden option or pair) of the max over
+    memory constraints of their bytes.
 
     Solved as min t subject to every constraint's bytes <= t; ``problem.memory_budget`` is ignored.
     If the time limit or ``NODE_LIMIT`` stops the solver early, L is the best found (an upper bound).
@@ -40,6 +41,10 @@ def minimum_feasible_budget(problem: Problem, *, time_limit: float = math.inf, b
         return 0.0, start
 
     f = Formulation(problem)
+    f.forbid()      # only layouts that can run: a resharding that cannot happen is no plan at any budget
+    # Options a pair's memory terms cannot tell apart share its pair columns: the same relaxation with
+    # fewer columns (tests/memory_cases.py's LLaMA on a 2 x 2 mesh, four points: 41977 columns, 12940).
+    f.group(memory_pair_matrices(problem.memory, f.x))
     rows = f.memory_rows()
     m = f.model
     # Bytes are ~1e10: scale to O(1) for the solvers' tolerances; the answer is recomputed exactly below.
@@ -56,5 +61,6 @@ def minimum_feasible_budget(problem: Problem, *, time_limit: float = math.inf, b
     if cutoff is not None and res.status == "infeasible":
         return INF, start
     candidates = ([f.assignment(res.values)] if res.values is not None else []) + [start]
-    best = min(candidates, key=peak)   # defensive: never worse than the greedy assignment
+    # Defensive: never worse than the greedy assignment, nor one that cannot run where one can.
+    best = min(candidates, key=lambda a: (math.isinf(problem.objective(a)), peak(a)))
     return peak(best), best

@@ -99,6 +99,12 @@ def test_predicted_peak_matches_measured_on_two_ranks(cases):
     run_distributed(_measure, 2, cases, timeout=600)
 
 
+def test_two_d_plan_under_a_tight_budget_is_predicted_within_10_percent_on_four_ranks():
+    """A 2 x 2 mesh (data parallel over Megatron pins) of the built-in GPT at 1.05x its smallest feasible
+    budget: the plan's predicted peak is within the budget and the measured peak within 10% of it."""
+    run_distributed(_measure, 4, [("gpt", "2d", 1.05)], timeout=600)
+
+
 def test_bf16_mixed_and_the_vocab_parallel_loss_predicted_peaks_match_measured_on_two_ranks():
     """bf16-mixed: fp32 master weights, gradients and Adam states, bf16 copies of the weights and bf16
     activations. A vocabulary of 32768 on a one-layer model: the vocab-parallel loss's logits, their
