@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.errors import PlanFormatError, ShardingError
 from autopar.layout import format_layout, local_shape, parse_layout
+from autopar.passes.normalize import BIASED_MATMULS, folded_matmul
 from autopar.passes.reshard_plan import gathered_output, plan_reshards
 from autopar.passes.meta import meta_of, op_name, set_meta, set_program_meta
 from autopar.passes.rules import context_for, rule_for
@@ -226,32 +227,20 @@ def example_local_inputs(gm: fx.GraphModule, plan: Plan) -> list:
     return out
 
 
-# The matmuls normalize_pass split a bias off, and the op that adds the bias back in one kernel.
-_BIASED = {aten.mm.default: aten.addmm.default, aten.linear.default: aten.linear.default}
-
-
 def _fold_biases(gm: fx.GraphModule, env: dict) -> None:
     """Where a split-off bias is added to its matmul's local result with nothing between them (no
     resharding, no other reader), emit the biased matmul again (``addmm``, ``linear`` with a bias):
     one op less and no extra pass over the output, forward and backward. Any layout qualifies, as
     both forms compute the same local sum; the plan's graph keeps the split."""
     for node in gm.graph.nodes:
-        if node.target is not aten.add.Tensor or node.kwargs or not isinstance(node.args[0], fx.Node):
-            continue
-        mm, bias = node.args
-        if mm.target not in _BIASED or len(mm.users) != 1 or not isinstance(bias, fx.Node):
-            continue
-        if mm.target is aten.linear.default and len(mm.args) > 2:
-            continue
-        out, b = mm.meta.get("val"), bias.meta.get("val")
-        if not (isinstance(b, torch.Tensor) and b.dim() == 1 and b.shape[0] == out.shape[-1]
-                and b.dtype == out.dtype == node.meta["val"].dtype):
+        mm = folded_matmul(node)
+        if mm is None:
             continue
         add, local_mm = env[node], env[mm]
         if add.args[0] is not local_mm or len(local_mm.users) != 1 or local_mm.target is not mm.target:
             continue
         local_bias = add.args[1]
-        add.target = _BIASED[mm.target]
+        add.target = BIASED_MATMULS[mm.target]
         add.args = ((local_bias, *local_mm.args) if mm.target is aten.mm.default
                     else (*local_mm.args, local_bias))
         local_mm.graph.erase_node(local_mm)

@@ -309,6 +309,9 @@ def _views_of(node: fx.Node, producer: fx.Node) -> bool:
 
 CATEGORIES = ("params", "optimizer", "grads", "activations", "transient")
 _P, _O, _G, _A, _T = range(5)
+# The bucketed gradients' shares ready so far: a running sum of its own, counted as transient only at the
+# points where a bucket may copy (``StepMemory._copy_points``).
+_S = len(CATEGORIES)
 
 
 @dataclass(frozen=True)
@@ -388,12 +391,56 @@ def _shared(src: int | None, readers, table):
     return SharedBytes(src, free, tuple(table), always)
 
 
+def _staging(steps, info, size: float, cpu: bool) -> float:
+    """Bytes a resharding's collectives hold while they run beyond its input and its result (``size``
+    bytes): each step's own buffers (``Step.staging``), beside the result of the step before it and,
+    before the last, its own result where it makes a storage."""
+    from math import prod
+
+    def made(st):
+        return float(info.dtype.itemsize * prod(st.out_shape)) if st.makes_storage else 0.0
+
+    extra = [(made(steps[i - 1]) if i else 0.0) + st.staging(info.dtype.itemsize, cpu)
+             + (made(st) - size if i < len(steps) - 1 else 0.0) for i, st in enumerate(steps)]
+    return max([0.0, *extra])
+
+
+def _if_recomputed(q: Bytes, r: int, ind: Sequence[float]) -> Bytes:
+    """``q`` where recompute decision ``r`` takes an option whose indicator in ``ind`` is 1; bytes of two
+    layouts whatever it takes (their product with the recompute count would depend on three decisions:
+    the safe side)."""
+    return q if q.b is not None else _times(q, r, ind)
+
+
+def _below(q: Bytes) -> Bytes:
+    """At most ``q``, as bytes of at most one decision: ``q``, or for two, the least of its rows over
+    one of them (the larger on average)."""
+    if q.b is None:
+        return q
+    rows = [min(row) for row in q.table]
+    cols = [min(col) for col in zip(*q.table)]
+    return _one(q.a, rows) if sum(rows) / len(rows) >= sum(cols) / len(cols) else _one(q.b, cols)
+
+
 def _times(q: Bytes, r: int, ind: Sequence[float]) -> Bytes:
     """``q`` (bytes of at most one decision) times an indicator over the options of decision ``r``."""
     if q.a is None:
         return Bytes(r, None, tuple(q.table * f for f in ind))
     assert q.b is None, "a product with a recompute count takes bytes of one decision"
     return Bytes(q.a, r, tuple(tuple(v * f for f in ind) for v in q.table))
+
+
+@dataclass(frozen=True)
+class _MovedGradient:
+    """Per option of a parameter, what happens to its gradient once accumulated: an offloaded one is
+    copied to host memory at once, leaving ``offloaded`` on the device and freeing ``offloaded_whole``;
+    a ZeRO-2 one (``deferred`` 1) is reduce-scattered, and ``in_flight`` is (its block, the whole
+    gradient the collective holds until its wait, the collective's output until then)."""
+
+    offloaded: Bytes
+    offloaded_whole: Bytes
+    in_flight: tuple
+    deferred: tuple
 
 
 @dataclass
@@ -420,7 +467,7 @@ class StepMemory:
     op allocates the gradients of its inputs (at the layout read when a resharding's backward then
     converts them), then frees its outputs' gradients and what it kept; parameter gradients stay until
     the optimizer step, which adds the optimizer's transient buffers. A recomputed layer instance keeps
-    only its inputs through forward and re-materializes what it keeps when its backward starts.
+    only its inputs through forward and runs its forward again, op by op, when its backward starts.
 
     Every allocation is ``Bytes`` of at most two decisions (two layouts, or a layout and a recompute
     count), so the live bytes at any point are exactly a linear memory constraint with pair terms:
@@ -435,10 +482,12 @@ class StepMemory:
         self.sharded_outputs = sharded_outputs
         self.events: list[tuple[int, int, Bytes]] = []     # (category, +1 or -1, bytes)
         self.points: list[tuple[int, str, str]] = []       # (number of events before it, phase, name)
+        self._copy_points: set[int] = set()                # the points where a gradient bucket may copy
         self._values: dict = {}
         self._reads: dict = {}
         self._copies: dict = {}
         self._moved: dict = {}   # an instance whose saved activations go to host -> (decision, indicator)
+        self._recomputed: dict = {}   # a region that runs its forward again -> (decision, indicator)
         self._host: dict = {}    # a parameter's decision -> host bytes per option (offloaded optimizer states)
         instances = {}        # a recomputed region (a layer instance, or its attention core) -> (decision,
         #                       1 or 0 per option of it: whether the region recomputes, its nodes)
@@ -458,10 +507,14 @@ class StepMemory:
                         self._moved[inst] = (ri, moved)
                     if any(ind):
                         instances[inst] = (ri, ind, nodes)
+                    again = tuple(1.0 if r > j else 0.0 for r in counts)
+                    if any(again):
+                        self._recomputed[inst] = (ri, again)
                     ind = tuple(1.0 if r <= j < r + k else 0.0 for r, k in zip(counts, selective))
                     if any(ind):
                         for c, core in enumerate(attention_cores(nodes)):
                             instances[core_region(inst, c)] = (ri, ind, core)
+                            self._recomputed[core_region(inst, c)] = (ri, ind)
         self._build(gm, instances)
 
     # --- bytes of values under the decisions -------------------------------------------------------
@@ -514,7 +567,8 @@ class StepMemory:
         each reader option makes (target layout, gradient reduction: one copy per distinct request, as
         codegen reshards), and per request, per option of the value, (bytes of the resharded copy, bytes
         of the gradient at the layout read when a resharding's backward converts it, bytes of the
-        gathered blocks beside that gradient's contiguous copy))."""
+        gathered blocks beside that gradient's contiguous copy, bytes the resharding's collectives hold
+        beyond the value and the copy while they run))."""
         from math import prod
 
         from autopar.layout import local_fraction
@@ -525,6 +579,7 @@ class StepMemory:
         if key not in self._reads:
             info = value_info(v)
             mesh = tuple(self.cm.mesh_shape)
+            cpu = self.cm.cluster.device_type != "cuda"
             grad = requires_grad(v.node)
             ca, cb = self._choice(v.node), self._choice(node)
             # Readers' options ask for few distinct requests and producers make few distinct layouts:
@@ -552,7 +607,7 @@ class StepMemory:
                         gathered = max((info.dtype.itemsize * prod(st.in_shape) for st in steps if st.op == "local_chunk"
                                         and st.dim and prod(st.in_shape[:st.dim]) > 1), default=0.0)
                         found[pair] = (size if any(st.makes_storage for st in steps) else 0.0,
-                                       size if steps else 0.0, float(gathered))
+                                       size if steps else 0.0, float(gathered), _staging(steps, info, size, cpu))
                     rows.append(found[pair])
                 per_request[(dst, partial)] = rows
             self._reads[key] = (ca, cb, tuple(requests), per_request)
@@ -561,11 +616,12 @@ class StepMemory:
     def copy(self, v, node, k):
         """(bytes of the resharded copy that ``node`` reads input ``k`` through, bytes of that input's
         gradient at the layout read when a resharding's backward converts it, bytes of the gathered blocks
-        beside that gradient's contiguous copy); None where there is none."""
+        beside that gradient's contiguous copy, bytes the resharding's collectives hold beyond the value
+        and the copy while they run); None where there is none."""
         key = self._fold_key(v, node, k)
         if key not in self._copies:
             ca, cb, requests, per_request = self.reads(v, node, k)
-            tables = [[[per_request[r][i][part] for r in requests] for i in self._options(ca)] for part in range(3)]
+            tables = [[[per_request[r][i][part] for r in requests] for i in self._options(ca)] for part in range(4)]
             self._copies[key] = tuple(None if q.zero() else q for q in (_pair(ca, cb, t) for t in tables))
         return self._copies[key]
 
@@ -700,7 +756,7 @@ class StepMemory:
                 ca, cb, requests, per_request = self.reads(v, n, k)
                 if (ca is not None and ca == cb) or Value(n) in copy_views:
                     continue
-                if not any(f or b for rows in per_request.values() for f, b, _ in rows):
+                if not any(f or b for rows in per_request.values() for f, b, *_ in rows):
                     continue
                 cp = self.copy(v, n, k)[0]
                 if n in inst_of and cp is not None and cp.b is None:
@@ -747,6 +803,7 @@ class StepMemory:
 
     # --- the events ---------------------------------------------------------------------------------
     def _build(self, gm, instances):
+        from autopar.passes.normalize import folded_matmul
         from autopar.passes.reshard_plan import gathered_output
         from autopar.passes.strategies import Value, requires_grad
 
@@ -782,6 +839,20 @@ class StepMemory:
                                         for i in self._options(ca)])
                 if cp is not None or own is not None:
                     copy_views[Value(n)] = cp or own
+
+        # A bias add that runs as one biased matmul with its matmul (codegen/local_program.py) where no
+        # resharding comes between them: the matmul's output, not live beside the add's there.
+        folded = {}
+        for n in calls:
+            mm = folded_matmul(n)
+            if mm is None:
+                continue
+            ca, cb, requests, per_request = self.reads(Value(mm), n, 0)
+            vb = self.value(Value(mm))
+            q = _pair(ca, cb, [[0.0 if per_request[r][i][1] else vb.at({ca: i}) for r in requests]
+                               for i in self._options(ca)])
+            if not q.zero():
+                folded[n] = q
 
         def bases(v):
             """The storages ``v`` shares: the copies of the copy views it is read through, then its base."""
@@ -834,13 +905,16 @@ class StepMemory:
                     # whole gradient and its output, the whole's size on CPU (gloo's all-to-all), the
                     # block on CUDA. An offloaded gradient's hooks copy it at once.
                     cpu = self.cm.cluster.device_type != "cuda"
-                    deferred = [1.0 if s.grad_scatter_axis is not None and not s.offload else 0.0 for s in opts]
-                    scatter[n] = tuple(
-                        (_one(c, [k[1] if z else 0.0 for k, z in zip(kept, z2)]),
-                         _one(c, [f[1] if z else 0.0 for f, z in zip(full, z2)]),
-                         _one(c, [(f[1] if cpu else k[1]) if z and later else 0.0
-                                  for f, k, z in zip(full, kept, z2)]))
-                        for later, z2 in ((False, [s.offload for s in opts]), (True, deferred))) + (deferred,)
+                    deferred = tuple(1.0 if s.grad_scatter_axis is not None and not s.offload else 0.0 for s in opts)
+
+                    def where(mask, sizes, c=c):
+                        return _one(c, [x if m else 0.0 for x, m in zip(sizes, mask)])
+
+                    offloaded, block, whole = [s.offload for s in opts], [k[1] for k in kept], [f[1] for f in full]
+                    scatter[n] = _MovedGradient(
+                        where(offloaded, block), where(offloaded, whole),
+                        (where(deferred, block), where(deferred, whole),
+                         where(deferred, [f if cpu else k for f, k in zip(whole, block)])), deferred)
                 if any(s.zero is not None for s in opts):
                     # After the step the updated shards of a bucket are copied into one flat buffer and
                     # all-gathered into a new one, then copied into the parameters.
@@ -901,7 +975,7 @@ class StepMemory:
                 if not any(keeps):
                     continue
                 everywhere = all(keeps)
-                cp, _, _ = self.copy(v, n, k)
+                cp = self.copy(v, n, k)[0]
                 if cp is not None and (n, k) not in grouped:
                     kept.setdefault(n, []).append(cp if everywhere else _gated(cp, cb, keeps))
                     held_copy[(n, k)] = None if everywhere else _gated(cp, cb, [1.0 - x for x in keeps])
@@ -958,7 +1032,8 @@ class StepMemory:
                 kept.setdefault(n, []).append(internal)
 
         held = set()          # storages a backward keeps whatever the layouts
-        remat = {}            # instance -> [Bytes] re-materialized when its backward starts
+        remat = {}            # instance -> [(position of the op that makes it, Bytes)] re-materialized
+        #                       when its backward starts
         for s, hs in holders.items():
             if s in to_end or s.node.op != "call_function":     # inputs and buffers live all step
                 continue
@@ -975,13 +1050,13 @@ class StepMemory:
                     if all(inst in inst_of.get(h, ()) for h, _ in hs):
                         ri, ind, _ = instances[inst]
                         frees.setdefault(("F", t), []).append((_A, -1, _times(vb, ri, ind)))
-                        remat.setdefault(inst, []).append(_times(vb, ri, ind))
+                        remat.setdefault(inst, []).append((pos[s.node], _times(vb, ri, ind)))
                 # A storage made before an instance and saved only inside it: where the instance's saved
                 # activations go to host memory, so does it (a recomputed instance keeps it instead).
                 for inst, (ri, moved) in self._moved.items():
                     if inst not in inst_of.get(s.node, ()) and all(inst in inst_of.get(h, ()) for h, _ in hs):
                         frees.setdefault(("F", t), []).append((_A, -1, _times(vb, ri, moved)))
-                        remat.setdefault(inst, []).append(_times(vb, ri, moved))
+                        remat.setdefault(inst, []).append((pos[s.node], _times(vb, ri, moved)))
             else:
                 cond = next(c for h, c in hs if h is h0)
                 frees.setdefault(("F", t), []).extend([(_T, -1, vb), (_A, 1, cond)])
@@ -996,11 +1071,8 @@ class StepMemory:
         # order, the last of theirs (exact when whole layers alone recompute: counts recompute the
         # first instances; with attention cores too, on the safe side).
         external = {}         # (storage, recompute decision) -> (indicator, position of its instance)
-        for inst, (ri, ind, nodes) in instances.items():
-            if inst in self._moved:   # an offloaded instance keeps no input it does not save
-                ind = tuple(x - y for x, y in zip(ind, self._moved[inst][1]))
-                if not any(ind):
-                    continue
+        for inst, (ri, ind) in self._recomputed.items():   # an offloaded one keeps no input it does not save
+            nodes = instances[inst][2]
             for n in nodes:
                 for v in input_values(n):
                     s = base(v)
@@ -1014,6 +1086,10 @@ class StepMemory:
             q = _times(self.value(s), ri, ind)
             frees.setdefault(("F", last_use[s]), []).append((_A, 1, q))
             frees.setdefault(("B", first), []).append((_A, -1, q))
+
+        def workspace(n) -> Bytes:
+            c = self._choice(n)
+            return _one(c, [self.cm.workspace_bytes(n, self._strategy(n, o)) for o in self._options(c)])
 
         # Forward.
         for t, n in enumerate(calls):
@@ -1029,19 +1105,26 @@ class StepMemory:
                 elif cp is not None:
                     add((_T, 1, cp))
                     transient.append(cp)
+                staging = None if (n, k) in grouped else self.copy(v, n, k)[3]
+                if staging is not None:
+                    add((_T, 1, staging))
+                    transient.append(staging)
             if not is_view(n):
                 for o in output_values(n):
                     add((_A if o in held else _T, 1, self.value(o)))
             for q in kept.get(n, ()):
                 add((_A, 1, q))
-            c = self._choice(n)
-            work = _one(c, [self.cm.workspace_bytes(n, self._strategy(n, o)) for o in self._options(c)])
+            work = workspace(n)
             if not work.zero():             # what a sharded op holds while it runs (ring attention's blocks)
                 add((_T, 1, work))
                 transient.append(work)
+            if n in folded:
+                add((_T, -1, folded[n]))
             self.points.append((len(self.events), "forward", n.name))
             for q in transient:
                 add((_T, -1, q))
+            if n in folded:
+                add((_T, 1, folded[n]))
             for cat, sign, q in frees.get(("F", t), ()):
                 add((cat, sign, q))
             for inst in inst_of.get(n, ()):
@@ -1053,7 +1136,7 @@ class StepMemory:
                     if q.b is None:
                         q = _times(q, ri, ind)
                         add((_A, -1, q))
-                        remat.setdefault(inst, []).append(q)
+                        remat.setdefault(inst, []).append((t, q))
 
         for q in gather_sources:        # the waits drop them, before the copies below
             add((_T, -1, q))
@@ -1062,6 +1145,64 @@ class StepMemory:
         self.points.append((len(self.events), "forward", "outputs"))
         for cp in output_copies:        # the gathered blocks, once made contiguous
             add((_T, -1, cp))
+
+        def replay(inst):
+            """Where ``inst`` recomputes, its forward runs again when its backward starts: what it keeps is
+            made op by op, and each op's outputs it does not keep, the copies it reads (but shared ones)
+            and its workspace are live as in forward; then the outputs it does not keep are dropped. A
+            copy sized by two layouts counts whether or not it recomputes (``_if_recomputed``). Where it
+            keeps its saved activations in host memory, they come back at once."""
+            nodes = instances[inst][2]
+            made = sorted(remat.get(inst, ()), key=lambda e: e[0])[::-1]     # the next one last
+            ri, ind = self._recomputed.get(inst, (None, None))
+
+            def make(upto):
+                while made and made[-1][0] <= upto:
+                    add((_A, 1, made.pop()[1]))
+
+            make(pos[nodes[0]] - 1 if ri is not None else math.inf)
+            self.points.append((len(self.events), "recompute", inst))
+            if ri is None:
+                return
+            live = {}           # storage -> Bytes, made in the replay and not kept
+            for m in nodes:
+                t = pos[m]
+                make(t)
+                transient = []
+                if Value(m) in copy_views:
+                    if Value(m) not in held:
+                        live[Value(m)] = _if_recomputed(copy_views[Value(m)], ri, ind)
+                        add((_T, 1, live[Value(m)]))
+                for k, v in enumerate(input_values(m)):
+                    if (m, k) in grouped:
+                        continue
+                    cp, *_, staging = self.copy(v, m, k)
+                    for q in (None if Value(m) in copy_views else held_copy.get((m, k), cp), staging):
+                        if q is not None:
+                            transient.append(_if_recomputed(q, ri, ind))
+                if not is_view(m):
+                    for o in output_values(m):
+                        if o not in held:
+                            live[o] = _times(self.value(o), ri, ind)
+                            add((_T, 1, live[o]))
+                work = workspace(m)
+                if not work.zero():
+                    transient.append(_times(work, ri, ind))
+                fold = _times(_below(folded[m]), ri, ind) if m in folded else None
+                for q in transient:
+                    add((_T, 1, q))
+                if fold is not None:
+                    add((_T, -1, fold))
+                self.points.append((len(self.events), "recompute", f"{inst} {m.name}"))
+                for q in transient:
+                    add((_T, -1, q))
+                if fold is not None:
+                    add((_T, 1, fold))
+                for s in [s for s in live if last_use.get(s) == t]:
+                    add((_T, -1, live.pop(s)))
+            make(math.inf)
+            for q in live.values():
+                add((_T, -1, q))
 
         # Backward, seeded by the gradient of the scalar outputs (the loss).
         grads = {_canonical(Value(a)): self.value(Value(a)) for a in outputs
@@ -1077,16 +1218,13 @@ class StepMemory:
         # (block, whole, collective output) of the ZeRO-2 reduce-scatter in flight, and those counted
         # until backward's end.
         pending, held_to_end = (Bytes(None, None, 0.0),) * 3, []
-        bucketed = []         # the bucketed gradients' shares ready so far
         started = set()
         for t in range(len(calls) - 1, -1, -1):
             n = calls[t]
             for inst in inst_of.get(n, ()):
                 if inst not in started:
                     started.add(inst)
-                    for q in remat.get(inst, ()):
-                        add((_A, 1, q))
-                    self.points.append((len(self.events), "recompute", inst))
+                    replay(inst)
             outs = output_values(n)
             if n.target is not operator.getitem and requires_grad(n) and any(o in grads for o in outs):
                 view = n.target in VIEW_OPS
@@ -1100,7 +1238,7 @@ class StepMemory:
                         continue
                     # The gradient at the layout read (a view's too), converted by the resharding's
                     # backward into the input's.
-                    _, gcp, blocks = self.copy(v, n, k)
+                    _, gcp, blocks, _ = self.copy(v, n, k)
                     for q in (gcp, blocks):
                         if q is not None:
                             add((_T, 1, q))
@@ -1127,31 +1265,29 @@ class StepMemory:
             for cat, sign, q in frees.get(("B", t), ()):
                 add((cat, sign, q))
             for p in ready.get(n, ()):
-                (shard, whole, _), (dshard, dwhole, staging), deferred = scatter[p]
-                add((_G, 1, shard))
-                add((_T, 1, staging))
+                moved = scatter[p]
+                add((_G, 1, moved.offloaded))
+                add((_T, 1, moved.in_flight[2]))
                 # The one in flight before is waited here where this one is deferred too (its wait makes
                 # its block); where not, it is counted until backward's end: which one is in flight
                 # depends on every decision since (the safe side).
                 c = self._choice(p)
-                waited = [_gated(q, c, deferred) for q in pending]
+                waited = [_gated(q, c, moved.deferred) for q in pending]
                 add((_G, 1, waited[0]))
                 self.points.append((len(self.events), "backward", f"reduce_scatter {meta_of(p).role.target}"))
-                add((_G, -1, whole))
+                add((_G, -1, moved.offloaded_whole))
                 add((_G, -1, waited[1]))
                 add((_T, -1, waited[2]))
-                held_to_end.append([_gated(q, c, [1.0 - x for x in deferred]) for q in pending])
-                pending = (dshard, dwhole, staging)
+                held_to_end.append([_gated(q, c, [1.0 - x for x in moved.deferred]) for q in pending])
+                pending = moved.in_flight
             # A bucket's buffer and its gradients are both live at its copy, then the gradients are views
             # of it (counted as gradients). A bucket may copy where any of its gradients is ready, holding
             # at most every gradient ready so far twice.
             if n in launched:
-                bucketed.extend(launched[n])
-                for q in bucketed:
-                    add((_T, 1, q))
+                for q in launched[n]:
+                    add((_S, 1, q))
+                self._copy_points.add(len(self.points))
                 self.points.append((len(self.events), "backward", f"gradient buckets after {n.name}"))
-                for q in bucketed:
-                    add((_T, -1, q))
         held_to_end = [q for q in [pending, *held_to_end] if not all(x.zero() for x in q)]
         if held_to_end:
             # Backward's end waits for the last reduce-scatter.
@@ -1231,14 +1367,17 @@ class StepMemory:
     # --- evaluation ---------------------------------------------------------------------------------
     def walk(self, assignment: Sequence[int]) -> list[StepPoint]:
         """Every point of the step under ``assignment``, with its live bytes per category."""
-        running = [0.0] * len(CATEGORIES)
+        running = [0.0] * (len(CATEGORIES) + 1)
         out, e = [], 0
-        for upto, phase, name in self.points:
+        for k, (upto, phase, name) in enumerate(self.points):
             while e < upto:
                 cat, sign, q = self.events[e]
                 running[cat] += sign * q.at(assignment)
                 e += 1
-            out.append(StepPoint(phase, name, dict(zip(CATEGORIES, running))))
+            live = dict(zip(CATEGORIES, running))
+            if k in self._copy_points:
+                live["transient"] += running[_S]
+            out.append(StepPoint(phase, name, live))
         return out
 
     def peak(self, assignment: Sequence[int]) -> tuple[int, float]:
@@ -1270,36 +1409,50 @@ class StepMemory:
 
         order = sorted(set(ks))
         made, e = {}, 0
-        constant, terms, pairs, shared = 0.0, {}, {}, {}
+        shared = {}
+        # [constant, one-decision terms, pair terms] of the live bytes, and of the bucketed shares (_S).
+        sums = ([0.0, {}, {}], [0.0, {}, {}])
         arrays: dict[int, np.ndarray] = {}      # id of a Bytes -> its table, (a, b) ordered
         for k in order:
             upto, phase, name = self.points[k]
             while e < upto:
-                _cat, sign, q = self.events[e]
+                cat, sign, q = self.events[e]
                 e += 1
                 if isinstance(q, SharedBytes):
                     key = (q.src, q.readers, q.always)
                     shared[key] = shared.get(key, 0.0) + sign * np.asarray(q.bytes, dtype=float)
                     continue
+                into = sums[cat == _S]
                 if q.a is None:
-                    constant += sign * q.table
+                    into[0] += sign * q.table
                     continue
                 table = arrays.get(id(q))
                 if table is None:
                     table = np.asarray(q.table, dtype=float)
                     arrays[id(q)] = table = table.T if q.b is not None and q.a > q.b else table
                 key = q.a if q.b is None else (min(q.a, q.b), max(q.a, q.b))
-                acc = terms if q.b is None else pairs
+                acc = into[1] if q.b is None else into[2]
                 if key in acc:
                     acc[key] += sign * table
                 else:
                     acc[key] = sign * table
+            constant, terms, pairs = sums[0]
+            if k in self._copy_points:
+                constant, terms, pairs = constant + sums[1][0], _added(terms, sums[1][1]), _added(pairs, sums[1][2])
             made[k] = MemoryConstraint(f"{phase} {name} (point {k})",
                                        tuple((c, tuple(v.tolist())) for c, v in terms.items()), constant,
                                        tuple((a, b, tuple(map(tuple, m.tolist()))) for (a, b), m in pairs.items()),
                                        tuple(_live_copies(key, table) for key, table in shared.items()
                                              if np.any(table > 0)))
         return [made[k] for k in ks]
+
+
+def _added(a: dict, b: dict) -> dict:
+    """The sum of two dicts of tables."""
+    out = dict(a)
+    for key, table in b.items():
+        out[key] = out[key] + table if key in out else table
+    return out
 
 
 def _live_copies(key, table: np.ndarray):

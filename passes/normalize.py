@@ -85,3 +85,24 @@ def _mean_loss_as_sum_over_count(g, node):
     loss = _new(g, node, aten.div.Tensor, (total, count))
     node.replace_all_uses_with(loss)
     g.erase_node(node)
+
+
+# The matmuls normalize_pass split a bias off, and the op that adds the bias back in one kernel.
+BIASED_MATMULS = {aten.mm.default: aten.addmm.default, aten.linear.default: aten.linear.default}
+
+
+def folded_matmul(node: fx.Node) -> fx.Node | None:
+    """The matmul whose split-off bias ``node`` adds back, where code generation folds the two into one
+    biased matmul as long as no resharding comes between them (codegen/local_program.py); else None."""
+    if node.target is not aten.add.Tensor or node.kwargs or not isinstance(node.args[0], fx.Node):
+        return None
+    mm, bias = node.args
+    if mm.target not in BIASED_MATMULS or len(mm.users) != 1 or not isinstance(bias, fx.Node):
+        return None
+    if mm.target is aten.linear.default and len(mm.args) > 2:
+        return None
+    out, b = mm.meta.get("val"), bias.meta.get("val")
+    if not (isinstance(b, torch.Tensor) and b.dim() == 1 and b.shape[0] == out.shape[-1]
+            and b.dtype == out.dtype == node.meta["val"].dtype):
+        return None
+    return mm

@@ -43,6 +43,26 @@ class Step:
         memory model counts a resharded copy where a step of it makes one (passes/memory.py)."""
         return self.op in COMM_KINDS or (self.op == "local_chunk" and self.groups > 1)
 
+    def staging(self, itemsize: int, cpu: bool) -> int:
+        """Bytes the step's function (runtime/collectives.py) holds while it runs beyond its input and
+        its output, at its highest: the input's blocks stacked for the c10d op, where stacking copies
+        (a dim with larger dims before it, or a strided shard); the stacked blocks an all-gather or
+        all-to-all receives, where making them the output copies; on CPU the blocks a reduce-scatter's
+        all-to-all receives from every rank (the input's size), summed into the output."""
+        nin, nout = math.prod(self.in_shape) * itemsize, math.prod(self.out_shape) * itemsize
+
+        def stacks(dim, groups):
+            return dim is not None and (math.prod(self.in_shape[:dim]) > 1 or groups > 1)
+
+        if self.op == "reduce_scatter":
+            sent = nin if stacks(self.dim, self.groups) else 0
+            return max(sent + nin - nout, nin) if cpu else sent
+        if self.op == "all_gather":
+            return nout if stacks(self.dim, self.groups) else 0
+        if self.op == "all_to_all":
+            return nin if stacks(self.dst_dim, self.dst_groups) or stacks(self.dim, self.groups) else 0
+        return 0
+
     def collectives(self, itemsize: int, needs_grad: bool) -> list[tuple[str, str, int]]:
         """(kind, phase, bytes per device) this step runs. Bytes follow REFERENCES.md: the gathered
         output for all-gather, the full input for reduce-scatter, the tensor for all-reduce and

@@ -17,7 +17,8 @@ TOLERANCE = 0.10
 # 5% aim and measured within its budget (LLaMA's Megatron plan at 1.05x the smallest feasible budget,
 # at 64 x 8 tokens, reads its logits through an all-to-all to the vocab-parallel loss's layout and a
 # view of that copy, which the loss keeps: 1.052x its prediction and 1.037x its budget while the copy
-# was counted as a transient), and "zero": a ZeRO stage the plan must use (the case is there for it).
+# was counted as a transient), "fits": measured within its budget (held to 10%), and "zero": a ZeRO
+# stage the plan must use (the case is there for it).
 AIM = 0.05
 
 
@@ -37,6 +38,7 @@ def _measure(rank, world, cases):
         case = next((e for e in extra if isinstance(e, dict)), {})
         precision = [e for e in extra if isinstance(e, str)]
         strict = case.get("strict", False)
+        fits = strict or case.get("fits", False)
         model, args, kwargs = build(arch, *case.get("tokens", (32, 4)), "cpu")
         opts = options(arch, kind, world, model)
         if precision:
@@ -62,7 +64,7 @@ def _measure(rank, world, cases):
         if "zero" in case:
             stages = {stage for stage, _ in pm.plan.zero_stages().values()}
             assert case["zero"] in stages, (arch, kind, budget[0], stages)
-        if abs(peak / predicted - 1) > (AIM if strict else TOLERANCE) or (strict and peak > budget[0]):
+        if abs(peak / predicted - 1) > (AIM if strict else TOLERANCE) or (fits and peak > budget[0]):
             failures.append(f"{arch} {kind} budget {budget[0]}: predicted {predicted:.0f} B, measured "
                             f"{peak:.0f} B ({peak / predicted:.3f}x)" + (f", {peak / budget[0]:.3f}x the budget"
                                                                           if budget[0] else ""))
@@ -76,17 +78,23 @@ def _measure(rank, world, cases):
     [("llama", "megatron", 1.05, {"tokens": (64, 8), "strict": True}), ("gpt", "auto", 1.5), ("gpt2", "auto", 1.05),
      ("qwen2", "auto", 1.05)],
     # bench/train_cpu.py's built-in GPT (4 layers of width 256, vocabulary 2048, 8 x 128 tokens) at 1.05x
-    # its smallest feasible budget: the solver's own plan shards the attention weights' gradients and
-    # states (ZeRO-2), the position embedding (ZeRO-3), recomputes every layer and splits the head's
-    # vocabulary; its peak is at the end of forward, the measured one in backward at a ZeRO-2
-    # reduce-scatter.
+    # its smallest feasible budget: the solver's own plan shards the query, key and value weights'
+    # gradients and states (ZeRO-2), the attention output projections and the position embedding
+    # (ZeRO-3) and recomputes every layer; its peak is at the end of forward, the measured one in the
+    # first layer's recomputation, at the MLP output's reduce-scatter.
     [("gpt-probe", "auto", 1.05, {"tokens": (128, 8), "strict": True, "zero": 2})],
     # GPT-2's own plan at 1.05x its smallest feasible budget, at 64 x 8 tokens: ZeRO-2 weights in
     # recomputed layers. A ZeRO-2 reduce-scatter is waited at the next one's issue, so the whole gradient
     # and the all-to-all's output of the second layer's attention weight stay through the recomputed first
     # layer's MLP backward: 1.020x its budget while the model freed them at the issue.
     [("gpt2", "auto", 1.05, {"tokens": (64, 8), "strict": True, "zero": 2})],
-], ids=["no-budget-a", "no-budget-b", "tight-budget", "tight-budget-zero-2", "tight-budget-gpt2-zero-2"])
+    # The built-in GPT's own plan at 1.05x its smallest feasible budget, at 64 x 8 tokens: every layer
+    # recomputed. Its step peaks in the second layer's recomputation, at the MLP output's reduce-scatter
+    # (on gloo an all-to-all of the stacked blocks): 1.015x its budget while the working set of a
+    # recomputed layer's forward and a resharding's collective buffers were not counted.
+    [("gpt", "auto", 1.05, {"tokens": (64, 8), "fits": True})],
+], ids=["no-budget-a", "no-budget-b", "tight-budget", "tight-budget-zero-2", "tight-budget-gpt2-zero-2",
+        "tight-budget-gpt"])
 def test_predicted_peak_matches_measured_on_two_ranks(cases):
     run_distributed(_measure, 2, cases, timeout=600)
 
