@@ -168,7 +168,13 @@ class Formulation:
             constant += self._shared(e, coef)
         return coef, constant
 
-    def _shared(self, e, coef: dict) -> float:
+    def forbid_shared(self) -> None:
+        """Rows for the shared values' requests that cannot be served (infinite cost), without their
+        seconds: for a model that prices no time (solver/memory_bound.py)."""
+        for e in self.problem.shared:
+            self._shared(e, None)
+
+    def _shared(self, e, coef: dict | None) -> float:
         """Objective terms of a shared edge; returns its seconds that no column carries. For each reader,
         y[i][j] links the source's option i and the reader's option j (rows sum to x_src, columns to
         x_reader, as for an ordinary edge); a request r at source option i is paid through w[i][r] >=
@@ -191,7 +197,7 @@ class Formulation:
                     constant += 0.0 if math.isinf(c) else e.count * c
                 elif math.isinf(c):
                     m.hi[src[i]] = 0.0
-                else:
+                elif coef is not None:
                     coef[src[i]] += e.count * c
         for (i, r), lists in self._request_columns(e.src, readers, made).items():
             c = e.cost[r][i]
@@ -199,7 +205,7 @@ class Formulation:
                 for cols in lists:
                     m.row(cols, [1.0] * len(cols), hi=0.0)
                 continue
-            if c == 0:
+            if c == 0 or coef is None:
                 continue
             coef[self.indicator(lists)] += e.count * c
         return constant

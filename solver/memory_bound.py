@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from typing import Sequence
 
 from .greedy import greedy
@@ -43,10 +42,9 @@ def minimum_feasible_budget(problem: Problem, *, time_limit: float = math.inf, b
 
     f = Formulation(problem)
     # Only layouts that can run: a resharding that cannot happen is no plan at any budget, nor a shared
-    # value's request that cannot be served (its objective terms are dropped: seconds play no part here).
+    # value's request that cannot be served (seconds play no part here: no columns for them).
     f.forbid()
-    for e in problem.shared:
-        f._shared(e, defaultdict(float))
+    f.forbid_shared()
     # Options a pair's memory terms cannot tell apart share its pair columns: the same relaxation with
     # fewer columns (tests/memory_cases.py's LLaMA on a 2 x 2 mesh, four points: 41977 columns, 12940).
     f.group(memory_pair_matrices(problem.memory, f.x))
