@@ -85,12 +85,18 @@ class DeviceSpec:
     with tensor cores where they apply; for GPUs ``"float32"`` is plain FP32 (TF32 off). It must
     have a ``"float32"`` entry, the fallback for any dtype it does not list. The dict is copied on
     construction; treat it as read-only (the spec is hashed by its contents).
+
+    ``op_overhead`` is the time an op costs beyond its FLOPs and bytes, in seconds per op launched: the
+    framework's dispatch, autograd's bookkeeping and the kernel launch, which a step of many small ops
+    pays once per op in forward and about twice per op in backward. 0 (a spec built by hand) prices
+    none; the presets and ``local_cpu`` give a default per device kind, ``ClusterSpec.profile()`` measures it.
     """
 
     name: str
     flops: Mapping[str, float]
     memory_bandwidth: float
     memory: float
+    op_overhead: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -107,9 +113,12 @@ class DeviceSpec:
         object.__setattr__(self, "memory_bandwidth",
                            _positive(f"device {self.name}: memory_bandwidth", self.memory_bandwidth))
         object.__setattr__(self, "memory", _positive(f"device {self.name}: memory", self.memory))
+        object.__setattr__(self, "op_overhead",
+                           _positive(f"device {self.name}: op_overhead", self.op_overhead, allow_zero=True))
 
     def __hash__(self):
-        return hash((self.name, tuple(sorted(self.flops.items())), self.memory_bandwidth, self.memory))
+        return hash((self.name, tuple(sorted(self.flops.items())), self.memory_bandwidth, self.memory,
+                     self.op_overhead))
 
     def peak_flops(self, dtype) -> float:
         """Peak FLOP/s for a torch dtype or a name (``"bf16"``, ``"torch.bfloat16"``); unknown
@@ -119,19 +128,23 @@ class DeviceSpec:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "flops": dict(self.flops),
-                "memory_bandwidth": self.memory_bandwidth, "memory": self.memory}
+                "memory_bandwidth": self.memory_bandwidth, "memory": self.memory, "op_overhead": self.op_overhead}
 
 
 # Datasheet figures, SXM parts. NVLink: H100/H200 900 GB/s and A100 600 GB/s bidirectional, i.e.
 # 450e9 and 300e9 per direction. Network: one NDR 400 Gb/s (H100/H200) or HDR 200 Gb/s (A100)
 # InfiniBand port per GPU, the usual DGX/HGX build.
+# Per-op overhead on a GPU: the host's time to dispatch an op and launch its kernel, a few microseconds
+# for the launch alone (CUDA's figure) and as much again for PyTorch's eager dispatch; a kernel shorter
+# than that leaves the GPU waiting for the host. A rough figure: profile() measures it.
+_GPU_OP_OVERHEAD = 5e-6
 _H100_FLOPS = {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12}
 _A100_FLOPS = {"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12}
 _PRESETS: dict[str, tuple[DeviceSpec, float, float]] = {  # device, NVLink B/s, network B/s
-    "H100": (DeviceSpec("H100", _H100_FLOPS, 3.35e12, 80e9), 450e9, 50e9),
-    "H200": (DeviceSpec("H200", _H100_FLOPS, 4.8e12, 141e9), 450e9, 50e9),
-    "A100": (DeviceSpec("A100", _A100_FLOPS, 2.039e12, 80e9), 300e9, 25e9),
-    "A100-40GB": (DeviceSpec("A100-40GB", _A100_FLOPS, 1.555e12, 40e9), 300e9, 25e9),
+    "H100": (DeviceSpec("H100", _H100_FLOPS, 3.35e12, 80e9, _GPU_OP_OVERHEAD), 450e9, 50e9),
+    "H200": (DeviceSpec("H200", _H100_FLOPS, 4.8e12, 141e9, _GPU_OP_OVERHEAD), 450e9, 50e9),
+    "A100": (DeviceSpec("A100", _A100_FLOPS, 2.039e12, 80e9, _GPU_OP_OVERHEAD), 300e9, 25e9),
+    "A100-40GB": (DeviceSpec("A100-40GB", _A100_FLOPS, 1.555e12, 40e9, _GPU_OP_OVERHEAD), 300e9, 25e9),
 }
 _PRESET_ALIASES = {"A100-80GB": "A100"}
 # Per preset: host memory per node (B), host link per device and direction (B/s), host memory
@@ -148,6 +161,10 @@ _GPUS_PER_NODE = 8
 _GENERIC_GPU = dict(flops={"float32": 20e12, "bfloat16": 100e12, "float16": 100e12},
                     memory_bandwidth=1e12, intra=(25e9, 1e-5), inter=(12.5e9, 2e-5))
 _CPU_FLOPS, _CPU_MEMORY_BANDWIDTH = 5e10, 1e10
+# One eager ATen op with autograd on one CPU thread: 2-4 us per op forward, 4-7 us backward measured on
+# a 2-core AMD EPYC virtual machine (torch 2.13), so about 3 us an op priced once forward and twice backward.
+_CPU_OP_OVERHEAD = 3e-6
+_OVERHEAD_CHAIN = 200  # ops in profile()'s chain: enough that the chain's own start and end vanish
 _CPU_INTRA, _CPU_INTER = (2e9, 5e-5), (1.25e9, 1e-4)  # shared memory / loopback; 10 GbE
 
 
@@ -339,7 +356,7 @@ class ClusterSpec:
     @classmethod
     def _cpu(cls, world_size: int, local_world_size: int) -> "ClusterSpec":
         device = DeviceSpec("cpu", {"float32": _CPU_FLOPS}, _CPU_MEMORY_BANDWIDTH,
-                            _total_ram() / local_world_size)
+                            _total_ram() / local_world_size, _CPU_OP_OVERHEAD)
         # Host and device are one memory: a forced offload is a copy at memory bandwidth.
         return cls(world_size, local_world_size, device, *_CPU_INTRA, *_CPU_INTER,
                    device_type="cpu", name=f"{world_size}xcpu", host_memory=_total_ram(),
@@ -384,7 +401,7 @@ class ClusterSpec:
             host = dict(zip(_HOST_FIELDS, _HOST[key]), host_memory=_total_ram())
         else:
             g = _GENERIC_GPU
-            device = DeviceSpec(gpu, g["flops"], g["memory_bandwidth"], memory)
+            device = DeviceSpec(gpu, g["flops"], g["memory_bandwidth"], memory, _GPU_OP_OVERHEAD)
             intra, inter = g["intra"], g["inter"]
         return cls(world, local, dataclasses.replace(device, memory=memory), *intra, *inter,
                    device_type="cuda", name=f"{world}x{key or gpu}", **host)
@@ -395,7 +412,9 @@ class ClusterSpec:
         """This spec with figures measured on the live process group ``group`` (default: world).
 
         Measures matmul FLOP/s (fp32, plus bf16 on CUDA, whose figure float16 shares), memory
-        bandwidth (a large copy) and all-reduce time at two message sizes ``sizes`` (bytes; default
+        bandwidth (a large copy), the per-op overhead (a chain of multiplies of a 16-element tensor
+        under autograd, forward and backward, over three op shares each: one forward, two backward, as
+        the cost model prices it) and all-reduce time at two message sizes ``sizes`` (bytes; default
         4 KiB and 16 MiB on CPU, 256 MiB on CUDA). The small size gives the latency alpha, the large
         one the bandwidth beta from the ring formula ``t = alpha + 2(n-1)/n * B / beta``. Every time
         is the max over ranks, so all ranks return the same spec. The link measured is the group's
@@ -433,6 +452,17 @@ class ClusterSpec:
                 best = min(best, time.perf_counter() - t0)
             return best
 
+        def op_overhead():
+            x = torch.ones(16, device=dev, requires_grad=True)
+            c = torch.ones(16, device=dev)
+
+            def chain():
+                y = x
+                for _ in range(_OVERHEAD_CHAIN):
+                    y = y * c
+                y.sum().backward()
+            return timed(chain, reps=5) / (3 * _OVERHEAD_CHAIN)
+
         def matmul_time(dtype):
             a = torch.randn(mm_n, mm_n, device=dev, dtype=dtype)
             b = torch.randn(mm_n, mm_n, device=dev, dtype=dtype)
@@ -451,15 +481,16 @@ class ClusterSpec:
         src = torch.empty(copy_bytes // 4, device=dev)
         dst = torch.empty_like(src)
         times.append(timed(lambda: dst.copy_(src)))
+        times.append(op_overhead())
         t = torch.tensor(times, dtype=torch.float64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        t_small, t_large, t_fp32, t_bf16, t_copy = t.tolist()
+        t_small, t_large, t_fp32, t_bf16, t_copy, t_op = t.tolist()
 
         mm_flops = 2.0 * mm_n**3
         flops = {"float32": mm_flops / t_fp32}
         if cuda:
             flops["bfloat16"] = flops["float16"] = mm_flops / t_bf16
-        device = dataclasses.replace(self.device, flops=flops,
+        device = dataclasses.replace(self.device, flops=flops, op_overhead=t_op,
                                      memory_bandwidth=2.0 * copy_bytes / t_copy)  # read + write
         if world == 1:  # an all-reduce over one rank moves nothing: keep the link figures
             return dataclasses.replace(self, device=device)
@@ -490,6 +521,8 @@ class ClusterSpec:
         if isinstance(d, Mapping):                        # specs saved before host figures existed
             d = {**{f: None for f in _HOST_FIELDS}, **d}
         _check_keys("cluster spec", d, {f.name for f in dataclasses.fields(cls)})
+        if isinstance(d["device"], Mapping):              # saved before op_overhead existed: none priced
+            d = {**d, "device": {"op_overhead": 0.0, **d["device"]}}
         _check_keys("cluster spec 'device'", d["device"],
                     {f.name for f in dataclasses.fields(DeviceSpec)})
         try:
@@ -506,7 +539,7 @@ class ClusterSpec:
                 f"devices in {self.num_nodes} node{'s' * (self.num_nodes > 1)} of {self.devices_per_node}; {dev.name} "
                 f"{dev.peak_flops('bfloat16') / 1e12:.3g} TFLOP/s bf16, "
                 f"{dev.peak_flops('float32') / 1e12:.3g} TFLOP/s fp32, "
-                f"{dev.memory_bandwidth / 1e12:.3g} TB/s, {dev.memory / 1e9:.3g} GB "
+                f"{dev.memory_bandwidth / 1e12:.3g} TB/s, {dev.op_overhead * 1e6:.3g} us/op, {dev.memory / 1e9:.3g} GB "
                 f"({self.memory_reserve / 1e9:.3g} GB reserved); "
                 f"intra-node {self.intra_node_bandwidth / 1e9:.3g} GB/s {self.intra_node_latency * 1e6:.3g} us, "
                 f"inter-node {self.inter_node_bandwidth / 1e9:.3g} GB/s {self.inter_node_latency * 1e6:.3g} us"

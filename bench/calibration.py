@@ -2,6 +2,7 @@
 one model, forced with pins, on a profiled cluster, and the Spearman rank correlation between them.
 
     OMP_NUM_THREADS=1 python bench/calibration.py [--arch gpt-probe] [--world 2] [--rounds 8] [--steps 3]
+                                                  [--op-overhead SECONDS]
 
 On CPU it runs ``--world`` gloo processes; under torchrun on GPUs (``--gpu``) it measures there. Every
 rank profiles the cluster (``ClusterSpec.profile()``: matmul FLOP/s, copy bandwidth, op overhead,
@@ -31,6 +32,7 @@ every layer recomputed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -89,6 +91,8 @@ def _run(rank, world, args):
     cluster = autopar.ClusterSpec.from_env() if args.gpu else autopar.ClusterSpec.local_cpu(world)
     if not args.no_profile:
         cluster = cluster.profile()
+    if args.op_overhead is not None:
+        cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, op_overhead=args.op_overhead))
     if rank == 0:
         print(f"cluster: {cluster}", flush=True)
     sync = torch.cuda.synchronize if args.gpu else (lambda: None)
@@ -187,6 +191,8 @@ def main():
     ap.add_argument("--clear", type=float, default=0.1,
                     help="plans priced at least this fraction apart are the pairs whose order is checked")
     ap.add_argument("--no-profile", action="store_true", help="plan with ClusterSpec's default figures")
+    ap.add_argument("--op-overhead", type=float, default=None, metavar="SECONDS",
+                    help="price this per-op overhead instead of the profiled one (0: the model without the term)")
     ap.add_argument("--gpu", action="store_true", help="under torchrun, one GPU per rank (NCCL)")
     args = ap.parse_args()
     args.kinds = args.kinds.split(",")

@@ -1,7 +1,10 @@
 """Seconds and bytes for every strategy and every resharding, from the ClusterSpec.
 
-- Compute: a roofline, max(FLOPs / peak, bytes / memory bandwidth), on the local shapes; backward
-  costs twice the forward (two matmuls per forward matmul; memory-bound ops read and write about twice).
+- Compute: a roofline, max(FLOPs / peak, bytes / memory bandwidth), on the local shapes, plus the
+  device's per-op overhead (``DeviceSpec.op_overhead``: dispatch, autograd and launch) for every op that
+  launches a kernel; backward costs twice the forward (two matmuls per forward matmul; memory-bound ops
+  read and write about twice; about two kernels per op). A recomputed op pays its forward, overhead
+  included, again.
 - Communication: alpha-beta per mesh axis (``passes.resharding.collective_seconds``), with the axis's
   link from ``ClusterSpec.axis_link`` (intra-node or inter-node).
 - Memory per device: parameters, gradients and optimizer states under each parameter's layout, and the
@@ -132,7 +135,9 @@ class CostModel:
             nbytes += sum(o.nbytes * local_fraction(lay, self.mesh_shape) for o, lay in zip(ctx.outs, s.outputs))
         dtype = ctx.outs[0].dtype if ctx.outs else torch.float32
         dev = self.cluster.device
-        fwd = max(flops / dev.peak_flops(dtype), nbytes / dev.memory_bandwidth)
+        # A pointwise op whose output stays in registers runs inside its reader's fused kernel.
+        overhead = 0.0 if output_kept else dev.op_overhead
+        fwd = max(flops / dev.peak_flops(dtype), nbytes / dev.memory_bandwidth) + overhead
         return fwd * (3.0 if requires_grad(node) else 1.0)
 
     # --- communication -------------------------------------------------------------------------

@@ -148,6 +148,13 @@ def test_round_trip(spec):
     again = ClusterSpec.from_dict(json.loads(json.dumps(d)))
     assert again == spec and again.to_dict() == d and hash(again) == hash(spec)
     assert d["device"]["flops"]["float32"] == spec.device.flops["float32"]
+    assert d["device"]["op_overhead"] == again.device.op_overhead == spec.device.op_overhead > 0
+
+
+def test_a_spec_saved_before_op_overhead_loads_without_it():
+    d = ClusterSpec.preset("8xH100").to_dict()
+    del d["device"]["op_overhead"]
+    assert ClusterSpec.from_dict(d).device.op_overhead == 0.0
 
 
 def _good_dict():
@@ -167,6 +174,8 @@ def _good_dict():
     (lambda d: d.update(inter_node_latency=True), "inter_node_latency must be a finite"),
     (lambda d: d["device"].update(flops={"float32": "fast"}), r"flops\['float32'\]"),
     (lambda d: d["device"].update(memory=-1), "memory must be a finite number > 0"),
+    (lambda d: d["device"].update(op_overhead=-1e-6), "op_overhead must be a finite number >= 0"),
+    (lambda d: d["device"].update(op_overhead="5us"), "op_overhead must be a finite number >= 0"),
     (lambda d: d.update(device_type="tpu"), "'cuda' or 'cpu'"),
     (lambda d: d.update(device_type=["cuda"]), "'cuda' or 'cpu'"),
     (lambda d: d.update(mesh_shape=None, axis_names=7), "axis_names 7 given without a mesh_shape"),
@@ -249,10 +258,13 @@ def test_from_env_and_profile_on_two_gloo_ranks():
     assert (env0["num_devices"], env0["devices_per_node"], env0["device_type"]) == (2, 2, "cpu")
     assert m0 == m1, "every rank must return the same measured spec"
     measured = ClusterSpec.from_dict(m0)
+    assert measured.to_dict() == m0
     figures = [measured.device.flops["float32"], measured.device.memory_bandwidth,
-               measured.intra_node_bandwidth, measured.intra_node_latency]
+               measured.intra_node_bandwidth, measured.intra_node_latency, measured.device.op_overhead]
     assert all(math.isfinite(x) and x > 0 for x in figures), figures
     assert 1e8 < measured.device.flops["float32"] < 1e13  # a CPU core, within reason
+    assert 1e-8 < measured.device.op_overhead < 1e-3      # an eager op: microseconds, not the default copied
+    assert measured.device.op_overhead != env0["device"]["op_overhead"]
     assert measured.device.flops.keys() == {"float32"}
     # one node: the inter-node figures and the capacity stay as given
     assert (measured.inter_node_bandwidth, measured.inter_node_latency) == (
