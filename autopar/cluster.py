@@ -88,7 +88,8 @@ class DeviceSpec:
 
     ``op_overhead`` is the time an op costs beyond its FLOPs and bytes, in seconds per op launched: the
     framework's dispatch, autograd's bookkeeping and the kernel launch, which a step of many small ops
-    pays once per op in forward and about twice per op in backward. 0 (a spec built by hand) prices
+    pays once per op in forward and about twice per op in backward (on GPUs only where the kernel is
+    shorter: the host launches ahead). 0 (a spec built by hand) prices
     none; the presets and ``local_cpu`` give a default per device kind, ``ClusterSpec.profile()`` measures it.
     """
 

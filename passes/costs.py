@@ -1,8 +1,8 @@
 """Seconds and bytes for every strategy and every resharding, from the ClusterSpec.
 
-- Compute: a roofline, max(FLOPs / peak, bytes / memory bandwidth), on the local shapes, plus the
+- Compute: a roofline, max(FLOPs / peak, bytes / memory bandwidth), on the local shapes, and the
   device's per-op overhead (``DeviceSpec.op_overhead``: dispatch, autograd and launch) for every op that
-  launches a kernel; backward costs twice the forward (two matmuls per forward matmul; memory-bound ops
+  launches a kernel: added to the roofline on CPU, its floor on GPUs (the host launches ahead); backward costs twice the forward (two matmuls per forward matmul; memory-bound ops
   read and write about twice; about two kernels per op). A recomputed op pays its forward, overhead
   included, again.
 - Communication: alpha-beta per mesh axis (``passes.resharding.collective_seconds``), with the axis's
@@ -137,7 +137,10 @@ class CostModel:
         dev = self.cluster.device
         # A pointwise op whose output stays in registers runs inside its reader's fused kernel.
         overhead = 0.0 if output_kept else dev.op_overhead
-        fwd = max(flops / dev.peak_flops(dtype), nbytes / dev.memory_bandwidth) + overhead
+        roofline = max(flops / dev.peak_flops(dtype), nbytes / dev.memory_bandwidth)
+        # A CPU process dispatches an op and then runs it; a GPU's host launches ahead of the kernels
+        # queued before, so there the overhead only shows where the kernel is shorter than it.
+        fwd = roofline + overhead if self.cluster.device_type == "cpu" else max(roofline, overhead)
         return fwd * (3.0 if requires_grad(node) else 1.0)
 
     # --- communication -------------------------------------------------------------------------

@@ -13,8 +13,8 @@ from autopar.passes.costs import VIEW_OPS
 OVERHEAD = 1e-4     # large against these models' roofline, so the term decides their order
 
 
-def _cluster(op_overhead: float):
-    spec = autopar.ClusterSpec.local_cpu(1)
+def _cluster(op_overhead: float, preset: str | None = None):
+    spec = autopar.ClusterSpec.preset(preset) if preset else autopar.ClusterSpec.local_cpu(1)
     return dataclasses.replace(spec, device=dataclasses.replace(spec.device, op_overhead=op_overhead))
 
 
@@ -38,9 +38,9 @@ class FourProjections(torch.nn.Module):
         return sum(p(x).sum() for p in self.parts)
 
 
-def _plan(model, op_overhead, **options):
+def _plan(model, op_overhead, preset=None, **options):
     x = torch.randn(8, 32)
-    return autopar.plan(model, _cluster(op_overhead), (x,), progress=False, **options)
+    return autopar.plan(model, _cluster(op_overhead, preset), (x,), progress=False, **options)
 
 
 def _launched(plan) -> int:
@@ -64,6 +64,14 @@ def test_more_small_ops_cost_more_than_the_same_flops_in_fewer():
 class Viewed(OneProjection):
     def forward(self, x):
         return self.proj(x).t().unsqueeze(0).sum()
+
+
+def test_on_a_gpu_the_overhead_is_a_floor_not_an_addition():
+    """The host launches ahead of the GPU: an op whose kernel is shorter than the overhead costs the
+    overhead, a longer one its roofline. These ops are all far shorter."""
+    bare, priced = (_plan(FourProjections(), d, "1xH100") for d in (0.0, OVERHEAD))
+    assert 0 < bare.breakdown["compute"] < 3 * OVERHEAD
+    assert priced.breakdown["compute"] == pytest.approx(3 * OVERHEAD * _launched(priced), rel=1e-6)
 
 
 def test_views_pay_no_overhead():
