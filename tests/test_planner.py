@@ -338,6 +338,7 @@ def test_recompute_lowers_the_smallest_budget_and_is_priced():
         autopar.plan(model, cluster, (ids,), {"labels": labels}, progress=False, recompute={"*": 3})
 
 
+@pytest.mark.slow
 def test_smallest_budget_on_a_two_by_two_mesh_is_feasible_and_tight():
     # The built-in GPT under 2-D pins (data parallel over Megatron) on a 2 x 2 mesh: the budget the error
     # reports has a plan within it, and no plan fits 3% below what the search proved.
