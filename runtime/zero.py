@@ -107,8 +107,8 @@ class _ZeroOneRead(torch.autograd.Function):
         if C.asked(s.shard) and not C.accumulates(s.full):
             raise NotImplementedError(
                 f"the gradient of ZeRO-1 parameter {s.fqn!r} was asked for without accumulating it "
-                f"(torch.autograd.grad, or backward(inputs=...) naming it): its gradient is reduced across "
-                f"{s.group!r} only where backward accumulates it, so call loss.backward() and read "
+                f"(torch.autograd.grad, or backward(inputs=...) naming it): its gradient is reduced over "
+                f"the data-parallel ranks only where backward accumulates it, so call loss.backward() and read "
                 f"{s.fqn!r}'s .grad (this rank's block of the reduced gradient), or plan it as ZeRO-2 "
                 f"(a pin {{\"zero\": 2}}), whose gradient torch.autograd.grad returns")
         return None, g, None
