@@ -89,8 +89,9 @@ class DeviceSpec:
     ``op_overhead`` is the time an op costs beyond its FLOPs and bytes, in seconds per op launched: the
     framework's dispatch, autograd's bookkeeping and the kernel launch, which a step of many small ops
     pays once per op in forward and about twice per op in backward (on GPUs only where the kernel is
-    shorter: the host launches ahead). 0 (a spec built by hand) prices
-    none; the presets and ``local_cpu`` give a default per device kind, ``ClusterSpec.profile()`` measures it.
+    shorter: the host launches ahead). It is 0, none priced, until ``ClusterSpec.profile()`` measures it:
+    one eager ATen op with autograd on one CPU thread costs 2-4 us forward and 4-7 us backward (a 2-core
+    AMD EPYC virtual machine, torch 2.13); no default per device kind yet.
     """
 
     name: str
@@ -135,17 +136,13 @@ class DeviceSpec:
 # Datasheet figures, SXM parts. NVLink: H100/H200 900 GB/s and A100 600 GB/s bidirectional, i.e.
 # 450e9 and 300e9 per direction. Network: one NDR 400 Gb/s (H100/H200) or HDR 200 Gb/s (A100)
 # InfiniBand port per GPU, the usual DGX/HGX build.
-# Per-op overhead on a GPU: the host's time to dispatch an op and launch its kernel, a few microseconds
-# for the launch alone (CUDA's figure) and as much again for PyTorch's eager dispatch; a kernel shorter
-# than that leaves the GPU waiting for the host. A rough figure: profile() measures it.
-_GPU_OP_OVERHEAD = 5e-6
 _H100_FLOPS = {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12}
 _A100_FLOPS = {"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12}
 _PRESETS: dict[str, tuple[DeviceSpec, float, float]] = {  # device, NVLink B/s, network B/s
-    "H100": (DeviceSpec("H100", _H100_FLOPS, 3.35e12, 80e9, _GPU_OP_OVERHEAD), 450e9, 50e9),
-    "H200": (DeviceSpec("H200", _H100_FLOPS, 4.8e12, 141e9, _GPU_OP_OVERHEAD), 450e9, 50e9),
-    "A100": (DeviceSpec("A100", _A100_FLOPS, 2.039e12, 80e9, _GPU_OP_OVERHEAD), 300e9, 25e9),
-    "A100-40GB": (DeviceSpec("A100-40GB", _A100_FLOPS, 1.555e12, 40e9, _GPU_OP_OVERHEAD), 300e9, 25e9),
+    "H100": (DeviceSpec("H100", _H100_FLOPS, 3.35e12, 80e9), 450e9, 50e9),
+    "H200": (DeviceSpec("H200", _H100_FLOPS, 4.8e12, 141e9), 450e9, 50e9),
+    "A100": (DeviceSpec("A100", _A100_FLOPS, 2.039e12, 80e9), 300e9, 25e9),
+    "A100-40GB": (DeviceSpec("A100-40GB", _A100_FLOPS, 1.555e12, 40e9), 300e9, 25e9),
 }
 _PRESET_ALIASES = {"A100-80GB": "A100"}
 # Per preset: host memory per node (B), host link per device and direction (B/s), host memory
@@ -162,9 +159,6 @@ _GPUS_PER_NODE = 8
 _GENERIC_GPU = dict(flops={"float32": 20e12, "bfloat16": 100e12, "float16": 100e12},
                     memory_bandwidth=1e12, intra=(25e9, 1e-5), inter=(12.5e9, 2e-5))
 _CPU_FLOPS, _CPU_MEMORY_BANDWIDTH = 5e10, 1e10
-# One eager ATen op with autograd on one CPU thread: 2-4 us per op forward, 4-7 us backward measured on
-# a 2-core AMD EPYC virtual machine (torch 2.13), so about 3 us an op priced once forward and twice backward.
-_CPU_OP_OVERHEAD = 3e-6
 _OVERHEAD_CHAIN = 200  # ops in profile()'s chain: enough that the chain's own start and end vanish
 _CPU_INTRA, _CPU_INTER = (2e9, 5e-5), (1.25e9, 1e-4)  # shared memory / loopback; 10 GbE
 
@@ -357,7 +351,7 @@ class ClusterSpec:
     @classmethod
     def _cpu(cls, world_size: int, local_world_size: int) -> "ClusterSpec":
         device = DeviceSpec("cpu", {"float32": _CPU_FLOPS}, _CPU_MEMORY_BANDWIDTH,
-                            _total_ram() / local_world_size, _CPU_OP_OVERHEAD)
+                            _total_ram() / local_world_size)
         # Host and device are one memory: a forced offload is a copy at memory bandwidth.
         return cls(world_size, local_world_size, device, *_CPU_INTRA, *_CPU_INTER,
                    device_type="cpu", name=f"{world_size}xcpu", host_memory=_total_ram(),
@@ -402,7 +396,7 @@ class ClusterSpec:
             host = dict(zip(_HOST_FIELDS, _HOST[key]), host_memory=_total_ram())
         else:
             g = _GENERIC_GPU
-            device = DeviceSpec(gpu, g["flops"], g["memory_bandwidth"], memory, _GPU_OP_OVERHEAD)
+            device = DeviceSpec(gpu, g["flops"], g["memory_bandwidth"], memory)
             intra, inter = g["intra"], g["inter"]
         return cls(world, local, dataclasses.replace(device, memory=memory), *intra, *inter,
                    device_type="cuda", name=f"{world}x{key or gpu}", **host)

@@ -1,6 +1,5 @@
 """Pipeline planning: the schedule formulas against the published ones, stage balancing, the plan's
 pipeline record, and clear errors for what a pipeline cannot do."""
-import dataclasses
 import gc
 import json
 import math
@@ -143,12 +142,8 @@ def _stack_plan(layers=8, pp=2, **kw):
     with torch.device("meta"):
         model = Stack(256, 4, 1024, layers)
     x = torch.randn(64, 64, 256, device="meta")
-    # Every op of this small stack is shorter than an H100's per-op overhead, which would make splitting
-    # its work pointless; these tests are about the pipeline's accounting, priced on FLOPs and bytes.
-    cluster = autopar.ClusterSpec.preset("16xH100")
-    cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, op_overhead=0.0))
-    return autopar.plan(model, cluster, (x,), mesh_shape=(pp, 16 // pp), axis_names=("pp", "dp"), progress=False,
-                        **kw)
+    return autopar.plan(model, autopar.ClusterSpec.preset("16xH100"), (x,), mesh_shape=(pp, 16 // pp),
+                        axis_names=("pp", "dp"), progress=False, **kw)
 
 
 def test_pipeline_plan_records_stages_schedule_and_bubble(tmp_path):
