@@ -1091,40 +1091,62 @@ class StepMemory:
             c = self._choice(n)
             return _one(c, [self.cm.workspace_bytes(n, self._strategy(n, o)) for o in self._options(c)])
 
-        # Forward.
-        for t, n in enumerate(calls):
+        def run(n, name, again=None, live=None):
+            """The events of op ``n``'s forward around its point ``name``: the copies it reads (but shared
+            ones) and their staging, its outputs, what it keeps and its workspace, less a folded bias
+            add's matmul output at the point. ``again`` (recompute decision, indicator): the run again of
+            a recomputed instance when its backward starts, each term where it recomputes; what the
+            instance keeps comes back apart (``remat``), and what it makes and does not keep is recorded
+            in ``live``. A copy sized by two layouts counts whether or not it recomputes
+            (``_if_recomputed``)."""
+            def gate(q, f=_times):
+                return q if again is None else f(q, *again)
+
+            def make(s, q):
+                """Storage ``s`` of ``q`` bytes made by ``n``: kept for backward or not."""
+                if s not in held:
+                    q = gate(q, _if_recomputed if s in copy_views else _times)
+                    add((_T, 1, q))
+                    if again is not None:
+                        live[s] = q
+                elif again is None:
+                    add((_A, 1, q))
+
             transient = []
-            for q in copies_before.get(t, ()):
-                add((_T, 1, q))
+            if Value(n) in copy_views:          # the view's own storage from here
+                make(Value(n), copy_views[Value(n)])
             for k, v in enumerate(input_values(n)):
-                cp = None if (n, k) in grouped else self.copy(v, n, k)[0]
-                if cp is not None:
-                    cp = held_copy.get((n, k), cp)
-                if Value(n) in copy_views:       # the view's own storage from here
-                    add((_A if Value(n) in held else _T, 1, copy_views[Value(n)]))
-                elif cp is not None:
-                    add((_T, 1, cp))
-                    transient.append(cp)
-                staging = None if (n, k) in grouped else self.copy(v, n, k)[3]
-                if staging is not None:
-                    add((_T, 1, staging))
-                    transient.append(staging)
+                if (n, k) in grouped:
+                    continue
+                cp, *_, staging = self.copy(v, n, k)
+                for q in (None if Value(n) in copy_views else held_copy.get((n, k), cp), staging):
+                    if q is not None:
+                        transient.append(gate(q, _if_recomputed))
             if not is_view(n):
                 for o in output_values(n):
-                    add((_A if o in held else _T, 1, self.value(o)))
-            for q in kept.get(n, ()):
-                add((_A, 1, q))
+                    make(o, self.value(o))
+            if again is None:
+                for q in kept.get(n, ()):
+                    add((_A, 1, q))
             work = workspace(n)
             if not work.zero():             # what a sharded op holds while it runs (ring attention's blocks)
-                add((_T, 1, work))
-                transient.append(work)
-            if n in folded:
-                add((_T, -1, folded[n]))
-            self.points.append((len(self.events), "forward", n.name))
+                transient.append(gate(work))
+            fold = None if n not in folded else folded[n] if again is None else _times(_below(folded[n]), *again)
+            for q in transient:
+                add((_T, 1, q))
+            if fold is not None:
+                add((_T, -1, fold))
+            self.points.append((len(self.events), "forward" if again is None else "recompute", name))
             for q in transient:
                 add((_T, -1, q))
-            if n in folded:
-                add((_T, 1, folded[n]))
+            if fold is not None:
+                add((_T, 1, fold))
+
+        # Forward.
+        for t, n in enumerate(calls):
+            for q in copies_before.get(t, ()):
+                add((_T, 1, q))
+            run(n, n.name)
             for cat, sign, q in frees.get(("F", t), ()):
                 add((cat, sign, q))
             for inst in inst_of.get(n, ()):
@@ -1147,11 +1169,9 @@ class StepMemory:
             add((_T, -1, cp))
 
         def replay(inst):
-            """Where ``inst`` recomputes, its forward runs again when its backward starts: what it keeps is
-            made op by op, and each op's outputs it does not keep, the copies it reads (but shared ones)
-            and its workspace are live as in forward; then the outputs it does not keep are dropped. A
-            copy sized by two layouts counts whether or not it recomputes (``_if_recomputed``). Where it
-            keeps its saved activations in host memory, they come back at once."""
+            """Where ``inst`` recomputes, its forward runs again when its backward starts (``run``): what it
+            keeps is made op by op, then the outputs it does not keep are dropped after their last reader.
+            Where it keeps its saved activations in host memory, they come back at once."""
             nodes = instances[inst][2]
             made = sorted(remat.get(inst, ()), key=lambda e: e[0])[::-1]     # the next one last
             ri, ind = self._recomputed.get(inst, (None, None))
@@ -1164,40 +1184,11 @@ class StepMemory:
             self.points.append((len(self.events), "recompute", inst))
             if ri is None:
                 return
-            live = {}           # storage -> Bytes, made in the replay and not kept
+            live = {}           # storage -> Bytes, made in the run again and not kept
             for m in nodes:
                 t = pos[m]
                 make(t)
-                transient = []
-                if Value(m) in copy_views:
-                    if Value(m) not in held:
-                        live[Value(m)] = _if_recomputed(copy_views[Value(m)], ri, ind)
-                        add((_T, 1, live[Value(m)]))
-                for k, v in enumerate(input_values(m)):
-                    if (m, k) in grouped:
-                        continue
-                    cp, *_, staging = self.copy(v, m, k)
-                    for q in (None if Value(m) in copy_views else held_copy.get((m, k), cp), staging):
-                        if q is not None:
-                            transient.append(_if_recomputed(q, ri, ind))
-                if not is_view(m):
-                    for o in output_values(m):
-                        if o not in held:
-                            live[o] = _times(self.value(o), ri, ind)
-                            add((_T, 1, live[o]))
-                work = workspace(m)
-                if not work.zero():
-                    transient.append(_times(work, ri, ind))
-                fold = _times(_below(folded[m]), ri, ind) if m in folded else None
-                for q in transient:
-                    add((_T, 1, q))
-                if fold is not None:
-                    add((_T, -1, fold))
-                self.points.append((len(self.events), "recompute", f"{inst} {m.name}"))
-                for q in transient:
-                    add((_T, -1, q))
-                if fold is not None:
-                    add((_T, 1, fold))
+                run(m, f"{inst} {m.name}", (ri, ind), live)
                 for s in [s for s in live if last_use.get(s) == t]:
                     add((_T, -1, live.pop(s)))
             make(math.inf)
