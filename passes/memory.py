@@ -483,6 +483,7 @@ class StepMemory:
         self.events: list[tuple[int, int, Bytes]] = []     # (category, +1 or -1, bytes)
         self.points: list[tuple[int, str, str]] = []       # (number of events before it, phase, name)
         self._copy_points: set[int] = set()                # the points where a gradient bucket may copy
+        self._runs: list[range] = []      # the points of a layer's forward, and of a recomputed one's run again
         self._values: dict = {}
         self._reads: dict = {}
         self._copies: dict = {}
@@ -1143,9 +1144,12 @@ class StepMemory:
                 add((_T, 1, fold))
 
         # Forward.
+        layer_points = {}     # a layer instance -> the points of its forward
         for t, n in enumerate(calls):
             for q in copies_before.get(t, ()):
                 add((_T, 1, q))
+            if n in inst_of:
+                layer_points.setdefault(inst_of[n][0], []).append(len(self.points))
             run(n, n.name)
             for cat, sign, q in frees.get(("F", t), ()):
                 add((cat, sign, q))
@@ -1160,6 +1164,7 @@ class StepMemory:
                         add((_A, -1, q))
                         remat.setdefault(inst, []).append((t, q))
 
+        self._runs += [range(ks[0], ks[-1] + 1) for ks in layer_points.values() if ks[-1] - ks[0] + 1 == len(ks)]
         for q in gather_sources:        # the waits drop them, before the copies below
             add((_T, -1, q))
         for cp in output_copies:
@@ -1181,6 +1186,7 @@ class StepMemory:
                     add((_A, 1, made.pop()[1]))
 
             make(pos[nodes[0]] - 1 if ri is not None else math.inf)
+            first = len(self.points)
             self.points.append((len(self.events), "recompute", inst))
             if ri is None:
                 return
@@ -1191,6 +1197,7 @@ class StepMemory:
                 run(m, f"{inst} {m.name}", (ri, ind), live)
                 for s in [s for s in live if last_use.get(s) == t]:
                     add((_T, -1, live.pop(s)))
+            self._runs.append(range(first, len(self.points)))
             make(math.inf)
             for q in live.values():
                 add((_T, -1, q))
@@ -1377,6 +1384,39 @@ class StepMemory:
         k = max(range(len(totals)), key=totals.__getitem__)
         return k, totals[k]
 
+    @functools.cached_property
+    def bound_by(self) -> tuple[int, ...]:
+        """Point k -> a point whose live bytes are at least k's under every assignment: k itself, or,
+        within a layer's forward or a recomputed layer's run again (a point per op, many of them below
+        another), a point that dominates it. One point dominates another where the events between them
+        change the live bytes by a sum whose least (largest) value, taking each term's extreme on its
+        own, is at least (at most) zero: a sufficient test, so the points kept bound the rest exactly."""
+        bound = list(range(len(self.points)))
+        for run in self._runs:
+            alive = []          # (point, the change in live bytes from it to the current one)
+            for j in run:
+                if alive:
+                    step = _Change(self.events[self.points[j - 1][0]:self.points[j][0]])
+                    for _, delta in alive:
+                        delta.add(step)
+                top = next((k for k, delta in alive if delta.at_most_zero()), None)
+                if top is not None:
+                    bound[j] = top
+                    continue
+                for k, delta in alive:
+                    if delta.at_least_zero():
+                        bound[k] = j
+                alive = [(k, delta) for k, delta in alive if bound[k] == k][1 - _DOMINANCE_WINDOW:] + [(j, _Change())]
+        for k in range(len(bound)):
+            while bound[bound[k]] != bound[k]:
+                bound[k] = bound[bound[k]]
+        return tuple(bound)
+
+    def bounding_points(self) -> list[int]:
+        """The points that bound every point of the step (``bound_by``): as constraints, the same
+        feasible assignments as every point."""
+        return sorted(set(self.bound_by))
+
     def constraint(self, k: int):
         """Point ``k`` as a memory constraint of the solver: its live bytes as terms of the decisions."""
         return self.constraints([k])[0]
@@ -1436,6 +1476,47 @@ class StepMemory:
                                        tuple(_live_copies(key, table) for key, table in shared.items()
                                              if np.any(table > 0)))
         return [made[k] for k in ks]
+
+
+class _Change:
+    """A sum of events as a constant and terms of the decisions (the bucketed shares ``_S`` left out:
+    they count at no point of a layer's forward or run again)."""
+
+    def __init__(self, events=()):
+        from autopar.solver import SharedBytes
+
+        self.constant, self.terms, self.shared = 0.0, {}, {}
+        for cat, sign, q in events:
+            if cat == _S:
+                continue
+            if isinstance(q, SharedBytes):
+                key, table = (q.src, q.readers, q.always), np.asarray(q.bytes, dtype=float)
+                self.shared[key] = self.shared.get(key, 0.0) + sign * table
+                continue
+            if q.a is None:
+                self.constant += sign * q.table
+                continue
+            table = np.asarray(q.table, dtype=float)
+            if q.b is not None and q.a > q.b:
+                table = table.T
+            key = q.a if q.b is None else (min(q.a, q.b), max(q.a, q.b))
+            self.terms[key] = self.terms.get(key, 0.0) + sign * table
+
+    def add(self, other: "_Change"):
+        self.constant += other.constant
+        for mine, theirs in ((self.terms, other.terms), (self.shared, other.shared)):
+            for key, table in theirs.items():
+                mine[key] = mine[key] + table if key in mine else table
+
+    def at_least_zero(self) -> bool:
+        """Whether the sum is at least zero under every assignment (a live copy's bytes grow with its
+        table's, so a copy's table must not fall)."""
+        return all(np.all(t >= 0) for t in self.shared.values()) and \
+            self.constant + sum(np.min(t) for t in self.terms.values()) >= 0
+
+    def at_most_zero(self) -> bool:
+        return all(np.all(t <= 0) for t in self.shared.values()) and \
+            self.constant + sum(np.max(t) for t in self.terms.values()) <= 0
 
 
 def _added(a: dict, b: dict) -> dict:
@@ -1528,6 +1609,9 @@ def _held_by_bytes(nbytes: int, outs) -> tuple[bool, ...]:
 # --- Solving under the step's true peak ----------------------------------------------------------
 
 _MAX_ROUNDS = 50
+# The points a point of a layer's forward or run again is compared with (``StepMemory.bound_by``): the
+# latest undominated ones, where a dominating point usually is.
+_DOMINANCE_WINDOW = 8
 
 
 def _initial_points(sm: StepMemory, problem) -> list[int]:
@@ -1550,13 +1634,14 @@ def _initial_points(sm: StepMemory, problem) -> list[int]:
     opt = [k for k, ph in enumerate(phases) if ph == "optimizer"]
     if opt:
         picks.add(max(opt, key=lambda k: walk[k].total))
-    return sorted(picks)
+    return sorted({sm.bound_by[k] for k in picks})
 
 
-def _over_budget(walk, memory_budget: float, have: set) -> list[int]:
+def _over_budget(sm: StepMemory, walk, memory_budget: float, have: set) -> list[int]:
     """The points to add to the solver's constraints after a solve whose step goes over ``budget``:
     the highest point of each stretch of consecutive points over it (one solve then learns every
-    stretch at once; the rest of a stretch usually falls with its highest point), skipping those held."""
+    stretch at once; the rest of a stretch usually falls with its highest point), or the point that
+    bounds it (``StepMemory.bound_by``), skipping those held."""
     cap = memory_budget * (1 + 1e-9)
     out, run = [], None
     for k, p in enumerate(walk):
@@ -1569,7 +1654,7 @@ def _over_budget(walk, memory_budget: float, have: set) -> list[int]:
             run = None
     if run is not None:
         out.append(run)
-    return [k for k in out if k not in have]
+    return sorted({sm.bound_by[k] for k in out} - have)
 
 
 def solve_under_budget(problem, sm: StepMemory, memory_budget: float, *, time_limit: float | None = None, bound=None,
@@ -1605,8 +1690,8 @@ def solve_under_budget(problem, sm: StepMemory, memory_budget: float, *, time_li
         k = max(range(len(walk)), key=lambda i: walk[i].total)
         if walk[k].total <= memory_budget * (1 + 1e-9):
             return sol
-        add = _over_budget(walk, memory_budget, have)
-        if k in have or not add:
+        add = _over_budget(sm, walk, memory_budget, have)
+        if sm.bound_by[k] in have or not add:
             raise AutoparError(f"memory point {sm.points[k][1]} {sm.points[k][2]!r} is over the budget although "
                                f"the solver was held to it ({walk[k].total:.0f} > {memory_budget:.0f} bytes); please "
                                f"report this")
@@ -1637,7 +1722,7 @@ def minimum_budget(problem, sm: StepMemory, *, time_limit: float = math.inf,
         k = max(range(len(walk)), key=lambda i: walk[i].total)
         if best is None or walk[k].total < best[0]:
             best = (walk[k].total, a)
-        add = _over_budget(walk, bound, have)
+        add = _over_budget(sm, walk, bound, have)
         if walk[k].total <= bound * (1 + 1e-9) or not add:
             break
         have.update(add)

@@ -45,7 +45,7 @@ def unconstrained(name):
         cm = CostModel(CLUSTER, shape, default_optimizer(model))
         prob, idx = build_problem(prep.gm, cm, None)
         sm = StepMemory(prep.gm, cm, idx, [len(c.costs) for c in prob.choices])
-        prob = dataclasses.replace(prob, memory=sm.constraints(range(len(sm.points))))
+        prob = dataclasses.replace(prob, memory=sm.constraints(sm.bounding_points()))
         built[shape] = (prob, idx, cm, sm, exact(prob))
     return (model, args, kwargs), prep, built
 
