@@ -433,12 +433,15 @@ def _times(q: Bytes, r: int, ind: Sequence[float]) -> Bytes:
 @dataclass(frozen=True)
 class _MovedGradient:
     """Per option of a parameter, what happens to its gradient once accumulated: an offloaded one is
-    copied to host memory at once, leaving ``offloaded`` on the device and freeing ``offloaded_whole``;
-    a ZeRO-2 one (``deferred`` 1) is reduce-scattered, and ``in_flight`` is (its block, the whole
-    gradient the collective holds until its wait, the collective's output until then)."""
+    copied to host memory at once, and so is a ZeRO-2 one reduce-scattered without overlap: that leaves
+    ``offloaded`` on the device and frees ``offloaded_whole``, holding ``output`` (the collective's
+    output) meanwhile; with overlap a ZeRO-2 one (``deferred`` 1) is reduce-scattered, and ``in_flight``
+    is (its block, the whole gradient the collective holds until its wait, the collective's output
+    until then)."""
 
     offloaded: Bytes
     offloaded_whole: Bytes
+    output: Bytes
     in_flight: tuple
     deferred: tuple
 
@@ -468,6 +471,8 @@ class StepMemory:
     converts them), then frees its outputs' gradients and what it kept; parameter gradients stay until
     the optimizer step, which adds the optimizer's transient buffers. A recomputed layer instance keeps
     only its inputs through forward and runs its forward again, op by op, when its backward starts.
+    ``overlap=False`` follows the program ``compile(overlap=False)`` makes: no gradient buckets, and a
+    ZeRO-2 gradient's reduce-scatter waited where it is issued.
 
     Every allocation is ``Bytes`` of at most two decisions (two layouts, or a layout and a recompute
     count), so the live bytes at any point are exactly a linear memory constraint with pair terms:
@@ -475,11 +480,12 @@ class StepMemory:
     ``constraint`` hands one point to the solver. Both sum the same events.
     """
 
-    def __init__(self, gm, cm, idx, num_options: Sequence[int], *, sharded_outputs: bool = False):
+    def __init__(self, gm, cm, idx, num_options: Sequence[int], *, sharded_outputs: bool = False,
+                 overlap: bool = True):
         from autopar.passes.layers import attention_cores, layer_instances
 
         self.cm, self.idx, self.num_options = cm, idx, tuple(num_options)
-        self.sharded_outputs = sharded_outputs
+        self.sharded_outputs, self.overlap = sharded_outputs, overlap
         self.events: list[tuple[int, int, Bytes]] = []     # (category, +1 or -1, bytes)
         self.points: list[tuple[int, str, str]] = []       # (number of events before it, phase, name)
         self._copy_points: set[int] = set()                # the points where a gradient bucket may copy
@@ -904,18 +910,22 @@ class StepMemory:
                     # A ZeRO-2 reduce-scatter is waited when the next one is issued or backward ends
                     # (runtime/collectives.py, _DeferredGradients): until then the collective holds the
                     # whole gradient and its output, the whole's size on CPU (gloo's all-to-all), the
-                    # block on CUDA. An offloaded gradient's hooks copy it at once.
+                    # block on CUDA. An offloaded gradient's hooks copy it at once, and without overlap
+                    # (compile(overlap=False)) a reduce-scatter is waited at once.
                     cpu = self.cm.cluster.device_type != "cuda"
-                    deferred = tuple(1.0 if s.grad_scatter_axis is not None and not s.offload else 0.0 for s in opts)
+                    scattered = [s.grad_scatter_axis is not None and not s.offload for s in opts]
+                    deferred = tuple(1.0 if z and self.overlap else 0.0 for z in scattered)
+                    at_once = [s.offload or (z and not self.overlap) for s, z in zip(opts, scattered)]
 
                     def where(mask, sizes, c=c):
                         return _one(c, [x if m else 0.0 for x, m in zip(sizes, mask)])
 
-                    offloaded, block, whole = [s.offload for s in opts], [k[1] for k in kept], [f[1] for f in full]
+                    block, whole = [k[1] for k in kept], [f[1] for f in full]
+                    output = [f if cpu else k for f, k in zip(whole, block)]
                     scatter[n] = _MovedGradient(
-                        where(offloaded, block), where(offloaded, whole),
-                        (where(deferred, block), where(deferred, whole),
-                         where(deferred, [f if cpu else k for f, k in zip(whole, block)])), deferred)
+                        where(at_once, block), where(at_once, whole),
+                        where([z and not self.overlap for z in scattered], output),
+                        (where(deferred, block), where(deferred, whole), where(deferred, output)), deferred)
                 if any(s.zero is not None for s in opts):
                     # After the step the updated shards of a bucket are copied into one flat buffer and
                     # all-gathered into a new one, then copied into the parameters.
@@ -1212,7 +1222,7 @@ class StepMemory:
             first = min((m for m in p.users if m in pos), key=pos.__getitem__, default=None)
             if first is not None:
                 ready.setdefault(first, []).append(p)
-        launched = self._bucketed_gradients(grads_of, pos, input_values)
+        launched = self._bucketed_gradients(grads_of, pos, input_values) if self.overlap else {}
         # (block, whole, collective output) of the ZeRO-2 reduce-scatter in flight, and those counted
         # until backward's end.
         pending, held_to_end = (Bytes(None, None, 0.0),) * 3, []
@@ -1265,6 +1275,7 @@ class StepMemory:
             for p in ready.get(n, ()):
                 moved = scatter[p]
                 add((_G, 1, moved.offloaded))
+                add((_T, 1, moved.output))
                 add((_T, 1, moved.in_flight[2]))
                 # The one in flight before is waited here where this one is deferred too (its wait makes
                 # its block); where not, it is counted until backward's end: which one is in flight
@@ -1274,6 +1285,7 @@ class StepMemory:
                 add((_G, 1, waited[0]))
                 self.points.append((len(self.events), "backward", f"reduce_scatter {meta_of(p).role.target}"))
                 add((_G, -1, moved.offloaded_whole))
+                add((_T, -1, moved.output))
                 add((_G, -1, waited[1]))
                 add((_T, -1, waited[2]))
                 held_to_end.append([_gated(q, c, [1.0 - x for x in moved.deferred]) for q in pending])
