@@ -35,7 +35,8 @@ def exact(prob):
 @functools.cache
 def unconstrained(name):
     """Zoo model ``name`` (batch 8) and, per candidate mesh, its problem with every point of
-    ``StepMemory`` as a constraint and no budget, and its exact optimum (objective, assignment): shared
+    ``StepMemory`` as a constraint (the points that bound the rest, ``bounding_points``) and no
+    budget, and its exact optimum (objective, assignment): shared
     by the cases of one model."""
     model, args, kwargs = zoo.build(name, batch=8)
     prep = prepare(model, args, kwargs, CLUSTER)
