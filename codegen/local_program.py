@@ -172,7 +172,7 @@ def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str]
                     outs.append(env[a] if isinstance(a, fx.Node) else a)
             g.output(pytree.tree_unflatten(outs, spec))
     _fold_biases(gm, env)
-    _read_zero2_before_use(g, placeholders, plan)
+    _read_zero_before_use(g, placeholders, plan)
     local = fx.GraphModule(gm, g, class_name="LocalProgram")
     # A plan without gather buckets (written before they existed) gathers each parameter alone.
     zero = tuple((fqn, z.stage, group_names[plan.axis_names.index(z.axis)], z.dim,
@@ -182,15 +182,15 @@ def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str]
     return local
 
 
-def _read_zero2_before_use(g: fx.Graph, roles: list, plan: Plan) -> None:
-    """Read each ZeRO-2 parameter through ``runtime.zero.whole_of`` right before its first use: the
-    read is where backward reduce-scatters the parameter's summed gradient, and autograd runs it
-    as soon as its gradient is complete only if it was made after everything that ran before its use
+def _read_zero_before_use(g: fx.Graph, roles: list, plan: Plan) -> None:
+    """Read each ZeRO-1/2 parameter through ``runtime.zero.whole_of`` right before its first use: for
+    ZeRO-2 the read is where backward reduce-scatters the parameter's summed gradient, and autograd runs
+    it as soon as its gradient is complete only if it was made after everything that ran before its use
     (it runs the ready node made last first)."""
-    scattered = {fqn for fqn, z in plan.zero.items() if z.stage == 2}
+    sharded_states = set(plan.zero)
     order = {n: i for i, n in enumerate(g.nodes)}
     for ph, (kind, target) in zip([n for n in g.nodes if n.op == "placeholder"], roles):
-        if kind != "param" or target not in scattered or not ph.users:
+        if kind != "param" or target not in sharded_states or not ph.users:
             continue
         first = min(ph.users, key=order.__getitem__)
         with g.inserting_before(first):

@@ -1715,20 +1715,23 @@ def solve_under_budget(problem, sm: StepMemory, memory_budget: float, *, time_li
 
 
 def minimum_budget(problem, sm: StepMemory, *, time_limit: float = math.inf,
-                   above: float | None = None) -> tuple[float, tuple[int, ...]] | None:
-    """(the least step peak any assignment reaches, that assignment), by the same rounds as
-    ``solve_under_budget``: minimize the largest point held so far, walk, add the highest point of
-    each stretch over that minimum, and start the next round from the best assignment walked. Each
-    round's minimum is a lower bound of the answer: with ``above``, None as soon as one proves that
-    no assignment peaks below it."""
+                   above: float | None = None) -> tuple[float, tuple[int, ...], float] | None:
+    """(the least step peak any assignment reaches, that assignment, a proven lower bound of it), by
+    the same rounds as ``solve_under_budget``: minimize the largest point held so far, walk, add the
+    highest point of each stretch over that minimum, and start the next round from the best
+    assignment walked. Each round's proven minimum (its ``lower``) bounds the answer from below, as its
+    points are some of the step's: with ``above``, None as soon as one proves that no assignment peaks
+    below it."""
     from autopar.solver import minimum_feasible_budget
 
     have = set(_initial_points(sm, problem))
     problem.memory = sm.constraints(sorted(have))
-    best = None
+    best, lower = None, 0.0
     for _ in range(_MAX_ROUNDS):
-        bound, a = minimum_feasible_budget(problem, time_limit=time_limit, start=best and best[1], cutoff=above)
-        if above is not None and bound >= above:
+        bound, a, proved = minimum_feasible_budget(problem, time_limit=time_limit, start=best and best[1],
+                                                   cutoff=above)
+        lower = max(lower, proved)
+        if above is not None and lower >= above:
             return None
         walk = sm.walk(a)
         k = max(range(len(walk)), key=lambda i: walk[i].total)
@@ -1739,4 +1742,4 @@ def minimum_budget(problem, sm: StepMemory, *, time_limit: float = math.inf,
             break
         have.update(add)
         problem.memory.extend(sm.constraints(add))
-    return best
+    return best[0], best[1], min(lower, best[0])

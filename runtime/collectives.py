@@ -407,15 +407,26 @@ def _plain_leaf(x: torch.Tensor) -> bool:
     return x.is_leaf and x.requires_grad and not x._backward_hooks and not x._post_accumulate_grad_hooks
 
 
+def _runs_accumulation(param: torch.Tensor) -> bool | None:
+    """Whether the running backward runs ``param``'s gradient accumulation; None where it returns the
+    gradient instead (``torch.autograd.grad`` names ``param``)."""
+    try:
+        return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(param).node)
+    except RuntimeError:        # torch's refusal for a leaf whose gradient autograd.grad returns
+        return None
+
+
 def accumulates(param: torch.Tensor) -> bool:
     """Whether the running backward adds ``param``'s gradient to its ``.grad`` (``backward()``, or
     ``backward(inputs=...)`` naming it) rather than returning it (``torch.autograd.grad``, which leaves
     ``.grad`` and the post-accumulate hooks alone): a reduction the runtime defers to ``.grad`` or to
     such a hook must then run at once, in the gradient autograd returns."""
-    try:
-        return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(param).node)
-    except RuntimeError:        # torch's refusal for a leaf whose gradient autograd.grad returns
-        return False
+    return _runs_accumulation(param) is True
+
+
+def asked(param: torch.Tensor) -> bool:
+    """Whether the running backward accumulates ``param``'s gradient or returns it."""
+    return _runs_accumulation(param) is not False
 
 
 def deferrable(param: torch.Tensor) -> bool:

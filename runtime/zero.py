@@ -8,7 +8,11 @@ the state's dim. Any torch optimizer then keeps its states (Adam's moments) at t
 updates the block in place, inside the whole tensor.
 
 - ZeRO-1: the gradient is reduced as in plain data parallelism (all-reduced, in the program's
-  buckets); the parameter's ``.grad`` is the view of its block of the reduced gradient.
+  buckets); the parameter's ``.grad`` is the view of its block of the reduced gradient. The program
+  reads the whole tensor through ``whole_of`` too (``_ZeroOneRead``), an autograd function of both
+  tensors, only so that ``torch.autograd.grad`` over the block reaches autopar's error, which names the
+  parameter, rather than torch's "not used in the graph": the reduction happens where backward
+  accumulates the whole tensor's gradient, which ``torch.autograd.grad`` does not do.
 - ZeRO-2: the program reads the whole tensor through ``whole_of``, just before its first use, as an
   autograd function of the block (``_WholeOf``): its backward, once autograd has summed the gradients
   of every read, reduce-scatters the whole gradient along the axis into the block's gradient, so that
@@ -88,9 +92,31 @@ class _WholeOf(torch.autograd.Function):
         return C._reduce_scatter(g, s.dim, C._group(s.group)[1], s.group), None, None
 
 
+class _ZeroOneRead(torch.autograd.Function):
+    """A ZeRO-1 parameter's whole local tensor, read by the program: its gradient goes to the whole
+    tensor, whose accumulation the program's buckets reduce."""
+
+    @staticmethod
+    def forward(ctx, shard, full, s):
+        ctx.s = s
+        return full.detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        s = ctx.s
+        if C.asked(s.shard) and not C.accumulates(s.full):
+            raise NotImplementedError(
+                f"the gradient of ZeRO-1 parameter {s.fqn!r} was asked for without accumulating it "
+                f"(torch.autograd.grad, or backward(inputs=...) naming it): its gradient is reduced over "
+                f"the data-parallel ranks only where backward accumulates it, so call loss.backward() and read "
+                f"{s.fqn!r}'s .grad (this rank's block of the reduced gradient), or plan it as ZeRO-2 "
+                f"(a pin {{\"zero\": 2}}), whose gradient torch.autograd.grad returns")
+        return None, g, None
+
+
 def whole_of(full: torch.Tensor) -> torch.Tensor:
-    """What the program reads for a ZeRO-2 parameter whose whole local tensor is ``full`` (code
-    generation emits the call before the parameter's first use): the tensor as a function of this
+    """What the program reads for a ZeRO-1 or ZeRO-2 parameter whose whole local tensor is ``full``
+    (code generation emits the call before the parameter's first use): the tensor as a function of this
     rank's block, or ``full`` itself where no ``ShardedStates`` owns it (a program run on example
     inputs)."""
     read = getattr(full, "_autopar_whole_of", None)
@@ -108,6 +134,7 @@ class ShardedStates:
         for s in states:
             if s.stage == 1 and s.full.requires_grad:
                 s.full.register_post_accumulate_grad_hook(self._ready_hook(s))
+                s.full._autopar_whole_of = functools.partial(_ZeroOneRead.apply, s.shard, s.full, s)
             if s.stage == 2:
                 s.full._autopar_whole_of = functools.partial(_WholeOf.apply, s.shard, self, s)
         self.mark_gathered()

@@ -365,3 +365,26 @@ def test_points_a_layer_dominates_are_bounded_by_a_point_kept_under_any_layout()
     for _ in range(30):
         walk = sm.walk([rng.randrange(len(c.costs)) for c in prob.choices])
         assert all(walk[sm.bound_by[k]].total >= walk[k].total * (1 - 1e-12) for k in dropped)
+
+
+@pytest.mark.slow
+def test_smallest_budget_on_a_two_by_two_mesh_is_feasible_and_tight():
+    # The built-in GPT under 2-D pins (data parallel over Megatron) on a 2 x 2 mesh: the budget the error
+    # reports has a plan within it, and no plan fits 3% below what the search proved.
+    from autopar.models import GPT, GPTConfig
+    from tests.hf_models import MEGATRON
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, n_layer=1, n_head=4, d_model=64, d_ff=128, max_seq=16))
+    ids = torch.randint(0, 256, (4, 16))
+    opts = {"mesh_shape": (2, 2), "axis_names": ("dp", "tp"), "pins": {k: ["R", v] for k, v in MEGATRON["gpt"].items()},
+            "recompute": False, "kernels": "aten", "progress": False}
+    cluster = autopar.ClusterSpec.local_cpu(4)
+    with pytest.raises(InfeasiblePlanError) as info:
+        autopar.plan(model, cluster, (ids, ids.clone()), memory_budget=1e5, **opts)
+    err = info.value
+    assert 0.0 <= err.min_feasible_gap < 0.03
+    ok = autopar.plan(model, cluster, (ids, ids.clone()), memory_budget=err.min_feasible_budget, **opts)
+    assert ok.memory["peak"] <= err.min_feasible_budget
+    with pytest.raises(InfeasiblePlanError):
+        autopar.plan(model, cluster, (ids, ids.clone()), memory_budget=err.min_feasible_budget * 0.97, **opts)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -264,6 +265,20 @@ def _autograd_grad_gives_the_blocks(pm, ref_grads, ids, labels, where):
     pm.zero_grad(set_to_none=True)
 
 
+def _zero1_gradient_asked_alone_is_refused(pm, ids, labels, where):
+    """A ZeRO-1 gradient is reduced only where backward accumulates it: ``torch.autograd.grad`` over a
+    ZeRO-1 parameter, or ``backward(inputs=...)`` naming it, raises autopar's error naming it."""
+    fqn = next(iter(pm.plan.zero))
+    param = pm.local_parameter(fqn)
+    pm.zero_grad(set_to_none=True)
+    for how, run in (("torch.autograd.grad", lambda loss: torch.autograd.grad(loss, [param])),
+                     ("backward(inputs=...)", lambda loss: loss.backward(inputs=[param]))):
+        with pytest.raises(NotImplementedError, match=f"ZeRO-1 parameter '{re.escape(fqn)}'.*loss.backward"):
+            run(pm(ids, labels=labels).loss)
+        assert param.grad is None, f"{where}: {how} wrote {fqn}'s .grad"
+    pm.zero_grad(set_to_none=True)
+
+
 def _check_sharded_states(rank, world, mesh, checkpoint_dir):
     from tests.hf_models import MEGATRON, batch, build
     from tests.live_memory import step_peak_over_ranks
@@ -293,6 +308,8 @@ def _check_sharded_states(rank, world, mesh, checkpoint_dir):
         assert sharded.numel() * mesh[0] == pm.local_tensor(next(iter(pm.plan.zero))).numel()
         if stage == 2:
             _autograd_grad_gives_the_blocks(pm, ref_grads, ids, labels, where)
+        else:
+            _zero1_gradient_asked_alone_is_refused(pm, ids, labels, where)
         opt = _train_and_compare(pm, copy.deepcopy(ref), ids, labels, where)
         pms[stage] = (pm, opt)
 
