@@ -10,12 +10,16 @@ class InfeasiblePlanError(AutoparError):
 
     ``min_feasible_budget`` is the smallest per-device budget (bytes) for which a plan exists, and
     ``largest_consumers`` lists ``(name, bytes)`` of what uses the most memory in that plan.
+    ``min_feasible_gap``: where the search stopped at its node limit, the least budget may lie up to
+    that fraction below ``min_feasible_budget`` (0 where it is proven least).
     """
 
-    def __init__(self, message, *, memory_budget=None, min_feasible_budget=None, largest_consumers=()):
+    def __init__(self, message, *, memory_budget=None, min_feasible_budget=None, largest_consumers=(),
+                 min_feasible_gap=0.0):
         super().__init__(message)
         self.memory_budget = memory_budget
         self.min_feasible_budget = min_feasible_budget
+        self.min_feasible_gap = min_feasible_gap
         self.largest_consumers = list(largest_consumers)
 
 

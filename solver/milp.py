@@ -83,6 +83,7 @@ class Result:
     status: str | None        # "optimal", "feasible" (stopped early with an incumbent), "infeasible", None
     values: list[float] | None
     gap: float | None         # relative gap between the incumbent and the proven bound at the end
+    bound: float | None = None   # the proven least objective (HiGHS's dual bound); None where not reported
 
 
 @functools.cache
@@ -175,13 +176,15 @@ def run_highs(model: Model, *, time_limit: float, gap: float, start=None, cutoff
     has_solution = info.primal_solution_status == highspy.SolutionStatus.kSolutionStatusFeasible
     values = list(h.getSolution().col_value) if has_solution else None
     mip_gap = info.mip_gap if any(model.integer) else 0.0
+    bound = info.mip_dual_bound if any(model.integer) else info.objective_function_value
+    bound = bound if math.isfinite(bound) else None
     if status == highspy.HighsModelStatus.kOptimal:
-        return Result("optimal", values, max(mip_gap, 0.0))
+        return Result("optimal", values, max(mip_gap, 0.0), bound)
     if status == highspy.HighsModelStatus.kInfeasible:
         return Result("infeasible", None, None)
     if has_solution:
-        return Result("feasible", values, mip_gap if math.isfinite(mip_gap) else None)
-    return Result(None, None, None)
+        return Result("feasible", values, mip_gap if math.isfinite(mip_gap) else None, bound)
+    return Result(None, None, None, bound)
 
 
 def run_cbc(model: Model, *, time_limit: float, gap: float, start=None, node_limit: int | None = None) -> Result:
