@@ -33,7 +33,8 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
     (the loss) are returned whole. The default is the given plan's setting, else False.
     ``kernels`` is "auto" (Triton on CUDA, ATen on CPU), "triton" or "aten" (docs/kernels.md).
     ``skip_passes`` and ``insert_passes`` change the pass pipeline on every rank (docs/extending.md).
-    ``overlap=False`` makes every collective wait where it is issued, for debugging (codegen/overlap.py).
+    ``overlap=False`` makes every collective wait where it is issued, for debugging (codegen/overlap.py),
+    and is planned for (``plan``'s ``overlap``); a given plan made with overlap over-predicts its memory.
     ``bucket_mb`` is the size of the buckets data-parallel gradients are all-reduced in during backward
     (DDP's ``bucket_cap_mb``; codegen/grad_buckets.py).
     ``precision`` (a planning option) is Lightning's name of the training precision: "32-true",
@@ -73,7 +74,8 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
                           device_type=cluster.device_type, keep_raw=plan is None)
     if plan is None:
         plan = _plan_on_rank0(model, cluster, example_inputs, example_kwargs, memory_budget, front,
-                              {**plan_options, "kernels": kernels, "sharded_outputs": bool(sharded_outputs)})
+                              {**plan_options, "kernels": kernels, "sharded_outputs": bool(sharded_outputs),
+                               "overlap": overlap})
     else:
         check_plan(plan, model, example_inputs, example_kwargs, world, memory_budget=memory_budget, **plan_options)
     if sharded_outputs is None:

@@ -34,6 +34,7 @@ class MeshCandidate:
     estimate: float            # the greedy layout's step time (inf when it does not fit)
     gm: fx.GraphModule
     sharded_outputs: bool
+    overlap: bool = True
     _memory: StepMemory | None = None
 
     @property
@@ -42,7 +43,7 @@ class MeshCandidate:
         never needs it."""
         if self._memory is None:
             self._memory = StepMemory(self.gm, self.cm, self.idx, [len(c.costs) for c in self.prob.choices],
-                                      sharded_outputs=self.sharded_outputs)
+                                      sharded_outputs=self.sharded_outputs, overlap=self.overlap)
         return self._memory
 
     def solved(self) -> SolvedMesh:

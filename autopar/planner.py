@@ -106,7 +106,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
          insert_passes=(), pins: dict | None = None, kernels: str = "aten", sharded_outputs: bool = False,
          recompute: bool | dict = True, cost_model: type[CostModel] = CostModel,
          front: FrontEnd | None = None, microbatches: int | None = None, schedule: str | None = None,
-         pipeline: bool | None = None, precision: str | None = None) -> Plan:
+         pipeline: bool | None = None, precision: str | None = None, overlap: bool = True) -> Plan:
     """Find the fastest layout of ``model`` on ``cluster`` that fits ``memory_budget`` bytes per device.
 
     ``pins`` forces layouts by hand: ``{"*.mlp.c_fc.weight": ["R", "S(1)"], "input_ids": ["S(0)", "R"]}``
@@ -133,6 +133,8 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     ``precision`` is Lightning's name of the training precision: "32-true", "bf16-mixed" (autocast's
     bfloat16 compute and activations over float32 master weights and optimizer states) or "bf16-true";
     None trains in the model's own dtype (passes/precision.py).
+    ``overlap=False`` plans for the program ``compile(overlap=False)`` runs: no communication hidden,
+    no gradient buckets, ZeRO-2 reduce-scatters waited at once (its time and memory).
     """
     t0 = time.perf_counter()
     if mesh_shape is not None:
@@ -208,11 +210,11 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
                 prep.runner.run(mesh_passes(shape, offload=offload), prep.gm, f"mesh {shape}")
                 cm = cost_model(cluster, shape, optimizer, fused=fused)
                 report(f"mesh {shape}: costs")
-                prob, idx = build_problem(prep.gm, cm, memory_budget, pins, sharded_outputs, recompute)
+                prob, idx = build_problem(prep.gm, cm, memory_budget, pins, sharded_outputs, recompute, overlap)
                 quick = greedy(prob)
                 meshes.append(MeshCandidate(len(meshes), shape, names, prob, idx, cm, prob.lower_bound(),
                                             prob.objective(quick) if prob.feasible(quick) else math.inf,
-                                            prep.gm, sharded_outputs))
+                                            prep.gm, sharded_outputs, overlap))
         finally:
             for job in forked.values():     # left uncollected by an error
                 job.cancel()

@@ -186,8 +186,10 @@ def _read_zero_before_use(g: fx.Graph, roles: list, plan: Plan) -> None:
     """Read each ZeRO-1/2 parameter through ``runtime.zero.whole_of`` right before its first use: for
     ZeRO-2 the read is where backward reduce-scatters the parameter's summed gradient, and autograd runs
     it as soon as its gradient is complete only if it was made after everything that ran before its use
-    (it runs the ready node made last first)."""
-    sharded_states = set(plan.zero)
+    (it runs the ready node made last first). A pipeline plan's ZeRO-1 parameters are read directly: its
+    stages find a parameter's per-microbatch all-reduce at its placeholder (codegen/stages.py), and it
+    runs through ``train_step`` only, never under the user's ``torch.autograd.grad``."""
+    sharded_states = {fqn for fqn, z in plan.zero.items() if z.stage == 2 or not plan.pipeline}
     order = {n: i for i, n in enumerate(g.nodes)}
     for ph, (kind, target) in zip([n for n in g.nodes if n.op == "placeholder"], roles):
         if kind != "param" or target not in sharded_states or not ph.users:

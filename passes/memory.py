@@ -433,12 +433,15 @@ def _times(q: Bytes, r: int, ind: Sequence[float]) -> Bytes:
 @dataclass(frozen=True)
 class _MovedGradient:
     """Per option of a parameter, what happens to its gradient once accumulated: an offloaded one is
-    copied to host memory at once, leaving ``offloaded`` on the device and freeing ``offloaded_whole``;
-    a ZeRO-2 one (``deferred`` 1) is reduce-scattered, and ``in_flight`` is (its block, the whole
-    gradient the collective holds until its wait, the collective's output until then)."""
+    copied to host memory at once, and so is a ZeRO-2 one reduce-scattered without overlap: that leaves
+    ``offloaded`` on the device and frees ``offloaded_whole``, holding ``output`` (the collective's
+    output) meanwhile; with overlap a ZeRO-2 one (``deferred`` 1) is reduce-scattered, and ``in_flight``
+    is (its block, the whole gradient the collective holds until its wait, the collective's output
+    until then)."""
 
     offloaded: Bytes
     offloaded_whole: Bytes
+    output: Bytes
     in_flight: tuple
     deferred: tuple
 
@@ -468,6 +471,8 @@ class StepMemory:
     converts them), then frees its outputs' gradients and what it kept; parameter gradients stay until
     the optimizer step, which adds the optimizer's transient buffers. A recomputed layer instance keeps
     only its inputs through forward and runs its forward again, op by op, when its backward starts.
+    ``overlap=False`` follows the program ``compile(overlap=False)`` makes: no gradient buckets, and a
+    ZeRO-2 gradient's reduce-scatter waited where it is issued.
 
     Every allocation is ``Bytes`` of at most two decisions (two layouts, or a layout and a recompute
     count), so the live bytes at any point are exactly a linear memory constraint with pair terms:
@@ -475,14 +480,16 @@ class StepMemory:
     ``constraint`` hands one point to the solver. Both sum the same events.
     """
 
-    def __init__(self, gm, cm, idx, num_options: Sequence[int], *, sharded_outputs: bool = False):
+    def __init__(self, gm, cm, idx, num_options: Sequence[int], *, sharded_outputs: bool = False,
+                 overlap: bool = True):
         from autopar.passes.layers import attention_cores, layer_instances
 
         self.cm, self.idx, self.num_options = cm, idx, tuple(num_options)
-        self.sharded_outputs = sharded_outputs
+        self.sharded_outputs, self.overlap = sharded_outputs, overlap
         self.events: list[tuple[int, int, Bytes]] = []     # (category, +1 or -1, bytes)
         self.points: list[tuple[int, str, str]] = []       # (number of events before it, phase, name)
         self._copy_points: set[int] = set()                # the points where a gradient bucket may copy
+        self._runs: list[range] = []      # the points of a layer's forward, and of a recomputed one's run again
         self._values: dict = {}
         self._reads: dict = {}
         self._copies: dict = {}
@@ -903,18 +910,22 @@ class StepMemory:
                     # A ZeRO-2 reduce-scatter is waited when the next one is issued or backward ends
                     # (runtime/collectives.py, _DeferredGradients): until then the collective holds the
                     # whole gradient and its output, the whole's size on CPU (gloo's all-to-all), the
-                    # block on CUDA. An offloaded gradient's hooks copy it at once.
+                    # block on CUDA. An offloaded gradient's hooks copy it at once, and without overlap
+                    # (compile(overlap=False)) a reduce-scatter is waited at once.
                     cpu = self.cm.cluster.device_type != "cuda"
-                    deferred = tuple(1.0 if s.grad_scatter_axis is not None and not s.offload else 0.0 for s in opts)
+                    scattered = [s.grad_scatter_axis is not None and not s.offload for s in opts]
+                    deferred = tuple(1.0 if z and self.overlap else 0.0 for z in scattered)
+                    at_once = [s.offload or (z and not self.overlap) for s, z in zip(opts, scattered)]
 
                     def where(mask, sizes, c=c):
                         return _one(c, [x if m else 0.0 for x, m in zip(sizes, mask)])
 
-                    offloaded, block, whole = [s.offload for s in opts], [k[1] for k in kept], [f[1] for f in full]
+                    block, whole = [k[1] for k in kept], [f[1] for f in full]
+                    output = [f if cpu else k for f, k in zip(whole, block)]
                     scatter[n] = _MovedGradient(
-                        where(offloaded, block), where(offloaded, whole),
-                        (where(deferred, block), where(deferred, whole),
-                         where(deferred, [f if cpu else k for f, k in zip(whole, block)])), deferred)
+                        where(at_once, block), where(at_once, whole),
+                        where([z and not self.overlap for z in scattered], output),
+                        (where(deferred, block), where(deferred, whole), where(deferred, output)), deferred)
                 if any(s.zero is not None for s in opts):
                     # After the step the updated shards of a bucket are copied into one flat buffer and
                     # all-gathered into a new one, then copied into the parameters.
@@ -1091,40 +1102,65 @@ class StepMemory:
             c = self._choice(n)
             return _one(c, [self.cm.workspace_bytes(n, self._strategy(n, o)) for o in self._options(c)])
 
-        # Forward.
-        for t, n in enumerate(calls):
+        def run(n, name, again=None, live=None):
+            """The events of op ``n``'s forward around its point ``name``: the copies it reads (but shared
+            ones) and their staging, its outputs, what it keeps and its workspace, less a folded bias
+            add's matmul output at the point. ``again`` (recompute decision, indicator): the run again of
+            a recomputed instance when its backward starts, each term where it recomputes; what the
+            instance keeps comes back apart (``remat``), and what it makes and does not keep is recorded
+            in ``live``. A copy sized by two layouts counts whether or not it recomputes
+            (``_if_recomputed``)."""
+            def gate(q, f=_times):
+                return q if again is None else f(q, *again)
+
+            def make(s, q):
+                """Storage ``s`` of ``q`` bytes made by ``n``: kept for backward or not."""
+                if s not in held:
+                    q = gate(q, _if_recomputed if s in copy_views else _times)
+                    add((_T, 1, q))
+                    if again is not None:
+                        live[s] = q
+                elif again is None:
+                    add((_A, 1, q))
+
             transient = []
-            for q in copies_before.get(t, ()):
-                add((_T, 1, q))
+            if Value(n) in copy_views:          # the view's own storage from here
+                make(Value(n), copy_views[Value(n)])
             for k, v in enumerate(input_values(n)):
-                cp = None if (n, k) in grouped else self.copy(v, n, k)[0]
-                if cp is not None:
-                    cp = held_copy.get((n, k), cp)
-                if Value(n) in copy_views:       # the view's own storage from here
-                    add((_A if Value(n) in held else _T, 1, copy_views[Value(n)]))
-                elif cp is not None:
-                    add((_T, 1, cp))
-                    transient.append(cp)
-                staging = None if (n, k) in grouped else self.copy(v, n, k)[3]
-                if staging is not None:
-                    add((_T, 1, staging))
-                    transient.append(staging)
+                if (n, k) in grouped:
+                    continue
+                cp, *_, staging = self.copy(v, n, k)
+                for q in (None if Value(n) in copy_views else held_copy.get((n, k), cp), staging):
+                    if q is not None:
+                        transient.append(gate(q, _if_recomputed))
             if not is_view(n):
                 for o in output_values(n):
-                    add((_A if o in held else _T, 1, self.value(o)))
-            for q in kept.get(n, ()):
-                add((_A, 1, q))
+                    make(o, self.value(o))
+            if again is None:
+                for q in kept.get(n, ()):
+                    add((_A, 1, q))
             work = workspace(n)
             if not work.zero():             # what a sharded op holds while it runs (ring attention's blocks)
-                add((_T, 1, work))
-                transient.append(work)
-            if n in folded:
-                add((_T, -1, folded[n]))
-            self.points.append((len(self.events), "forward", n.name))
+                transient.append(gate(work))
+            fold = None if n not in folded else folded[n] if again is None else _times(_below(folded[n]), *again)
+            for q in transient:
+                add((_T, 1, q))
+            if fold is not None:
+                add((_T, -1, fold))
+            self.points.append((len(self.events), "forward" if again is None else "recompute", name))
             for q in transient:
                 add((_T, -1, q))
-            if n in folded:
-                add((_T, 1, folded[n]))
+            if fold is not None:
+                add((_T, 1, fold))
+
+        # Forward.
+        layer_points = {}     # a layer instance -> the points of its forward
+        for t, n in enumerate(calls):
+            for q in copies_before.get(t, ()):
+                add((_T, 1, q))
+            if n in inst_of:
+                layer_points.setdefault(inst_of[n][0], []).append(len(self.points))
+            run(n, n.name)
             for cat, sign, q in frees.get(("F", t), ()):
                 add((cat, sign, q))
             for inst in inst_of.get(n, ()):
@@ -1138,6 +1174,7 @@ class StepMemory:
                         add((_A, -1, q))
                         remat.setdefault(inst, []).append((t, q))
 
+        self._runs += [range(ks[0], ks[-1] + 1) for ks in layer_points.values() if ks[-1] - ks[0] + 1 == len(ks)]
         for q in gather_sources:        # the waits drop them, before the copies below
             add((_T, -1, q))
         for cp in output_copies:
@@ -1147,11 +1184,9 @@ class StepMemory:
             add((_T, -1, cp))
 
         def replay(inst):
-            """Where ``inst`` recomputes, its forward runs again when its backward starts: what it keeps is
-            made op by op, and each op's outputs it does not keep, the copies it reads (but shared ones)
-            and its workspace are live as in forward; then the outputs it does not keep are dropped. A
-            copy sized by two layouts counts whether or not it recomputes (``_if_recomputed``). Where it
-            keeps its saved activations in host memory, they come back at once."""
+            """Where ``inst`` recomputes, its forward runs again when its backward starts (``run``): what it
+            keeps is made op by op, then the outputs it does not keep are dropped after their last reader.
+            Where it keeps its saved activations in host memory, they come back at once."""
             nodes = instances[inst][2]
             made = sorted(remat.get(inst, ()), key=lambda e: e[0])[::-1]     # the next one last
             ri, ind = self._recomputed.get(inst, (None, None))
@@ -1161,45 +1196,18 @@ class StepMemory:
                     add((_A, 1, made.pop()[1]))
 
             make(pos[nodes[0]] - 1 if ri is not None else math.inf)
+            first = len(self.points)
             self.points.append((len(self.events), "recompute", inst))
             if ri is None:
                 return
-            live = {}           # storage -> Bytes, made in the replay and not kept
+            live = {}           # storage -> Bytes, made in the run again and not kept
             for m in nodes:
                 t = pos[m]
                 make(t)
-                transient = []
-                if Value(m) in copy_views:
-                    if Value(m) not in held:
-                        live[Value(m)] = _if_recomputed(copy_views[Value(m)], ri, ind)
-                        add((_T, 1, live[Value(m)]))
-                for k, v in enumerate(input_values(m)):
-                    if (m, k) in grouped:
-                        continue
-                    cp, *_, staging = self.copy(v, m, k)
-                    for q in (None if Value(m) in copy_views else held_copy.get((m, k), cp), staging):
-                        if q is not None:
-                            transient.append(_if_recomputed(q, ri, ind))
-                if not is_view(m):
-                    for o in output_values(m):
-                        if o not in held:
-                            live[o] = _times(self.value(o), ri, ind)
-                            add((_T, 1, live[o]))
-                work = workspace(m)
-                if not work.zero():
-                    transient.append(_times(work, ri, ind))
-                fold = _times(_below(folded[m]), ri, ind) if m in folded else None
-                for q in transient:
-                    add((_T, 1, q))
-                if fold is not None:
-                    add((_T, -1, fold))
-                self.points.append((len(self.events), "recompute", f"{inst} {m.name}"))
-                for q in transient:
-                    add((_T, -1, q))
-                if fold is not None:
-                    add((_T, 1, fold))
+                run(m, f"{inst} {m.name}", (ri, ind), live)
                 for s in [s for s in live if last_use.get(s) == t]:
                     add((_T, -1, live.pop(s)))
+            self._runs.append(range(first, len(self.points)))
             make(math.inf)
             for q in live.values():
                 add((_T, -1, q))
@@ -1214,7 +1222,7 @@ class StepMemory:
             first = min((m for m in p.users if m in pos), key=pos.__getitem__, default=None)
             if first is not None:
                 ready.setdefault(first, []).append(p)
-        launched = self._bucketed_gradients(grads_of, pos, input_values)
+        launched = self._bucketed_gradients(grads_of, pos, input_values) if self.overlap else {}
         # (block, whole, collective output) of the ZeRO-2 reduce-scatter in flight, and those counted
         # until backward's end.
         pending, held_to_end = (Bytes(None, None, 0.0),) * 3, []
@@ -1267,6 +1275,7 @@ class StepMemory:
             for p in ready.get(n, ()):
                 moved = scatter[p]
                 add((_G, 1, moved.offloaded))
+                add((_T, 1, moved.output))
                 add((_T, 1, moved.in_flight[2]))
                 # The one in flight before is waited here where this one is deferred too (its wait makes
                 # its block); where not, it is counted until backward's end: which one is in flight
@@ -1276,6 +1285,7 @@ class StepMemory:
                 add((_G, 1, waited[0]))
                 self.points.append((len(self.events), "backward", f"reduce_scatter {meta_of(p).role.target}"))
                 add((_G, -1, moved.offloaded_whole))
+                add((_T, -1, moved.output))
                 add((_G, -1, waited[1]))
                 add((_T, -1, waited[2]))
                 held_to_end.append([_gated(q, c, [1.0 - x for x in moved.deferred]) for q in pending])
@@ -1386,6 +1396,39 @@ class StepMemory:
         k = max(range(len(totals)), key=totals.__getitem__)
         return k, totals[k]
 
+    @functools.cached_property
+    def bound_by(self) -> tuple[int, ...]:
+        """Point k -> a point whose live bytes are at least k's under every assignment: k itself, or,
+        within a layer's forward or a recomputed layer's run again (a point per op, many of them below
+        another), a point that dominates it. One point dominates another where the events between them
+        change the live bytes by a sum whose least (largest) value, taking each term's extreme on its
+        own, is at least (at most) zero: a sufficient test, so the points kept bound the rest exactly."""
+        bound = list(range(len(self.points)))
+        for run in self._runs:
+            alive = []          # (point, the change in live bytes from it to the current one)
+            for j in run:
+                if alive:
+                    step = _Change(self.events[self.points[j - 1][0]:self.points[j][0]])
+                    for _, delta in alive:
+                        delta.add(step)
+                top = next((k for k, delta in alive if delta.at_most_zero()), None)
+                if top is not None:
+                    bound[j] = top
+                    continue
+                for k, delta in alive:
+                    if delta.at_least_zero():
+                        bound[k] = j
+                alive = [(k, delta) for k, delta in alive if bound[k] == k][1 - _DOMINANCE_WINDOW:] + [(j, _Change())]
+        for k in range(len(bound)):
+            while bound[bound[k]] != bound[k]:
+                bound[k] = bound[bound[k]]
+        return tuple(bound)
+
+    def bounding_points(self) -> list[int]:
+        """The points that bound every point of the step (``bound_by``): as constraints, the same
+        feasible assignments as every point."""
+        return sorted(set(self.bound_by))
+
     def constraint(self, k: int):
         """Point ``k`` as a memory constraint of the solver: its live bytes as terms of the decisions."""
         return self.constraints([k])[0]
@@ -1445,6 +1488,47 @@ class StepMemory:
                                        tuple(_live_copies(key, table) for key, table in shared.items()
                                              if np.any(table > 0)))
         return [made[k] for k in ks]
+
+
+class _Change:
+    """A sum of events as a constant and terms of the decisions (the bucketed shares ``_S`` left out:
+    they count at no point of a layer's forward or run again)."""
+
+    def __init__(self, events=()):
+        from autopar.solver import SharedBytes
+
+        self.constant, self.terms, self.shared = 0.0, {}, {}
+        for cat, sign, q in events:
+            if cat == _S:
+                continue
+            if isinstance(q, SharedBytes):
+                key, table = (q.src, q.readers, q.always), np.asarray(q.bytes, dtype=float)
+                self.shared[key] = self.shared.get(key, 0.0) + sign * table
+                continue
+            if q.a is None:
+                self.constant += sign * q.table
+                continue
+            table = np.asarray(q.table, dtype=float)
+            if q.b is not None and q.a > q.b:
+                table = table.T
+            key = q.a if q.b is None else (min(q.a, q.b), max(q.a, q.b))
+            self.terms[key] = self.terms.get(key, 0.0) + sign * table
+
+    def add(self, other: "_Change"):
+        self.constant += other.constant
+        for mine, theirs in ((self.terms, other.terms), (self.shared, other.shared)):
+            for key, table in theirs.items():
+                mine[key] = mine[key] + table if key in mine else table
+
+    def at_least_zero(self) -> bool:
+        """Whether the sum is at least zero under every assignment (a live copy's bytes grow with its
+        table's, so a copy's table must not fall)."""
+        return all(np.all(t >= 0) for t in self.shared.values()) and \
+            self.constant + sum(np.min(t) for t in self.terms.values()) >= 0
+
+    def at_most_zero(self) -> bool:
+        return all(np.all(t <= 0) for t in self.shared.values()) and \
+            self.constant + sum(np.max(t) for t in self.terms.values()) <= 0
 
 
 def _added(a: dict, b: dict) -> dict:
@@ -1537,6 +1621,9 @@ def _held_by_bytes(nbytes: int, outs) -> tuple[bool, ...]:
 # --- Solving under the step's true peak ----------------------------------------------------------
 
 _MAX_ROUNDS = 50
+# The points a point of a layer's forward or run again is compared with (``StepMemory.bound_by``): the
+# latest undominated ones, where a dominating point usually is.
+_DOMINANCE_WINDOW = 8
 
 
 def _initial_points(sm: StepMemory, problem) -> list[int]:
@@ -1559,13 +1646,14 @@ def _initial_points(sm: StepMemory, problem) -> list[int]:
     opt = [k for k, ph in enumerate(phases) if ph == "optimizer"]
     if opt:
         picks.add(max(opt, key=lambda k: walk[k].total))
-    return sorted(picks)
+    return sorted({sm.bound_by[k] for k in picks})
 
 
-def _over_budget(walk, memory_budget: float, have: set) -> list[int]:
+def _over_budget(sm: StepMemory, walk, memory_budget: float, have: set) -> list[int]:
     """The points to add to the solver's constraints after a solve whose step goes over ``budget``:
     the highest point of each stretch of consecutive points over it (one solve then learns every
-    stretch at once; the rest of a stretch usually falls with its highest point), skipping those held."""
+    stretch at once; the rest of a stretch usually falls with its highest point), or the point that
+    bounds it (``StepMemory.bound_by``), skipping those held."""
     cap = memory_budget * (1 + 1e-9)
     out, run = [], None
     for k, p in enumerate(walk):
@@ -1578,7 +1666,7 @@ def _over_budget(walk, memory_budget: float, have: set) -> list[int]:
             run = None
     if run is not None:
         out.append(run)
-    return [k for k in out if k not in have]
+    return sorted({sm.bound_by[k] for k in out} - have)
 
 
 def solve_under_budget(problem, sm: StepMemory, memory_budget: float, *, time_limit: float | None = None, bound=None,
@@ -1614,8 +1702,8 @@ def solve_under_budget(problem, sm: StepMemory, memory_budget: float, *, time_li
         k = max(range(len(walk)), key=lambda i: walk[i].total)
         if walk[k].total <= memory_budget * (1 + 1e-9):
             return sol
-        add = _over_budget(walk, memory_budget, have)
-        if k in have or not add:
+        add = _over_budget(sm, walk, memory_budget, have)
+        if sm.bound_by[k] in have or not add:
             raise AutoparError(f"memory point {sm.points[k][1]} {sm.points[k][2]!r} is over the budget although "
                                f"the solver was held to it ({walk[k].total:.0f} > {memory_budget:.0f} bytes); please "
                                f"report this")
@@ -1649,7 +1737,7 @@ def minimum_budget(problem, sm: StepMemory, *, time_limit: float = math.inf,
         k = max(range(len(walk)), key=lambda i: walk[i].total)
         if best is None or walk[k].total < best[0]:
             best = (walk[k].total, a)
-        add = _over_budget(walk, bound, have)
+        add = _over_budget(sm, walk, bound, have)
         if walk[k].total <= bound * (1 + 1e-9) or not add:
             break
         have.update(add)

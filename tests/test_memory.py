@@ -17,8 +17,8 @@ TOLERANCE = 0.10
 # 5% aim and measured within its budget (LLaMA's Megatron plan at 1.05x the smallest feasible budget,
 # at 64 x 8 tokens, reads its logits through an all-to-all to the vocab-parallel loss's layout and a
 # view of that copy, which the loss keeps: 1.052x its prediction and 1.037x its budget while the copy
-# was counted as a transient), "fits": measured within its budget (held to 10%), and "zero": a ZeRO
-# stage the plan must use (the case is there for it).
+# was counted as a transient), "fits": measured within its budget (held to 10%), "zero": a ZeRO
+# stage the plan must use (the case is there for it), and "overlap": compile's (and plan's) option.
 AIM = 0.05
 
 
@@ -43,6 +43,8 @@ def _measure(rank, world, cases):
         opts = options(arch, kind, world, model)
         if precision:
             opts = {**opts, "precision": precision[0]}
+        if "overlap" in case:
+            opts = {**opts, "overlap": case["overlap"]}
         budget = [None]
         if factor is not None and rank == 0:
             budget = [factor * _smallest(model, cluster, args, kwargs, opts)]
@@ -93,8 +95,11 @@ def _measure(rank, world, cases):
     # (on gloo an all-to-all of the stacked blocks): 1.015x its budget while the working set of a
     # recomputed layer's forward and a resharding's collective buffers were not counted.
     [("gpt", "auto", 1.05, {"tokens": (64, 8), "fits": True})],
+    # compile(overlap=False) makes no gradient bucket: bench/train_cpu.py's built-in GPT, data parallel,
+    # measured 0.896x its prediction while the model counted one.
+    [("gpt-probe", "dp", None, {"tokens": (64, 8), "overlap": False})],
 ], ids=["no-budget-a", "no-budget-b", "tight-budget", "tight-budget-zero-2", "tight-budget-gpt2-zero-2",
-        "tight-budget-gpt"])
+        "tight-budget-gpt", "no-overlap"])
 def test_predicted_peak_matches_measured_on_two_ranks(cases):
     run_distributed(_measure, 2, cases, timeout=600)
 

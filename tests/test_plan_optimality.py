@@ -35,7 +35,8 @@ def exact(prob):
 @functools.cache
 def unconstrained(name):
     """Zoo model ``name`` (batch 8) and, per candidate mesh, its problem with every point of
-    ``StepMemory`` as a constraint and no budget, and its exact optimum (objective, assignment): shared
+    ``StepMemory`` as a constraint (the points that bound the rest, ``bounding_points``) and no
+    budget, and its exact optimum (objective, assignment): shared
     by the cases of one model."""
     model, args, kwargs = zoo.build(name, batch=8)
     prep = prepare(model, args, kwargs, CLUSTER)
@@ -45,7 +46,7 @@ def unconstrained(name):
         cm = CostModel(CLUSTER, shape, default_optimizer(model))
         prob, idx = build_problem(prep.gm, cm, None)
         sm = StepMemory(prep.gm, cm, idx, [len(c.costs) for c in prob.choices])
-        prob = dataclasses.replace(prob, memory=sm.constraints(range(len(sm.points))))
+        prob = dataclasses.replace(prob, memory=sm.constraints(sm.bounding_points()))
         built[shape] = (prob, idx, cm, sm, exact(prob))
     return (model, args, kwargs), prep, built
 

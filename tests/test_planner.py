@@ -338,6 +338,35 @@ def test_recompute_lowers_the_smallest_budget_and_is_priced():
         autopar.plan(model, cluster, (ids,), {"labels": labels}, progress=False, recompute={"*": 3})
 
 
+def test_points_a_layer_dominates_are_bounded_by_a_point_kept_under_any_layout():
+    """The step memory model's points within a layer's forward and its recomputed run again that
+    another point of it dominates are left to that point (``StepMemory.bound_by``): some are, and under
+    random layouts and recompute counts every point's bytes are at most those of the point that bounds it."""
+    import random
+
+    from autopar import zoo
+    from autopar.passes.costs import CostModel
+    from autopar.passes.ilp_build import build_problem
+    from autopar.passes.memory import StepMemory
+    from autopar.passes.strategies import strategies_pass
+    from autopar.planner import default_optimizer, prepare
+
+    model, args, kwargs = zoo.build("gpt2-tiny", batch=8)
+    cluster = autopar.ClusterSpec.preset("8xH100")
+    prep = prepare(model, args, kwargs, cluster)
+    strategies_pass(prep.gm, (4, 2))
+    cm = CostModel(cluster, (4, 2), default_optimizer(model))
+    prob, idx = build_problem(prep.gm, cm, None)
+    sm = StepMemory(prep.gm, cm, idx, [len(c.costs) for c in prob.choices])
+    dropped = [k for k, b in enumerate(sm.bound_by) if b != k]
+    assert dropped and {sm.points[k][1] for k in dropped} == {"forward", "recompute"}
+    assert set(sm.bounding_points()) == set(range(len(sm.points))) - set(dropped)
+    rng = random.Random(0)
+    for _ in range(30):
+        walk = sm.walk([rng.randrange(len(c.costs)) for c in prob.choices])
+        assert all(walk[sm.bound_by[k]].total >= walk[k].total * (1 - 1e-12) for k in dropped)
+
+
 @pytest.mark.slow
 def test_smallest_budget_on_a_two_by_two_mesh_is_feasible_and_tight():
     # The built-in GPT under 2-D pins (data parallel over Megatron) on a 2 x 2 mesh: the budget the error
