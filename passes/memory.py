@@ -915,7 +915,8 @@ class StepMemory:
                     cpu = self.cm.cluster.device_type != "cuda"
                     scattered = [s.grad_scatter_axis is not None and not s.offload for s in opts]
                     deferred = tuple(1.0 if z and self.overlap else 0.0 for z in scattered)
-                    at_once = [s.offload or (z and not self.overlap) for s, z in zip(opts, scattered)]
+                    waited = [z and not self.overlap for z in scattered]
+                    at_once = [s.offload or w for s, w in zip(opts, waited)]
 
                     def where(mask, sizes, c=c):
                         return _one(c, [x if m else 0.0 for x, m in zip(sizes, mask)])
@@ -924,7 +925,7 @@ class StepMemory:
                     output = [f if cpu else k for f, k in zip(whole, block)]
                     scatter[n] = _MovedGradient(
                         where(at_once, block), where(at_once, whole),
-                        where([z and not self.overlap for z in scattered], output),
+                        where(waited, output),
                         (where(deferred, block), where(deferred, whole), where(deferred, output)), deferred)
                 if any(s.zero is not None for s in opts):
                     # After the step the updated shards of a bucket are copied into one flat buffer and
