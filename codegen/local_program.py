@@ -186,7 +186,9 @@ def _read_zero_before_use(g: fx.Graph, roles: list, plan: Plan) -> None:
     """Read each ZeRO-1/2 parameter through ``runtime.zero.whole_of`` right before its first use: for
     ZeRO-2 the read is where backward reduce-scatters the parameter's summed gradient, and autograd runs
     it as soon as its gradient is complete only if it was made after everything that ran before its use
-    (it runs the ready node made last first). A pipeline plan's ZeRO-1 parameters are read directly: its
+    (it runs the ready node made last first). The read belongs to its first user's layer, so that a
+    recomputed layer's region holds it: outside, it would be made before the whole region and run after
+    the region's whole backward. A pipeline plan's ZeRO-1 parameters are read directly: its
     stages find a parameter's per-microbatch all-reduce at its placeholder (codegen/stages.py), and it
     runs through ``train_step`` only, never under the user's ``torch.autograd.grad``."""
     sharded_states = {fqn for fqn, z in plan.zero.items() if z.stage == 2 or not plan.pipeline}
@@ -197,6 +199,7 @@ def _read_zero_before_use(g: fx.Graph, roles: list, plan: Plan) -> None:
         first = min(ph.users, key=order.__getitem__)
         with g.inserting_before(first):
             whole = g.call_function(Z.whole_of, (ph,))
+        set_meta(whole, layer=meta_of(first).layer)
         ph.replace_all_uses_with(whole, delete_user_cb=lambda u: u is not whole)
 
 

@@ -1278,6 +1278,16 @@ class StepMemory:
                 add((_G, 1, moved.offloaded))
                 add((_T, 1, moved.output))
                 add((_T, 1, moved.in_flight[2]))
+                if p.meta["val"].dim() < 2:
+                    # A bias's or a norm's: counted until backward's end, and the one in flight before
+                    # is left to the next weight (both the safe side, the runtime waits it here where
+                    # this one is reduce-scattered), so that a weight's bias, issued with it and rarely
+                    # ZeRO-2, does not hold the weight's to backward's end.
+                    held_to_end.append(moved.in_flight)
+                    self.points.append((len(self.events), "backward", f"reduce_scatter {meta_of(p).role.target}"))
+                    add((_G, -1, moved.offloaded_whole))
+                    add((_T, -1, moved.output))
+                    continue
                 # The one in flight before is waited here where this one is deferred too (its wait makes
                 # its block); where not, it is counted until backward's end: which one is in flight
                 # depends on every decision since (the safe side).

@@ -384,3 +384,32 @@ def _bucketed_gradients(rank, world):
 
 def test_bucketed_reductions_match_unbucketed_bitwise():
     run_distributed(_bucketed_gradients, 2, timeout=300)
+
+
+def test_a_recomputed_layer_reads_its_zero_2_weights_inside_its_checkpoint():
+    """A ZeRO-2 weight's read (``runtime.zero.whole_of``) is where backward reduce-scatters its gradient,
+    and autograd runs it right after the weight's last reader's backward only if it was made right
+    before the first reader: in a recomputed layer, inside the layer's checkpointed region. Made before
+    the region, it would run after the whole layer's backward, later than the memory model and the
+    overlap assume."""
+    import autopar
+    from autopar.codegen.local_program import local_program_pass
+    from autopar.codegen.recompute import recompute_pass
+    from autopar.pass_pipeline import front_end, new_runner
+    from autopar.runtime.recompute import checkpointed
+    from autopar.runtime.zero import whole_of
+    from tests.memory_cases import build, options
+
+    model, args, kwargs = build("gpt2", 32, 4, "cpu")
+    plan = autopar.plan(model, autopar.ClusterSpec.local_cpu(2), args, kwargs, progress=False, kernels="aten",
+                        **options("gpt2", "zero2-recompute", 2, model))
+    assert plan.recompute["layers"] and {z.stage for z in plan.zero.values()} == {2}
+    gm = local_program_pass(front_end(model, args, kwargs, new_runner()).gm, plan=plan, group_names=["g0"])
+    gm = recompute_pass(gm, layers=tuple(plan.recompute["layers"]))
+    reads = [n for n in gm.graph.nodes if n.target is whole_of]
+    assert not [n.name for n in reads if any(u.target is checkpointed for u in n.users)], \
+        "a ZeRO-2 weight read before the recomputed region that reads it"
+    inside = sum(n.target is whole_of for name, m in gm.named_children() if name.startswith("recompute_")
+                 for n in m.graph.nodes)
+    layer_weights = sum(1 for fqn in plan.zero if ".h." in fqn)
+    assert inside == layer_weights > 0, (inside, layer_weights)

@@ -14,7 +14,7 @@ from tests.distributed_utils import run_distributed
 
 TOLERANCE = 0.10
 # A case may end with options: "tokens" (sequence, batch) other than 32 x 4, and "strict": held to the
-# 5% aim and measured within its budget (LLaMA's Megatron plan at 1.05x the smallest feasible budget,
+# 5% aim and, under a budget, measured within it (LLaMA's Megatron plan at 1.05x the smallest feasible budget,
 # at 64 x 8 tokens, reads its logits through an all-to-all to the vocab-parallel loss's layout and a
 # view of that copy, which the loss keeps: 1.052x its prediction and 1.037x its budget while the copy
 # was counted as a transient), "fits": measured within its budget (held to 10%), "zero": a ZeRO
@@ -38,7 +38,7 @@ def _measure(rank, world, cases):
         case = next((e for e in extra if isinstance(e, dict)), {})
         precision = [e for e in extra if isinstance(e, str)]
         strict = case.get("strict", False)
-        fits = strict or case.get("fits", False)
+        fits = (strict or case.get("fits", False)) and factor is not None
         model, args, kwargs = build(arch, *case.get("tokens", (32, 4)), "cpu")
         opts = options(arch, kind, world, model)
         if precision:
@@ -77,6 +77,10 @@ def _measure(rank, world, cases):
     [("gpt2", "dp", None), ("llama", "megatron", None), ("bert", "zero3", None), ("gpt", "megatron", None)],
     [("gpt", "vocab", None), ("gpt2", "recompute", None), ("llama", "sharded-outputs", None),
      ("qwen2", "zero3", None)],
+    # ZeRO-2 matrices beside replicated biases in recomputed layers: a matrix's reduce-scatter is waited
+    # at the next matrix's, which the model counted until backward's end where a bias came between
+    # (0.893x).
+    [("gpt2", "zero2-recompute", None, {"tokens": (64, 8), "strict": True})],
     [("llama", "megatron", 1.05, {"tokens": (64, 8), "strict": True}), ("gpt", "auto", 1.5), ("gpt2", "auto", 1.05),
      ("qwen2", "auto", 1.05)],
     # bench/train_cpu.py's built-in GPT (4 layers of width 256, vocabulary 2048, 8 x 128 tokens) at 1.05x
@@ -98,7 +102,7 @@ def _measure(rank, world, cases):
     # compile(overlap=False) makes no gradient bucket: bench/train_cpu.py's built-in GPT, data parallel,
     # measured 0.896x its prediction while the model counted one.
     [("gpt-probe", "dp", None, {"tokens": (64, 8), "overlap": False})],
-], ids=["no-budget-a", "no-budget-b", "tight-budget", "tight-budget-zero-2", "tight-budget-gpt2-zero-2",
+], ids=["no-budget-a", "no-budget-b", "zero-2-recompute", "tight-budget", "tight-budget-zero-2", "tight-budget-gpt2-zero-2",
         "tight-budget-gpt", "no-overlap"])
 def test_predicted_peak_matches_measured_on_two_ranks(cases):
     run_distributed(_measure, 2, cases, timeout=600)
