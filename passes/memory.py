@@ -1726,9 +1726,7 @@ def minimum_budget(problem, sm: StepMemory, *, time_limit: float = math.inf,
     from autopar.solver import minimum_feasible_budget
 
     have = set(_initial_points(sm, problem))
-    # Held in step order: the min-max model writes each point as the one before it plus what differs.
-    held = dict(zip(sorted(have), sm.constraints(sorted(have))))
-    problem.memory = list(held.values())
+    problem.memory = sm.constraints(sorted(have))
     best, lower = None, 0.0
     for _ in range(_MAX_ROUNDS):
         bound, a, proved = minimum_feasible_budget(problem, time_limit=time_limit, start=best and best[1],
@@ -1744,6 +1742,5 @@ def minimum_budget(problem, sm: StepMemory, *, time_limit: float = math.inf,
         if walk[k].total <= bound * (1 + 1e-9) or not add:
             break
         have.update(add)
-        held.update(zip(add, sm.constraints(add)))
-        problem.memory = [held[k] for k in sorted(held)]
+        problem.memory.extend(sm.constraints(add))
     return best[0], best[1], min(lower, best[0])

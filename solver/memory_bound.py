@@ -65,13 +65,10 @@ def minimum_feasible_budget(problem: Problem, *, time_limit: float = math.inf, b
     scale = max((abs(b) for c, coef in rows for b in (c, *coef.values())), default=0.0) or 1.0
     t = m.col(lo=-INF)
     m.cost[t] = 1.0
-    points = _running_bytes(m, rows, scale)
-    for b in points:
-        m.row([b, t], [1.0, -1.0], hi=0.0)
+    for constant, coef in rows:
+        m.row([*coef, t], [*(b / scale for b in coef.values()), -1.0], hi=-constant / scale)
     first = f.start(start)
     first[t] = peak(start) / scale
-    for b, (constant, coef) in zip(points, rows):
-        first[b] = (constant + sum(v * first[k] for k, v in coef.items())) / scale
     # HiGHS's presolve restarts on this min-max model and costs 2-3x the rest of the solve.
     res = run(m, resolve_backend(backend), time_limit=time_limit, gap=_GAP, start=first,
               cutoff=None if cutoff is None else cutoff / scale, presolve=False, node_limit=MINIMUM_NODE_LIMIT)
@@ -86,25 +83,3 @@ def minimum_feasible_budget(problem: Problem, *, time_limit: float = math.inf, b
     else:   # HiGHS's dual bound; CBC reports none
         lower = 0.0 if res.bound is None else min(least, res.bound * scale)
     return MinimumBudget(least, best, lower)
-
-
-def _running_bytes(m, rows, scale: float) -> list[int]:
-    """A column per memory row equal to its bytes over ``scale``. Consecutive points of the step share
-    most of their terms (parameters, optimizer states, the activations still held), so a row is written
-    as the one before it plus the terms that differ wherever that is less than half the nonzeros: the
-    same relaxation, with a fraction of the matrix (gpt-tiny on 8 x H100's (4, 2) mesh, every bounding
-    point: 676k nonzeros, 131k)."""
-    cols, prev = [], None
-    for constant, coef in rows:
-        b = m.col(lo=-INF)
-        if prev is not None:
-            p_col, p_constant, p_coef = prev
-            delta = {k: v for k in coef.keys() | p_coef.keys() if (v := coef.get(k, 0.0) - p_coef.get(k, 0.0))}
-        if prev is not None and 2 * len(delta) < len(coef):
-            rhs = (p_constant - constant) / scale
-            m.row([*delta, p_col, b], [*(v / scale for v in delta.values()), 1.0, -1.0], lo=rhs, hi=rhs)
-        else:
-            m.row([*coef, b], [*(v / scale for v in coef.values()), -1.0], lo=-constant / scale, hi=-constant / scale)
-        cols.append(b)
-        prev = (b, constant, coef)
-    return cols
