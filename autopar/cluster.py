@@ -519,7 +519,7 @@ class ClusterSpec:
             best = [math.inf] * 3
             # Interleaved, so that drift in other processes' load falls on the three alike; the ranks
             # start each together.
-            for _ in range(5):
+            for _ in range(8):
                 for k, fn in enumerate((chain, lambda: dist.all_reduce(buf, group=group), both)):
                     dist.barrier(group)
                     t0 = time.perf_counter()
