@@ -1,7 +1,9 @@
 """The pass pipeline: one runner for every pass, which logs, times, lints, skips, checks requirements,
 inserts a user's pass by name, names the passes run before a failure and dumps graphs on request; and
-``compile`` runs the front end once, so skipping a pass plans and runs the same graph."""
+``compile`` runs the front end once, so skipping a pass plans and runs the same graph; normalize_pass runs
+the written-out tanh GELU as one op."""
 import functools
+import math
 
 import pytest
 import torch
@@ -177,3 +179,32 @@ def _meta_namespace(rank, world):
 
 def test_codegen_writes_its_metadata_under_the_one_namespace():
     run_distributed(_meta_namespace, 2)
+
+
+class WrittenOutGELU(nn.Module):
+    """Hugging Face's ``gelu_new`` (GPT-2's activation) between two projections; ``read_tanh`` reads an
+    intermediate of it again, which must keep it written out."""
+    def __init__(self, read_tanh: bool):
+        super().__init__()
+        self.fc1, self.fc2, self.read_tanh = nn.Linear(16, 32), nn.Linear(32, 16), read_tanh
+
+    def forward(self, x):
+        h = self.fc1(x)
+        t = torch.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * torch.pow(h, 3.0)))
+        y = self.fc2(0.5 * h * (1.0 + t))
+        return (y.sum() + t.sum()) if self.read_tanh else y.sum()
+
+
+@pytest.mark.parametrize("read_tanh", [False, True])
+def test_the_written_out_tanh_gelu_runs_as_one_gelu(read_tanh):
+    from autopar.pass_pipeline import front_end, new_runner
+
+    aten = torch.ops.aten
+    gm = front_end(WrittenOutGELU(read_tanh), (torch.randn(8, 16),), {}, new_runner()).gm
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    gelus = [n for n in gm.graph.nodes if n.target is aten.gelu.default]
+    if read_tanh:
+        assert not gelus and aten.tanh.default in targets and aten.pow.Tensor_Scalar in targets, gm.code
+    else:
+        assert len(gelus) == 1 and gelus[0].kwargs == {"approximate": "tanh"}, gm.code
+        assert aten.tanh.default not in targets and aten.pow.Tensor_Scalar not in targets, gm.code
