@@ -92,6 +92,16 @@ class DeviceSpec:
     shorter: the host launches ahead). It is 0, none priced, until ``ClusterSpec.profile()`` measures it:
     one eager ATen op with autograd on one CPU thread costs 2-4 us forward and 4-7 us backward (a 2-core
     AMD EPYC virtual machine, torch 2.13); no default per device kind yet.
+
+    ``comm_contention`` is what a collective in flight costs the compute it overlaps: of each second of
+    a collective that compute hides, the fraction the step still pays, because the collective takes
+    the compute's resources (0: hiding is free; 1: nothing is gained by overlapping). On CPU, gloo
+    copies and sums with the same cores the compute uses; ``ClusterSpec.profile()`` measures it (a
+    matmul chain alone, an all-reduce alone, and both at once). The default, 0, is the GPU's: NCCL runs
+    its transfers and reductions on a few SMs of its own (one per channel, up to 32 of an H100's 132)
+    and moves data over NVLink and the NIC, so a collective hides nearly whole behind matmuls on the
+    other SMs; what it does take is left to the profile. A CPU spec not profiled keeps 0 as well
+    (``local_cpu``'s figures are all guesses until ``profile()``), as does a spec saved before the term.
     """
 
     name: str
@@ -99,6 +109,7 @@ class DeviceSpec:
     memory_bandwidth: float
     memory: float
     op_overhead: float = 0.0
+    comm_contention: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -117,10 +128,15 @@ class DeviceSpec:
         object.__setattr__(self, "memory", _positive(f"device {self.name}: memory", self.memory))
         object.__setattr__(self, "op_overhead",
                            _positive(f"device {self.name}: op_overhead", self.op_overhead, allow_zero=True))
+        contention = _positive(f"device {self.name}: comm_contention", self.comm_contention, allow_zero=True)
+        if contention > 1:
+            raise ValueError(f"device {self.name}: comm_contention is a fraction of the hidden time, "
+                             f"at most 1, got {contention!r}")
+        object.__setattr__(self, "comm_contention", contention)
 
     def __hash__(self):
         return hash((self.name, tuple(sorted(self.flops.items())), self.memory_bandwidth, self.memory,
-                     self.op_overhead))
+                     self.op_overhead, self.comm_contention))
 
     def peak_flops(self, dtype) -> float:
         """Peak FLOP/s for a torch dtype or a name (``"bf16"``, ``"torch.bfloat16"``); unknown
@@ -130,7 +146,8 @@ class DeviceSpec:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "flops": dict(self.flops),
-                "memory_bandwidth": self.memory_bandwidth, "memory": self.memory, "op_overhead": self.op_overhead}
+                "memory_bandwidth": self.memory_bandwidth, "memory": self.memory, "op_overhead": self.op_overhead,
+                "comm_contention": self.comm_contention}
 
 
 # Datasheet figures, SXM parts. NVLink: H100/H200 900 GB/s and A100 600 GB/s bidirectional, i.e.
@@ -411,7 +428,10 @@ class ClusterSpec:
         under autograd, forward and backward, over three op shares each: one forward, two backward, as
         the cost model prices it) and all-reduce time at two message sizes ``sizes`` (bytes; default
         4 KiB and 16 MiB on CPU, 256 MiB on CUDA). The small size gives the latency alpha, the large
-        one the bandwidth beta from the ring formula ``t = alpha + 2(n-1)/n * B / beta``. Every time
+        one the bandwidth beta from the ring formula ``t = alpha + 2(n-1)/n * B / beta``. On more than
+        one rank, the communication contention (``DeviceSpec.comm_contention``): a chain of the
+        matmuls above about twice as long as the large all-reduce, the all-reduce, and the all-reduce
+        issued asynchronously with the chain run beside it (``overlap_contention``). Every time
         is the max over ranks, so all ranks return the same spec. The link measured is the group's
         slowest: intra-node when the cluster is one node, inter-node otherwise. fp32 matmuls run
         under the process's TF32 setting (off by default), as the model's matmuls will.
@@ -480,12 +500,41 @@ class ClusterSpec:
         t = torch.tensor(times, dtype=torch.float64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         t_small, t_large, t_fp32, t_bf16, t_copy, t_op = t.tolist()
+        contention = self.device.comm_contention    # one rank: nothing to overlap, keep the figure
+        if world > 1:
+            # The chain runs about twice the all-reduce (from times every rank has), so the all-reduce
+            # can hide whole behind it.
+            a = torch.randn(mm_n, mm_n, device=dev)
+            reps = max(1, math.ceil(2 * t_large / t_fp32))
+
+            def chain():
+                for _ in range(reps):
+                    torch.mm(a, a)
+            buf = torch.zeros(large // 4, device=dev)
+
+            def both():
+                work = dist.all_reduce(buf, group=group, async_op=True)
+                chain()
+                work.wait()
+            best = [math.inf] * 3
+            # Interleaved, so that drift in other processes' load falls on the three alike; the ranks
+            # start each together.
+            for _ in range(8):
+                for k, fn in enumerate((chain, lambda: dist.all_reduce(buf, group=group), both)):
+                    dist.barrier(group)
+                    t0 = time.perf_counter()
+                    fn()
+                    sync()
+                    best[k] = min(best[k], time.perf_counter() - t0)
+            t = torch.tensor(best, dtype=torch.float64, device=dev)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            contention = overlap_contention(*t.tolist())
 
         mm_flops = 2.0 * mm_n**3
         flops = {"float32": mm_flops / t_fp32}
         if cuda:
             flops["bfloat16"] = flops["float16"] = mm_flops / t_bf16
-        device = dataclasses.replace(self.device, flops=flops, op_overhead=t_op,
+        device = dataclasses.replace(self.device, flops=flops, op_overhead=t_op, comm_contention=contention,
                                      memory_bandwidth=2.0 * copy_bytes / t_copy)  # read + write
         if world == 1:  # an all-reduce over one rank moves nothing: keep the link figures
             return dataclasses.replace(self, device=device)
@@ -516,8 +565,8 @@ class ClusterSpec:
         if isinstance(d, Mapping):                        # specs saved before host figures existed
             d = {**{f: None for f in _HOST_FIELDS}, **d}
         _check_keys("cluster spec", d, {f.name for f in dataclasses.fields(cls)})
-        if isinstance(d["device"], Mapping):              # saved before op_overhead existed: none priced
-            d = {**d, "device": {"op_overhead": 0.0, **d["device"]}}
+        if isinstance(d["device"], Mapping):              # saved before these terms existed: none priced
+            d = {**d, "device": {"op_overhead": 0.0, "comm_contention": 0.0, **d["device"]}}
         _check_keys("cluster spec 'device'", d["device"],
                     {f.name for f in dataclasses.fields(DeviceSpec)})
         try:
@@ -534,13 +583,25 @@ class ClusterSpec:
                 f"devices in {self.num_nodes} node{'s' * (self.num_nodes > 1)} of {self.devices_per_node}; {dev.name} "
                 f"{dev.peak_flops('bfloat16') / 1e12:.3g} TFLOP/s bf16, "
                 f"{dev.peak_flops('float32') / 1e12:.3g} TFLOP/s fp32, "
-                f"{dev.memory_bandwidth / 1e12:.3g} TB/s, {dev.op_overhead * 1e6:.3g} us/op, {dev.memory / 1e9:.3g} GB "
+                f"{dev.memory_bandwidth / 1e12:.3g} TB/s, {dev.op_overhead * 1e6:.3g} us/op, "
+                f"comm contention {dev.comm_contention:.2f}, {dev.memory / 1e9:.3g} GB "
                 f"({self.memory_reserve / 1e9:.3g} GB reserved); "
                 f"intra-node {self.intra_node_bandwidth / 1e9:.3g} GB/s {self.intra_node_latency * 1e6:.3g} us, "
                 f"inter-node {self.inter_node_bandwidth / 1e9:.3g} GB/s {self.inter_node_latency * 1e6:.3g} us"
                 + (f"; host {self.host_memory / 1e9:.4g} GB per node, link {self.host_link_bandwidth / 1e9:.3g} GB/s"
                    if self.has_host_figures else "; no host figures")
                 + mesh)
+
+
+def overlap_contention(compute: float, collective: float, both: float) -> float:
+    """``DeviceSpec.comm_contention`` from three times: a compute alone, a collective alone, and the
+    collective issued asynchronously with the compute run beside it. Overlapped whole and for free, both
+    take the longer of the two; each second beyond it is a second of the shorter one that overlapping
+    did not save. Clamped to [0, 1]: timing noise can put ``both`` a little outside the two bounds."""
+    shorter = min(compute, collective)
+    if shorter <= 0:
+        return 0.0
+    return min(1.0, max(0.0, (both - max(compute, collective)) / shorter))
 
 
 def _node_aligned_shapes(n: int, per_node: int, max_axes: int) -> list[tuple[int, ...]]:

@@ -132,7 +132,8 @@ def assemble_plan(prep: Prepared, mesh: SolvedMesh, assignment, cluster: Cluster
                         timeline["end_of_forward"]["activations"], memory_budget, mem["host"], param_bytes,
                         timeline["points"], timeline["peak_index"], memory_point(peak_point))
     serial = compute + recompute_compute + serial_comm + optim + offload_seconds
-    step = compute + recompute_compute + sum(comm_axis.values()) - ex.hidden + optim + offload_seconds
+    saved = cm.overlap_saving(ex.hidden)
+    step = compute + recompute_compute + sum(comm_axis.values()) - saved + optim + offload_seconds
     return Plan(
         model={"class": cap.model_class, "fingerprint": prep.fingerprint,
                "num_params": sum(int(n.meta["val"].numel()) for n in gm.graph.nodes
@@ -145,6 +146,7 @@ def assemble_plan(prep: Prepared, mesh: SolvedMesh, assignment, cluster: Cluster
         breakdown={"compute": compute, "communication": comm_axis, "optimizer": optim,
                    "recompute": recompute_compute, "exposed": sum(comm_axis.values()) - ex.hidden, "hidden": ex.hidden,
                    "serial": serial, **({"offload": offload_seconds} if off_layers else {}),
+                   **({"contention": ex.hidden - saved} if saved != ex.hidden else {}),
                    **({"credit": idx.hiding_credit(assignment)} if idx.credit is not None else {})},
         solver={}, sharded_outputs=sharded_outputs, recompute=recompute, zero=zero, offload=offload,
     )

@@ -114,6 +114,8 @@ def summary(plan) -> str:
                  + " + ".join(f"comm[{a}] {_s(t)}" for a, t in comm.items())
                  + (f" - comm hidden behind compute {_s(plan.breakdown['hidden'])}" if plan.breakdown.get("hidden")
                     else "")
+                 + (f" + its contention with compute {_s(plan.breakdown['contention'])}"
+                    if plan.breakdown.get("contention") else "")
                  + f" + optimizer {_s(plan.breakdown['optimizer'])}"
                  + (f" + pipeline bubble {_s(plan.breakdown['bubble'])}" if plan.breakdown.get("bubble") else ""))
     if plan.pipeline:

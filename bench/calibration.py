@@ -2,17 +2,17 @@
 one model, forced with pins, on a profiled cluster, and the Spearman rank correlation between them.
 
     OMP_NUM_THREADS=1 python bench/calibration.py [--arch gpt-probe] [--world 2] [--rounds 8] [--steps 3]
-                                                  [--op-overhead SECONDS]
+                                                  [--op-overhead SECONDS] [--contention FRACTION]
 
 On CPU it runs ``--world`` gloo processes; under torchrun on GPUs (``--gpu``) it measures there. Every
 rank profiles the cluster (``ClusterSpec.profile()``: matmul FLOP/s, copy bandwidth, op overhead,
-all-reduce latency and bandwidth), plans each kind with that spec, compiles and trains it. Kinds whose
-pins give the same plan (``auto`` is often Megatron's) are measured once, under the first kind's name.
-The plans' steps are timed round-robin (``--rounds`` rounds of ``--steps`` steps each, after two
-warm-up steps per plan), so that drift in the machine's load falls on every plan alike; each round
-gives the slowest rank's mean step, in wall time and in the process's CPU time (all its threads:
-compute, and gloo's copies; not the time it waits). A plan's figure is its fastest round (the one
-other processes disturbed least). On a machine shared with other work the CPU time is the steadier
+all-reduce latency and bandwidth, communication contention), plans each kind with that spec, compiles and
+trains it. Kinds whose pins give the same plan (``auto`` is often Megatron's) are measured once, under
+the first kind's name. The plans' steps are timed round-robin (``--rounds`` rounds of ``--steps`` steps
+each, after two warm-up steps per plan), so that drift in the machine's load falls on every plan alike;
+each round gives the slowest rank's mean step, in wall time and in the process's CPU time (all its
+threads: compute, and gloo's copies; not the time it waits). A plan's figure is its fastest round (the
+one other processes disturbed least). On a machine shared with other work the CPU time is the steadier
 figure: the wall time of a rank also counts the time the scheduler gives to other processes.
 
 What the script reports, so that one run's ranking can be judged:
@@ -93,6 +93,9 @@ def _run(rank, world, args):
         cluster = cluster.profile()
     if args.op_overhead is not None:
         cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, op_overhead=args.op_overhead))
+    if args.contention is not None:
+        cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device,
+                                                                          comm_contention=args.contention))
     if rank == 0:
         print(f"cluster: {cluster}", flush=True)
     sync = torch.cuda.synchronize if args.gpu else (lambda: None)
@@ -193,6 +196,8 @@ def main():
     ap.add_argument("--no-profile", action="store_true", help="plan with ClusterSpec's default figures")
     ap.add_argument("--op-overhead", type=float, default=None, metavar="SECONDS",
                     help="price this per-op overhead instead of the profiled one (0: the model without the term)")
+    ap.add_argument("--contention", type=float, default=None, metavar="FRACTION",
+                    help="price this communication contention instead of the profiled one (0: hiding is free)")
     ap.add_argument("--gpu", action="store_true", help="under torchrun, one GPU per rank (NCCL)")
     args = ap.parse_args()
     args.kinds = args.kinds.split(",")

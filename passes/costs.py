@@ -9,9 +9,10 @@
   link from ``ClusterSpec.axis_link`` (intra-node or inter-node).
 - Memory per device: parameters, gradients and optimizer states under each parameter's layout, and the
   activations each node keeps for backward under its layouts.
-- Communication does not overlap compute in this model: the step time is their sum; the exception is
-  an op that overlaps its own transfers with its own compute (ring attention), where each step costs
-  max(compute, transfer) (``op_collective_seconds``).
+- Communication overlaps compute where the generated program schedules it so (passes/exposure.py); an
+  op that overlaps its own transfers with its own compute (ring attention) costs per step
+  max(compute, transfer) (``op_collective_seconds``). Hidden communication still costs the device's
+  contention share of it (``overlap_saving``).
 """
 from __future__ import annotations
 
@@ -159,13 +160,21 @@ class CostModel:
         bw, lat = self.links[axis]
         return collective_seconds(kind, nbytes, self.mesh_shape[axis], bw, lat)
 
+    def overlap_saving(self, hidden: float) -> float:
+        """The step time that ``hidden`` seconds of communication overlapped with compute save: all of
+        them but the device's contention share (``DeviceSpec.comm_contention``), which the compute
+        still pays. Every hiding the model credits (the replay, the solver's credits, an op's own
+        overlap) goes through here."""
+        return hidden * (1.0 - self.cluster.device.comm_contention)
+
     def op_collective_seconds(self, oc) -> float:
-        """Seconds of an op's own collective that its compute does not hide: a transfer of ``steps``
+        """Seconds of an op's own collective that its compute does not save: a transfer of ``steps``
         steps, each overlapped with ``overlap_flops`` of compute, costs per step max(0, transfer -
-        compute) beyond the compute already counted (ring attention's max(compute, transfer))."""
+        compute) beyond the compute already counted (ring attention's max(compute, transfer)), plus the
+        contention share of the part the compute hides."""
         step = self.collective_seconds(oc.kind, oc.nbytes / oc.steps, oc.axis)
-        hidden = oc.overlap_flops / self.cluster.device.peak_flops(oc.dtype)
-        return oc.steps * max(0.0, step - hidden)
+        compute = oc.overlap_flops / self.cluster.device.peak_flops(oc.dtype)
+        return oc.steps * (step - self.overlap_saving(min(step, compute)))
 
     def workspace_bytes(self, node: fx.Node, s: Strategy) -> float:
         """Bytes ``node``'s own sharded computation holds while it runs, beyond its inputs and output

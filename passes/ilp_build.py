@@ -41,7 +41,7 @@ class ProblemIndex:
     credit: Problem | None = None
 
     def hiding_credit(self, assignment) -> float:
-        """Seconds of communication the objective counts as hidden under an assignment."""
+        """Seconds the objective counts as saved by hiding communication under an assignment."""
         return 0.0 if self.credit is None else self.credit.objective(assignment)
 
     def recompute_counts(self, assignment) -> dict:
@@ -175,8 +175,9 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_budget: float | None
     ``sharded_outputs`` only scalar user outputs are priced as gathered (passes.reshard_plan). With
     ``recompute``, each layer class gets a decision of how many of its instances recompute their
     activations in backward (``_recompute_choices``); a dict fixes it for the classes it names. With
-    ``overlap``, each resharding costs its seconds less a *hiding credit*, the part of it the compute
-    in its window can hide (``passes.exposure.HidingWindows``), so the solver prefers layouts whose
+    ``overlap``, each resharding costs its seconds less a *hiding credit*, what hiding the part of it
+    the compute in its window can hide saves (``passes.exposure.HidingWindows``; ``CostModel
+    .overlap_saving``: all of it but the device's contention share), so the solver prefers layouts whose
     communication hides; ``idx.credit`` holds the credits alone, so that ``objective + credit`` is the
     serial step time. Without it the objective is the serial step time. The strategies are those
     ``strategies_pass`` made for the cost model's mesh."""
@@ -431,8 +432,9 @@ def _shared_edge(v: Value, rs, count: int, idx: ProblemIndex, cm: CostModel,
             # .bucketed_params): not a ZeRO-2 one (reduce-scattered), nor an offloaded one.
             if fwd == 0.0 and not src.offload and src.grad_scatter_axis is None:
                 hidden += min(bwd, backward_window)
-            cost_row.append(fwd + bwd - hidden)
-            credit_row.append(hidden)
+            saved = cm.overlap_saving(hidden)
+            cost_row.append(fwd + bwd - saved)
+            credit_row.append(saved)
         cost.append(tuple(cost_row))
         credit.append(tuple(credit_row))
     src_choice = idx.choice_of_key[key_of(rp)]

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 import os
@@ -8,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from autopar.cluster import ClusterSpec, DeviceSpec, default_axis_names
+from autopar.cluster import ClusterSpec, DeviceSpec, default_axis_names, overlap_contention
 from autopar.errors import ClusterMismatchError, MeshError, PlanFormatError
 from tests.distributed_utils import START_METHOD
 
@@ -149,12 +150,38 @@ def test_round_trip(spec):
     assert again == spec and again.to_dict() == d and hash(again) == hash(spec)
     assert d["device"]["flops"]["float32"] == spec.device.flops["float32"]
     assert d["device"]["op_overhead"] == again.device.op_overhead == spec.device.op_overhead
+    assert d["device"]["comm_contention"] == again.device.comm_contention == spec.device.comm_contention
 
 
-def test_a_spec_saved_before_op_overhead_loads_without_it():
+def test_comm_contention_round_trips_and_is_a_fraction():
+    spec = ClusterSpec.preset("8xH100")
+    assert spec.device.comm_contention == 0.0          # the GPU default: NCCL hides whole
+    contended = dataclasses.replace(spec, device=dataclasses.replace(spec.device, comm_contention=0.8))
+    again = ClusterSpec.from_dict(json.loads(json.dumps(contended.to_dict())))
+    assert again == contended and again.device.comm_contention == 0.8 and hash(again) != hash(spec)
+    assert "comm contention 0.80" in str(again)
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="comm_contention"):
+            dataclasses.replace(spec.device, comm_contention=bad)
+
+
+@pytest.mark.parametrize("compute,collective,both,expected", [
+    (10.0, 4.0, 10.0, 0.0),     # hidden whole, for free
+    (10.0, 4.0, 14.0, 1.0),     # nothing saved: the sum
+    (10.0, 4.0, 12.0, 0.5),     # half the collective's time still paid
+    (4.0, 10.0, 12.0, 0.5),     # the collective the longer: the compute's time is what overlaps
+    (10.0, 4.0, 9.5, 0.0),      # noise below the bound
+    (10.0, 4.0, 15.0, 1.0),     # and above
+])
+def test_overlap_contention(compute, collective, both, expected):
+    assert overlap_contention(compute, collective, both) == pytest.approx(expected)
+
+
+def test_a_spec_saved_before_the_device_terms_loads_without_them():
     d = ClusterSpec.preset("8xH100").to_dict()
-    del d["device"]["op_overhead"]
-    assert ClusterSpec.from_dict(d).device.op_overhead == 0.0
+    del d["device"]["op_overhead"], d["device"]["comm_contention"]
+    loaded = ClusterSpec.from_dict(d).device
+    assert loaded.op_overhead == 0.0 and loaded.comm_contention == 0.0
 
 
 def _good_dict():
@@ -229,7 +256,8 @@ def _profile_worker(rank, world, port, queue):
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     try:
         spec = ClusterSpec.from_env()  # initializes gloo from the torchrun-style variables
-        measured = spec.profile()
+        # A figure no timing gives exactly: the profile's own must replace it.
+        measured = dataclasses.replace(spec, device=dataclasses.replace(spec.device, comm_contention=0.5)).profile()
         try:
             ClusterSpec.local_cpu(3).profile()
             mismatch = None
@@ -264,6 +292,7 @@ def test_from_env_and_profile_on_two_gloo_ranks():
     assert all(math.isfinite(x) and x > 0 for x in figures), figures
     assert 1e8 < measured.device.flops["float32"] < 1e13  # a CPU core, within reason
     assert 1e-8 < measured.device.op_overhead < 1e-3      # an eager op: microseconds, not the default copied
+    assert 0.0 <= measured.device.comm_contention <= 1.0 and measured.device.comm_contention != 0.5
     assert measured.device.flops.keys() == {"float32"}
     # one node: the inter-node figures and the capacity stay as given
     assert (measured.inter_node_bandwidth, measured.inter_node_latency) == (

@@ -1,6 +1,7 @@
 """Communication hidden behind compute (passes/exposure.py): the step replayed on a compute and a
 communication stream as the generated program schedules it, checked on hand-timed graphs, and the plan's
 breakdown of exposed and hidden communication."""
+import dataclasses
 import operator
 from dataclasses import dataclass
 
@@ -163,3 +164,32 @@ def test_plan_reports_exposed_and_hidden_communication():
     zero3 = autopar.plan(model, cluster, args, kwargs, progress=False, **options("gpt", "zero3", 2, model))
     gathers = [c for c in zero3.collectives if c["phase"] == "forward" and c["kind"] == "all_gather"]
     assert gathers and sum(c["seconds"] - c["exposed"] for c in gathers) > 0
+
+
+def test_hidden_communication_costs_the_devices_contention_share():
+    from tests.memory_cases import build, options
+
+    model, args, kwargs = build("gpt", seq=32, batch=4, device="cpu")
+    free = autopar.ClusterSpec.local_cpu(2)
+    contended = dataclasses.replace(free, device=dataclasses.replace(free.device, comm_contention=0.6))
+    a, b = (autopar.plan(model, c, args, kwargs, progress=False, **options("gpt", "dp", 2, model))
+            for c in (free, contended))
+    assert a.params == b.params and a.recompute == b.recompute
+    ba, bb = a.breakdown, b.breakdown
+    # The replay is the same: what hides is a property of the schedule, not of the device.
+    assert bb["hidden"] == pytest.approx(ba["hidden"]) and ba["hidden"] > 0
+    assert bb["exposed"] + bb["hidden"] == pytest.approx(sum(bb["communication"].values()))
+    assert "contention" not in ba and bb["contention"] == pytest.approx(0.6 * bb["hidden"])
+    assert b.step_time == pytest.approx(bb["compute"] + bb["recompute"] + bb["exposed"] + bb["contention"]
+                                        + bb["optimizer"])
+    assert a.step_time < b.step_time <= bb["serial"] == pytest.approx(ba["serial"])
+    # The solver's credits save the same share of what they count hidden.
+    assert bb["credit"] == pytest.approx(0.4 * ba["credit"])
+    assert "contention with compute" in b.summary()
+    # Contention 1: hiding saves nothing, and the step pays every collective whole.
+    whole = dataclasses.replace(free, device=dataclasses.replace(free.device, comm_contention=1.0))
+    c = autopar.plan(model, whole, args, kwargs, progress=False, **options("gpt", "dp", 2, model))
+    bc = c.breakdown
+    assert c.step_time == pytest.approx(bc["compute"] + bc["recompute"] + sum(bc["communication"].values())
+                                        + bc["optimizer"])
+    assert bc.get("credit", 0.0) == 0.0

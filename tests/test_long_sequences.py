@@ -2,6 +2,7 @@
 parallel, compiled and trained on real gloo ranks against single-device eager (test_parity's
 tolerances); the bad sizes; and the solver's choice of a sequence split where memory demands it."""
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -181,3 +182,7 @@ def test_ring_steps_cost_the_larger_of_compute_and_transfer(seq):
     compute = 4.0 * b * h * (seq // n) ** 2 * d / cluster.device.peak_flops(torch.float32)
     assert cm.op_collective_seconds(forward) == pytest.approx((n - 1) * max(0.0, transfer - compute))
     assert (compute < transfer) == (seq == 512)
+    # A device whose collectives slow its compute pays that share of the part the compute hides.
+    contended = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, comm_contention=0.25))
+    assert CostModel(contended, (n,)).op_collective_seconds(forward) == pytest.approx(
+        (n - 1) * (max(0.0, transfer - compute) + 0.25 * min(transfer, compute)))

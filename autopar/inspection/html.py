@@ -55,6 +55,8 @@ def _summary_html(plan) -> str:
         hidden[c.axis] = hidden.get(c.axis, 0.0) + c.seconds - (c.seconds if c.exposed is None else c.exposed)
     parts += [(f"exposed communication on {a} {_s(t - hidden.get(a, 0.0))}", max(t - hidden.get(a, 0.0), 0.0),
                _PALETTE[i % len(_PALETTE)]) for i, (a, t) in enumerate(comm.items())]
+    if bd.get("contention"):      # what the hidden communication still takes from the compute
+        parts.append((f"contention of hidden communication {_s(bd['contention'])}", bd["contention"], "#e15759"))
     parts.append((f"optimizer {_s(bd['optimizer'])}", bd["optimizer"], "#9c755f"))
     if bd.get("bubble"):
         parts.append((f"pipeline bubble {_s(bd['bubble'])}", bd["bubble"], "#bab0ac"))
