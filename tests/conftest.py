@@ -1,8 +1,12 @@
 """Test order for CI's two pytest-xdist workers (`.ci/run`: `-n 2 --dist loadgroup`).
 
 xdist hands tests out one at a time in collection order, so a long test collected late runs while the
-other worker has nothing left: the longest tests go first."""
+other worker has nothing left: the longest tests go first. Tests that share a module- or session-scoped
+fixture get one `xdist_group` mark, so that loadgroup runs them on one worker, which makes the fixture
+once."""
 from __future__ import annotations
+
+import pytest
 
 # The longest tests of the CI log (`CI=true bash .ci/run`, 7275948, 2026-11-27, quiet), longest first.
 # A test missing here keeps its place after them; a renamed one only loses its head start.
@@ -68,8 +72,16 @@ def _groups(items) -> list[list]:
     return list(members.values())
 
 
+# tryfirst: xdist's own hook, which reads the marks into the node ids on each worker, runs after this one.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     rank = {nodeid: i for i, nodeid in enumerate(LONGEST_FIRST)}
     # The tests that share a fixture move together, so that a run without xdist still makes it once.
     groups = sorted(_groups(items), key=lambda g: min(rank.get(item.nodeid, len(rank)) for item in g))
+    for group in groups:
+        fixtures = set().union(*map(_shared_fixtures, group))
+        if fixtures:
+            name = "+".join(sorted(fixtures))
+            for item in group:
+                item.add_marker(pytest.mark.xdist_group(name))
     items[:] = [item for g in groups for item in g]

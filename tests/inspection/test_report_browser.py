@@ -23,6 +23,8 @@ def browser():
     b.close()
 
 
+# usefixtures names the plans, which getfixturevalue hides: tests/conftest.py groups tests by the fixtures named.
+@pytest.mark.usefixtures("gpt2_8", "llama3_8b")
 @pytest.mark.parametrize("which", ["gpt2_8", "llama3_8b"])
 def test_report_in_chromium(which, request, browser, tmp_path):
     plan = request.getfixturevalue(which)
