@@ -1278,29 +1278,27 @@ class StepMemory:
                 add((_G, 1, moved.offloaded))
                 add((_T, 1, moved.output))
                 add((_T, 1, moved.in_flight[2]))
-                if p.meta["val"].dim() < 2:
-                    # A bias's or a norm's: counted until backward's end, and the one in flight before
-                    # is left to the next weight (both the safe side, the runtime waits it here where
-                    # this one is reduce-scattered), so that a weight's bias, issued with it and rarely
-                    # ZeRO-2, does not hold the weight's to backward's end.
-                    held_to_end.append(moved.in_flight)
-                    self.points.append((len(self.events), "backward", f"reduce_scatter {meta_of(p).role.target}"))
-                    add((_G, -1, moved.offloaded_whole))
-                    add((_T, -1, moved.output))
-                    continue
                 # The one in flight before is waited here where this one is deferred too (its wait makes
                 # its block); where not, it is counted until backward's end: which one is in flight
-                # depends on every decision since (the safe side).
+                # depends on every decision since (the safe side). A bias's or a norm's is counted until
+                # backward's end and leaves the one before to the next matrix (the safe side too: the
+                # runtime waits it here where this one is reduce-scattered), so that a matrix's bias,
+                # ready with it and rarely ZeRO-2, does not hold the matrix's to backward's end.
                 c = self._choice(p)
-                waited = [_gated(q, c, moved.deferred) for q in pending]
-                add((_G, 1, waited[0]))
+                matrix = p.meta["val"].dim() > 1
+                waited = [_gated(q, c, moved.deferred) for q in pending] if matrix else None
+                if matrix:
+                    add((_G, 1, waited[0]))
                 self.points.append((len(self.events), "backward", f"reduce_scatter {meta_of(p).role.target}"))
                 add((_G, -1, moved.offloaded_whole))
                 add((_T, -1, moved.output))
-                add((_G, -1, waited[1]))
-                add((_T, -1, waited[2]))
-                held_to_end.append([_gated(q, c, [1.0 - x for x in moved.deferred]) for q in pending])
-                pending = moved.in_flight
+                if matrix:
+                    add((_G, -1, waited[1]))
+                    add((_T, -1, waited[2]))
+                    held_to_end.append([_gated(q, c, [1.0 - x for x in moved.deferred]) for q in pending])
+                    pending = moved.in_flight
+                else:
+                    held_to_end.append(moved.in_flight)
             # A bucket's buffer and its gradients are both live at its copy, then the gradients are views
             # of it (counted as gradients). A bucket may copy where any of its gradients is ready, holding
             # at most every gradient ready so far twice.
