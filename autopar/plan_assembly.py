@@ -15,6 +15,7 @@ from autopar.passes.ilp_build import ProblemIndex
 from autopar.passes.layers import layer_counts, layer_instances
 from autopar.passes.memory import StepMemory
 from autopar.passes.meta import is_param, meta_of, op_name
+from autopar.passes.precision import sharded_master_copy
 from autopar.passes.reshard_plan import collectives, plan_reshards
 from autopar.plan import MemoryPoint, Plan, PlanMemory, PlanNode, PlanZero
 
@@ -48,13 +49,20 @@ class SolvedMesh:
 
 
 def assemble_plan(prep: Prepared, mesh: SolvedMesh, assignment, cluster: ClusterSpec, memory_budget: float,
-                  sharded_outputs: bool = False) -> Plan:
-    """The Plan of ``assignment`` (the solver's choice per decision) on ``mesh``."""
+                  sharded_outputs: bool = False, pipeline: bool = False) -> Plan:
+    """The Plan of ``assignment`` (the solver's choice per decision) on ``mesh``; ``pipeline``: one
+    stage's, whose ZeRO-1 parameters keep their master whole."""
     gm, cap = prep.gm, prep.captured
     idx, cm, axis_names, sm = mesh.idx, mesh.cm, mesh.names, mesh.memory
     chosen = idx.chosen(assignment)
+    masters = {} if pipeline else {n: c for n in chosen if is_param(n)
+                                   and (c := sharded_master_copy(n, chosen)) is not None}
+    if masters:
+        # The step of this plan, its float32 masters sharded: at most what the solver bounded.
+        sm = StepMemory(gm, cm, idx, sm.num_options, sharded_outputs=sm.sharded_outputs, overlap=sm.overlap,
+                        sharded_masters=masters)
     low = plan_reshards(gm, chosen, cm.mesh_shape, sharded_outputs)
-    colls = collectives(low, cm, axis_names)
+    colls = collectives(low, cm, axis_names, masters)
     recompute = recomputed_layers(gm, idx.recompute_counts(assignment), idx.selective_counts(assignment),
                                   idx.offload_counts(assignment))
     cores = {name for names in recompute.get("attention", {}).get("regions", {}).values() for name in names}
@@ -95,15 +103,16 @@ def assemble_plan(prep: Prepared, mesh: SolvedMesh, assignment, cluster: Cluster
             if role and role.kind == "param":
                 lay = s.outputs[0]
                 params[role.target] = format_layout(lay)
+                whole = masters[n].meta["val"].dtype if n in masters else None
                 if s.zero is not None:
                     zero[role.target] = PlanZero(s.zero.stage, axis_names[s.zero.axis], s.zero.dim,
-                                                 sm.gather_bucket[n])
+                                                 sm.gather_bucket[n], n in masters)
                 if s.offload:
                     host = cm.host_bytes(n, lay)
                     freed = sum(cm.param_bytes(n, lay)) - sum(cm.param_bytes(n, lay, None, True))
                     offload[role.target] = {"host_bytes": host, "device_bytes_freed": max(freed, 0.0)}
                     mem["host"] += host
-                p, g, o = cm.param_bytes(n, lay, s.zero, s.offload)
+                p, g, o = cm.param_bytes(n, lay, s.zero, s.offload, whole)
                 mem["params"] += p
                 mem["grads"] += g
                 mem["optimizer"] += o

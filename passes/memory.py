@@ -481,11 +481,16 @@ class StepMemory:
     """
 
     def __init__(self, gm, cm, idx, num_options: Sequence[int], *, sharded_outputs: bool = False,
-                 overlap: bool = True):
+                 overlap: bool = True, sharded_masters=None):
         from autopar.passes.layers import attention_cores, layer_instances
 
         self.cm, self.idx, self.num_options = cm, idx, tuple(num_options)
         self.sharded_outputs, self.overlap = sharded_outputs, overlap
+        # ZeRO-1 parameter -> the copy it is read through, where a solved plan shards its float32 master
+        # (``passes.precision.sharded_master_copy``): the program reads the parameter's whole copy in
+        # place of the cast. Such a model describes that one plan's step (its ``walk``), not the solver's
+        # constraints, which count the master whole (at every point at least the bytes held here).
+        self.sharded_masters = dict(sharded_masters or {})
         self.events: list[tuple[int, int, Bytes]] = []     # (category, +1 or -1, bytes)
         self.points: list[tuple[int, str, str]] = []       # (number of events before it, phase, name)
         self._copy_points: set[int] = set()                # the points where a gradient bucket may copy
@@ -819,8 +824,10 @@ class StepMemory:
         add = self.events.append
         input_values, output_values = _memoized(_input_values), _memoized(_output_values)
 
+        read_in_place = set(self.sharded_masters.values())
+
         def is_view(n):
-            return n.target in VIEW_OPS and not meta_of(n).copies
+            return (n.target in VIEW_OPS and not meta_of(n).copies) or n in read_in_place
 
         def base(v):
             """The value whose storage ``v`` shares (views and getitems lead back to it)."""
@@ -891,14 +898,17 @@ class StepMemory:
                 c = self._choice(n)
                 opts = [self._strategy(n, i) for i in self._options(c)]
                 full = [self.cm.param_bytes(n, s.outputs[0]) for s in opts]
-                kept = [self.cm.param_bytes(n, s.outputs[0], s.zero, s.offload) for s in opts]
+                copy = self.sharded_masters.get(n)
+                copy_dtype = [None if copy is None or s.zero is None else copy.meta["val"].dtype for s in opts]
+                kept = [self.cm.param_bytes(n, s.outputs[0], s.zero, s.offload, w) for s, w in zip(opts, copy_dtype)]
                 if c is not None and any(s.offload for s in opts) and not self.cm.cluster.host_is_device:
                     acc = self._host.setdefault(c, [0.0] * len(opts))
                     for i, s in enumerate(opts):
                         acc[i] += self.cm.host_bytes(n, s.outputs[0]) if s.offload else 0.0
                 add((_P, 1, _one(c, [k[0] for k in kept])))
                 add((_O, 1, _one(c, [k[2] for k in kept])))
-                grads_of[n] = _one(c, [f[1] for f in full])      # the gradient backward accumulates
+                # The gradient backward accumulates (a sharded master's: its block).
+                grads_of[n] = _one(c, [k[1] if w else f[1] for f, k, w in zip(full, kept, copy_dtype)])
                 shards = [1 if s.zero is None else self.cm.mesh_shape[s.zero.axis] for s in opts]
                 # An offloaded parameter's optimizer step runs in host memory: its buffers count on the
                 # device only where host and device are one memory.
@@ -930,8 +940,10 @@ class StepMemory:
                 if any(s.zero is not None for s in opts):
                     # After the step the updated shards of a bucket are copied into one flat buffer and
                     # all-gathered into a new one, then copied into the parameters.
-                    gathers[n] = (_one(c, [0.0 if s.zero is None else f[0] * (1 + 1 / k)
-                                           for s, f, k in zip(opts, full, shards)]), max(f[0] for f in full))
+                    # A sharded master's blocks are gathered in its copy's dtype.
+                    size = [f[0] * (1.0 if w is None else w.itemsize / val.dtype.itemsize) for f, w in zip(full, copy_dtype)]
+                    gathers[n] = (_one(c, [0.0 if s.zero is None else b * (1 + 1 / k)
+                                           for s, b, k in zip(opts, size, shards)]), max(f[0] for f in full))
             else:
                 add((_T, 1, Bytes(None, None, float(val.numel() * val.element_size()))))
 

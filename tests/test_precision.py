@@ -139,6 +139,10 @@ def _train(rank, world, cases):
         pins = {"dp": {n: ["R"] * len(mesh) for n in params},
                 "megatron": {k: [v] for k, v in MEGATRON[model_name].items()},
                 "zero3": {n: ["S(0)"] if p.shape[0] % world == 0 else ["R"] for n, p in params.items()},
+                # ZeRO-1 everywhere, the bfloat16 copies made at the weights' layout: the float32 masters
+                # of the weights read only through their copy are sharded (Megatron's distributed optimizer).
+                "zero1": {**{n: {"output": ["R"] * len(mesh), "zero": 1} for n in params},
+                          "_to_copy*": {"inputs": [["R"] * len(mesh)]}},
                 "auto": {},
                 # Replicated weights, the batch split on dp: every gradient is synced over dp.
                 "pp x dp": {"*.weight": ["R", "R"], "input_ids": ["R", "S(0)"], "labels": ["R", "S(0)"],
@@ -152,6 +156,8 @@ def _train(rank, world, cases):
         else:
             assert "torch.bfloat16" in pm.code, where
         assert all(p.dtype == torch.float32 for p in pm.parameters()), f"{where}: master weights are fp32"
+        if kind == "zero1":
+            _check_sharded_masters(pm, world, where)
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
         for step in range(STEPS):
@@ -175,12 +181,28 @@ def _train(rank, world, cases):
                         continue          # on another rank's stage
                     local = pm.local_parameter(fqn)
                     assert local.grad.dtype == torch.float32, where
-                    lay = [x.to_dtensor() for i, x in enumerate(pm._layouts[fqn]) if not pipeline or i != pm.pp_axis]
+                    lay = [x.to_dtensor() for i, x in enumerate(pm.state_layout(fqn)) if not pipeline or i != pm.pp_axis]
                     grad = DTensor.from_local(local.grad, mesh_of, lay, run_check=False).full_tensor()
                     err = (grad - p.grad).abs().max().item()
                     assert err <= GRAD_TOL * scale, f"{where}: gradient of {fqn} off by {err} (largest {scale})"
             opt.step(), ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
+
+
+def _check_sharded_masters(pm, world, where):
+    """Each weight read only through its bfloat16 copy keeps that copy whole and its float32 master at
+    1/world of it (the block the optimizer steps); the others (norms, read in float32 on CPU, and the
+    tied embedding) keep their float32 weight whole."""
+    sharded = [fqn for fqn, z in pm.plan.zero.items() if z.sharded_master]
+    assert any(fqn.endswith("mlp.fc1.weight") for fqn in sharded), f"{where}: {sharded}"
+    for fqn in pm.plan.params:
+        whole, master = pm.local_tensor(fqn), pm.local_parameter(fqn)
+        if fqn in sharded:
+            assert whole.dtype == torch.bfloat16 and master.dtype == torch.float32, where
+            assert master.numel() * world == whole.numel(), f"{where}: {fqn}'s master is held whole"
+            assert master.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr(), where
+        else:
+            assert whole.dtype == torch.float32, where
 
 
 def _check_gradient_sync_once_per_step(pm, where):
@@ -202,6 +224,10 @@ def _check_gradient_sync_once_per_step(pm, where):
 def test_bf16_mixed_trains_like_eager_autocast_on_two_ranks():
     run_distributed(_train, 2, [("gpt", "dp", (2,)), ("llama", "megatron", (2,)), ("gpt2", "zero3", (2,))],
                     timeout=600)
+
+
+def test_bf16_mixed_zero1_shards_the_master_weights_and_trains_like_eager_autocast_on_two_ranks():
+    run_distributed(_train, 2, [("gpt", "zero1", (2,))], timeout=600)
 
 
 def test_bf16_mixed_trains_like_eager_autocast_on_four_ranks():
