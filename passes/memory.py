@@ -940,10 +940,13 @@ class StepMemory:
                 if any(s.zero is not None for s in opts):
                     # After the step the updated shards of a bucket are copied into one flat buffer and
                     # all-gathered into a new one, then copied into the parameters.
-                    # A sharded master's blocks are gathered in its copy's dtype.
-                    size = [f[0] * (1.0 if w is None else w.itemsize / val.dtype.itemsize) for f, w in zip(full, copy_dtype)]
-                    gathers[n] = (_one(c, [0.0 if s.zero is None else b * (1 + 1 / k)
-                                           for s, b, k in zip(opts, size, shards)]), max(f[0] for f in full))
+                    # A sharded master's blocks are gathered in its copy's dtype, by a collective of
+                    # their own: the bucket's parameters of each dtype, one after the other.
+                    dtypes = [val.dtype if w is None else w for w in copy_dtype]
+                    gathers[n] = ({d: _one(c, [0.0 if s.zero is None or t != d else
+                                               f[0] / val.dtype.itemsize * d.itemsize * (1 + 1 / k)
+                                               for s, f, k, t in zip(opts, full, shards, dtypes)])
+                                   for d in dict.fromkeys(dtypes)}, max(f[0] for f in full))
             else:
                 add((_T, 1, Bytes(None, None, float(val.numel() * val.element_size()))))
 
@@ -1352,12 +1355,15 @@ class StepMemory:
         buckets = zero_gather_buckets([(n, whole) for n, (_, whole) in gathers.items()])
         self.gather_bucket = {n: b for b, members in enumerate(buckets) for n in members}
         for members in buckets:
-            for n in members:
-                add((_T, 1, gathers[n][0]))
-            self.points.append((len(self.events), "optimizer",
-                                f"all_gather {', '.join(meta_of(n).role.target for n in members)}"))
-            for n in members:
-                add((_T, -1, gathers[n][0]))
+            for d in dict.fromkeys(d for n in members for d in gathers[n][0]):
+                held = [gathers[n][0][d] for n in members if d in gathers[n][0]]
+                for q in held:
+                    add((_T, 1, q))
+                self.points.append((len(self.events), "optimizer",
+                                    f"all_gather {', '.join(meta_of(n).role.target for n in members)} "
+                                    f"({str(d).removeprefix('torch.')})"))
+                for q in held:
+                    add((_T, -1, q))
 
     def _bucketed_gradients(self, grads_of, pos, input_values) -> dict:
         """Reader node -> [Bytes] of the gradient buckets launched after its backward. With overlap

@@ -232,6 +232,7 @@ class ShardedStates:
                     s.full.detach().unflatten(s.dim, (n, -1)).movedim(s.dim, 0).copy_(
                         got[:, offset:offset + k].view(n, *s.shard.shape))
                     offset += k
+                del got             # before the next collective's buffers
         self.mark_gathered()
 
     def sync(self) -> None:

@@ -125,6 +125,32 @@ def test_the_models_count_the_master_and_the_bf16_copy():
     assert mm and all(x["compute_seconds"] < ref[x["name"]]["compute_seconds"] for x in mm)
 
 
+def test_zero1_shards_the_float32_master_of_each_weight_read_through_its_copy():
+    """Offline, LLaMA on 8xH100 under bf16-mixed ZeRO-1: a weight read only through its bfloat16 copy
+    holds that copy whole and its float32 master, Adam's states and its gradient at 1/8 (2 + 12/N bytes
+    per parameter with the master among ZeRO's K = 12, and a 4/N float32 gradient block), and its updated
+    blocks are all-gathered in bfloat16; the norms, read in float32 on a GPU, keep their weight whole
+    (4 + 4 + 8/N). The plan's memory model counts every rank's bytes so."""
+    model = build("llama")
+    ids, labels = batch()
+    pins = {**{name: {"output": ["R"], "zero": 1} for name, _ in model.named_parameters()},
+            "_to_copy*": {"inputs": [["R"]]}}
+    plan = autopar.plan(model, autopar.ClusterSpec.preset("8xH100"), (ids,), {"labels": labels}, mesh_shape=(8,),
+                        pins=pins, progress=False, recompute=False, precision="bf16-mixed")
+    sizes = dict((name, p.numel()) for name, p in model.named_parameters())
+    sharded = {f for f, z in plan.zero.items() if z.sharded_master}
+    assert {f for f in sizes if f.endswith(("proj.weight", "lm_head.weight"))} <= sharded
+    assert not any("norm" in f for f in sharded)
+    n_s = sum(sizes[f] for f in sharded)
+    n_w = sum(sizes.values()) - n_s
+    assert (plan.memory["params"], plan.memory["grads"], plan.memory["optimizer"]) == \
+        (2 * n_s + 4 * n_s / 8 + 4 * n_w, 4 * n_s / 8 + 4 * n_w, 8 * (n_s + n_w) / 8)
+    for f in sharded:
+        assert plan.memory["by_param"][f] == (2 + 12 / 8 + 4 / 8) * sizes[f], f
+    gathered = sum(c["bytes"] for c in plan.collectives if c["step"] == "zero1")
+    assert gathered == 2 * n_s + 4 * n_w
+
+
 def _train(rank, world, cases):
     import autopar
     from torch.distributed.tensor import DTensor
