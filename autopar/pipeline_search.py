@@ -102,8 +102,10 @@ def plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, 
         # them). Every rank is checked against the budget under each schedule below.
         scaled = _per_microbatch(cost_model)(sub_cluster, sub_shape, optimizer, fused=fused)
         scaled.microbatches, scaled.stages = m, p
-        prob, idx = build_problem(prep.gm, scaled, memory_budget, pins, sharded_outputs, False, overlap=False)
-        sm = StepMemory(prep.gm, scaled, idx, [len(c.costs) for c in prob.choices], sharded_outputs=sharded_outputs)
+        prob, idx = build_problem(prep.gm, scaled, memory_budget, pins, sharded_outputs, False, overlap=False,
+                                  sharded_masters=False)
+        sm = StepMemory(prep.gm, scaled, idx, [len(c.costs) for c in prob.choices], sharded_outputs=sharded_outputs,
+                        sharded_masters=False)
         report(f"mesh {shape}, {m} microbatches: solving {len(prob.choices)} decisions")
         timings["build"] += time.perf_counter() - t0
         t0 = time.perf_counter()

@@ -57,10 +57,6 @@ def assemble_plan(prep: Prepared, mesh: SolvedMesh, assignment, cluster: Cluster
     chosen = idx.chosen(assignment)
     masters = {} if pipeline else {n: c for n in chosen if is_param(n)
                                    and (c := sharded_master_copy(n, chosen)) is not None}
-    if masters:
-        # The step of this plan, its float32 masters sharded: at most what the solver bounded.
-        sm = StepMemory(gm, cm, idx, sm.num_options, sharded_outputs=sm.sharded_outputs, overlap=sm.overlap,
-                        sharded_masters=masters)
     low = plan_reshards(gm, chosen, cm.mesh_shape, sharded_outputs)
     colls = collectives(low, cm, axis_names, masters)
     recompute = recomputed_layers(gm, idx.recompute_counts(assignment), idx.selective_counts(assignment),
@@ -121,7 +117,7 @@ def assemble_plan(prep: Prepared, mesh: SolvedMesh, assignment, cluster: Cluster
             elif role and role.kind == "input" and s.outputs:
                 inputs[role.target] = format_layout(s.outputs[0])
             continue
-        c = cm.compute_seconds(n, s)
+        c = 0.0 if n in masters.values() else cm.compute_seconds(n, s)     # a sharded master's cast: not run
         a = cm.activation_bytes(n, s)
         compute += c
         tag = meta_of(n).layer

@@ -310,8 +310,8 @@ class CostModel:
                               self.collective_seconds("all_gather", gathered, zero.axis)))
         return out
 
-    def zero_seconds(self, node: fx.Node, layout, zero) -> float:
-        return sum(c.seconds for c in self.zero_collectives(node, layout, zero))
+    def zero_seconds(self, node: fx.Node, layout, zero, whole_dtype: torch.dtype | None = None) -> float:
+        return sum(c.seconds for c in self.zero_collectives(node, layout, zero, whole_dtype))
 
     def param_transition_seconds(self, value: Value, src: Strategy, dst_layout, partial_axes: frozenset) -> float:
         """``transition_seconds`` from a parameter's strategy: a ZeRO-2 parameter's gradient is reduced

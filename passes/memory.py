@@ -481,16 +481,15 @@ class StepMemory:
     """
 
     def __init__(self, gm, cm, idx, num_options: Sequence[int], *, sharded_outputs: bool = False,
-                 overlap: bool = True, sharded_masters=None):
+                 overlap: bool = True, sharded_masters: bool = True):
         from autopar.passes.layers import attention_cores, layer_instances
 
         self.cm, self.idx, self.num_options = cm, idx, tuple(num_options)
         self.sharded_outputs, self.overlap = sharded_outputs, overlap
-        # ZeRO-1 parameter -> the copy it is read through, where a solved plan shards its float32 master
-        # (``passes.precision.sharded_master_copy``): the program reads the parameter's whole copy in
-        # place of the cast. Such a model describes that one plan's step (its ``walk``), not the solver's
-        # constraints, which count the master whole (at every point at least the bytes held here).
-        self.sharded_masters = dict(sharded_masters or {})
+        # Whether a ZeRO-1 weight read through its bfloat16 copy has its float32 master sharded
+        # (``passes.precision.sharded_master_copy``; not in a pipeline's stages): the program reads the
+        # whole copy, held all step, in place of the cast.
+        self.sharded_masters = sharded_masters
         self.events: list[tuple[int, int, Bytes]] = []     # (category, +1 or -1, bytes)
         self.points: list[tuple[int, str, str]] = []       # (number of events before it, phase, name)
         self._copy_points: set[int] = set()                # the points where a gradient bucket may copy
@@ -573,6 +572,27 @@ class StepMemory:
                 table.append(nbytes * (1.0 if s is None else local_fraction(s.outputs[v.index], self.cm.mesh_shape)))
             self._values[key] = _one(c, table)
         return self._values[key]
+
+    def _master_copy(self, param, o):
+        """The copy ``param`` is read through where its option ``o`` shards its float32 master, else None."""
+        from autopar.passes.precision import sharded_master_option
+
+        if not self.sharded_masters or param not in self.idx.strategies:
+            return None
+        return sharded_master_option(param, o, self.idx.strategies)
+
+    def storage(self, v) -> Bytes:
+        """Bytes of the storage value ``v`` makes: its ``value``, but nothing for the copy of a parameter
+        whose option shards its master (the copy is the parameter's, held all step)."""
+        from autopar.passes.precision import cast_source
+
+        vb = self.value(v)
+        src = cast_source(v.node) if v.node.op == "call_function" else None
+        if src is None or not is_param(src) or self._choice(src) != self._choice(v.node):
+            return vb
+        c = self._choice(src)
+        table = [0.0 if self._master_copy(src, o) is v.node else vb.at({c: o}) for o in self._options(c)]
+        return vb if all(t == vb.at({c: o}) for o, t in zip(self._options(c), table)) else _one(c, table)
 
     def reads(self, v, node, k):
         """How ``node`` reads its input ``k``, value ``v``: (the value's decision, the reader's, the request
@@ -824,10 +844,8 @@ class StepMemory:
         add = self.events.append
         input_values, output_values = _memoized(_input_values), _memoized(_output_values)
 
-        read_in_place = set(self.sharded_masters.values())
-
         def is_view(n):
-            return (n.target in VIEW_OPS and not meta_of(n).copies) or n in read_in_place
+            return n.target in VIEW_OPS and not meta_of(n).copies
 
         def base(v):
             """The value whose storage ``v`` shares (views and getitems lead back to it)."""
@@ -881,7 +899,7 @@ class StepMemory:
             return out + [v]
 
         def stored(s) -> Bytes:
-            return copy_views.get(s) or self.value(s)
+            return copy_views.get(s) or self.storage(s)
 
         inst_of = {}          # node -> the recomputed regions it is in (a layer and its attention core)
         for inst, (_, _, nodes) in instances.items():
@@ -898,8 +916,8 @@ class StepMemory:
                 c = self._choice(n)
                 opts = [self._strategy(n, i) for i in self._options(c)]
                 full = [self.cm.param_bytes(n, s.outputs[0]) for s in opts]
-                copy = self.sharded_masters.get(n)
-                copy_dtype = [None if copy is None or s.zero is None else copy.meta["val"].dtype for s in opts]
+                copies = [self._master_copy(n, o) for o in self._options(c)]
+                copy_dtype = [None if cp is None else cp.meta["val"].dtype for cp in copies]
                 kept = [self.cm.param_bytes(n, s.outputs[0], s.zero, s.offload, w) for s, w in zip(opts, copy_dtype)]
                 if c is not None and any(s.offload for s in opts) and not self.cm.cluster.host_is_device:
                     acc = self._host.setdefault(c, [0.0] * len(opts))
@@ -1019,7 +1037,7 @@ class StepMemory:
                 # (three decisions), it is kept whatever the copy (the safe side). Read through one
                 # copy view, it is kept only where that view reads no copy, or, where the reader keeps
                 # it under some options only, where the reader keeps it (whatever the copy).
-                ca, vb = self._choice(b.node), self.value(b)
+                ca, vb = self._choice(b.node), self.storage(b)
                 exact = cp is None or ca == self._choice(v.node)
                 if views:
                     vc = copy_views[views[0]]
@@ -1043,7 +1061,7 @@ class StepMemory:
                 keeps = [1.0 if i < len(f) and f[i] else 0.0 for f in flags]
                 if any(keeps):
                     b = base(o)
-                    cond = None if all(keeps) or self._choice(b.node) != cb else _gated(self.value(b), cb, keeps)
+                    cond = None if all(keeps) or self._choice(b.node) != cb else _gated(self.storage(b), cb, keeps)
                     holders.setdefault(b, []).append((n, cond))
             if outs:      # output bytes a rule declares (for a GPU kernel) beyond whole outputs
                 vb, extra = self.value(outs[0]), []
@@ -1110,7 +1128,7 @@ class StepMemory:
                     external[(s, ri)] = (ind, pos[nodes[0]]) if e is None else \
                         (tuple(max(x, y) for x, y in zip(e[0], ind)), min(e[1], pos[nodes[0]]))
         for (s, ri), (ind, first) in external.items():
-            q = _times(self.value(s), ri, ind)
+            q = _times(self.storage(s), ri, ind)
             frees.setdefault(("F", last_use[s]), []).append((_A, 1, q))
             frees.setdefault(("B", first), []).append((_A, -1, q))
 
@@ -1151,7 +1169,7 @@ class StepMemory:
                         transient.append(gate(q, _if_recomputed))
             if not is_view(n):
                 for o in output_values(n):
-                    make(o, self.value(o))
+                    make(o, self.storage(o))
             if again is None:
                 for q in kept.get(n, ()):
                     add((_A, 1, q))

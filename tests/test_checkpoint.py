@@ -225,8 +225,6 @@ def _bf16_zero1_checkpoint(rank, world, root):
     def compile_(seed, zero):
         torch.manual_seed(seed)
         pins = {n: {"output": ["R"], "zero": zero} for n in params}
-        if zero:
-            pins["_to_copy*"] = {"inputs": [["R"]]}
         return autopar.compile(build("gpt2"), autopar.ClusterSpec.local_cpu(world), (ids,), {"labels": labels},
                                mesh_shape=(world,), pins=pins, precision="bf16-mixed", recompute=False)
 

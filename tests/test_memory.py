@@ -135,9 +135,9 @@ def test_bf16_mixed_zero1_with_sharded_masters_predicted_peaks_match_measured_on
     copies whole and the float32 masters, Adam's states and the gradients at half (2 + 12/N + 4/N bytes
     per parameter); a model that held the masters whole (4 + 4 + 8/N, and the copies beside them in the
     step) predicts a peak about 1.3x the measured one."""
-    run_distributed(_measure, 2, [("gpt", "zero1-bf16-copies", None, {"strict": True}),
-                                  ("llama", "zero1-bf16-copies", None, {"strict": True}),
-                                  ("gpt2", "zero1-bf16-copies", 1.05, {"fits": True})], timeout=600)
+    run_distributed(_measure, 2, [("gpt", "zero1-bf16", None, {"strict": True}),
+                                  ("llama", "zero1-bf16", None, {"strict": True}),
+                                  ("gpt2", "zero1-bf16", 1.05, {"fits": True})], timeout=600)
 
 
 def _ring_working_sets(rank, world, cases):

@@ -133,8 +133,7 @@ def test_zero1_shards_the_float32_master_of_each_weight_read_through_its_copy():
     (4 + 4 + 8/N). The plan's memory model counts every rank's bytes so."""
     model = build("llama")
     ids, labels = batch()
-    pins = {**{name: {"output": ["R"], "zero": 1} for name, _ in model.named_parameters()},
-            "_to_copy*": {"inputs": [["R"]]}}
+    pins = {name: {"output": ["R"], "zero": 1} for name, _ in model.named_parameters()}
     plan = autopar.plan(model, autopar.ClusterSpec.preset("8xH100"), (ids,), {"labels": labels}, mesh_shape=(8,),
                         pins=pins, progress=False, recompute=False, precision="bf16-mixed")
     sizes = dict((name, p.numel()) for name, p in model.named_parameters())
@@ -165,10 +164,9 @@ def _train(rank, world, cases):
         pins = {"dp": {n: ["R"] * len(mesh) for n in params},
                 "megatron": {k: [v] for k, v in MEGATRON[model_name].items()},
                 "zero3": {n: ["S(0)"] if p.shape[0] % world == 0 else ["R"] for n, p in params.items()},
-                # ZeRO-1 everywhere, the bfloat16 copies made at the weights' layout: the float32 masters
-                # of the weights read only through their copy are sharded (Megatron's distributed optimizer).
-                "zero1": {**{n: {"output": ["R"] * len(mesh), "zero": 1} for n in params},
-                          "_to_copy*": {"inputs": [["R"] * len(mesh)]}},
+                # ZeRO-1 everywhere: the float32 masters of the weights read only through their
+                # bfloat16 copy are sharded (Megatron's distributed optimizer).
+                "zero1": {n: {"output": ["R"] * len(mesh), "zero": 1} for n in params},
                 "auto": {},
                 # Replicated weights, the batch split on dp: every gradient is synced over dp.
                 "pp x dp": {"*.weight": ["R", "R"], "input_ids": ["R", "S(0)"], "labels": ["R", "S(0)"],
