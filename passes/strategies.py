@@ -3,7 +3,9 @@
 A strategy fixes the layout of each tensor input and each output of a node. Nodes with one tensor
 input that can take every layout their producer may give without resharding (views, getitem,
 unary pointwise ops) become *followers*: they get no decision of their own, and their strategy is a
-function of the producer's. This keeps the solver's problem to the nodes where a choice matters.
+function of the producer's. This keeps the solver's problem to the nodes where a choice matters. A
+parameter's one follower is its bfloat16 copy, where that cast is its only reader
+(``passes.precision.reads_through_copy``): the copy is made at the weight's layout.
 
 Refused strategies (documented in docs/sharding.md): a dim that does not divide by the mesh axes that
 shard it, and one tensor dim sharded by two mesh axes.
