@@ -255,4 +255,5 @@ def test_bf16_mixed_zero1_shards_the_master_weights_and_trains_like_eager_autoca
 
 
 def test_bf16_mixed_trains_like_eager_autocast_on_four_ranks():
-    run_distributed(_train, 4, [("llama", "auto", (2, 2)), ("llama", "pp x dp", (2, 2))], timeout=600)
+    run_distributed(_train, 4, [("llama", "auto", (2, 2)), ("llama", "pp x dp", (2, 2)), ("gpt", "zero1", (4,))],
+                    timeout=600)
