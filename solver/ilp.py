@@ -471,11 +471,11 @@ def solve(problem: Problem, *, time_limit: float = 60.0, backend: str = "auto", 
         if res.values is None:
             break
         found = f.assignment(res.values)
-        over = _over(problem, found) - active
-        if not over:
+        broken = set() if problem.memory_budget is None else over(problem, found, problem.memory_budget) - active
+        if not broken:
             break
-        log.debug("memory constraints %s join the model", sorted(over))
-        active |= over
+        log.debug("memory constraints %s join the model", sorted(broken))
+        active |= broken
     if status == "infeasible" and bound is not None:
         status, found = "bounded", None
 
@@ -507,11 +507,9 @@ def solve(problem: Problem, *, time_limit: float = 60.0, backend: str = "auto", 
                     num_constraints=f.model.num_rows, backend=name, gap=solver_gap)
 
 
-def _over(problem: Problem, assignment) -> set[int]:
-    """The memory constraints ``assignment`` breaks, by index."""
-    if problem.memory_budget is None:
-        return set()
-    cap = problem.memory_budget * (1 + 1e-9)
+def over(problem: Problem, assignment, cap: float) -> set[int]:
+    """The memory constraints whose bytes under ``assignment`` are above ``cap``, by index."""
+    cap *= 1 + 1e-9
     usage = problem.memory_usage(assignment)
     return {k for k, m in enumerate(problem.memory) if usage[m.name] > cap}
 
@@ -522,8 +520,7 @@ def _binding(problem: Problem) -> set[int]:
     than starting with them)."""
     if problem.memory_budget is None or not problem.memory:
         return set()
-    usage = problem.memory_usage(greedy(dataclasses.replace(problem, memory_budget=None)))
-    return {k for k, m in enumerate(problem.memory) if usage[m.name] > _NEAR * problem.memory_budget}
+    return over(problem, greedy(dataclasses.replace(problem, memory_budget=None)), _NEAR * problem.memory_budget)
 
 
 def run(model: Model, backend: str, **kwargs) -> milp.Result:

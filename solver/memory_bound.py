@@ -1,11 +1,14 @@
 """The smallest memory budget that any layout fits: what an infeasible-budget error tells the user."""
 from __future__ import annotations
 
+import dataclasses
 import math
+import threading
+from collections import OrderedDict
 from typing import NamedTuple, Sequence
 
 from .greedy import greedy
-from .ilp import Formulation, memory_pair_matrices, resolve_backend, run
+from .ilp import Formulation, memory_pair_matrices, over, resolve_backend, run
 from .milp import INF
 from .problem import Problem
 
@@ -20,6 +23,18 @@ GUARD_SECONDS = 600.0
 # solve stopped here returns its best layout with the bound it proved (``MinimumBudget.lower``), and the
 # infeasible-budget error states both; the test and zoo models close long before it.
 MINIMUM_NODE_LIMIT = 100
+# The constraints the min-max model starts with, the highest under the starting layout; the rest join
+# when a layout breaks them. Every constraint is a dense row (a point of the step, ~2700 nonzeros on the
+# zoo's GPT on a 4 x 2 mesh), and a few of them bind: with all 230 of that model's points HiGHS spent
+# most of a minute on LPs of 620k nonzeros.
+FIRST_ROWS = 8
+# Recent answers, keyed by all they depend on: planning the same model and cluster again under another
+# budget that is too small repeats the same min-max solves for its error (tests/test_planner.py's 2 x 2
+# mesh: three rounds of 16-19 s each at load 5, the second time served from here). A solve under a wall
+# clock depends on the machine's load and is not kept.
+_ANSWERS: OrderedDict = OrderedDict()
+_ANSWERS_KEPT = 64
+_answers_lock = threading.Lock()
 
 
 class MinimumBudget(NamedTuple):
@@ -35,6 +50,10 @@ def minimum_feasible_budget(problem: Problem, *, time_limit: float = math.inf, b
     over memory constraints of their bytes.
 
     Solved as min t subject to every constraint's bytes <= t; ``problem.memory_budget`` is ignored.
+    The constraints join lazily, as in ``ilp.solve``: the ``FIRST_ROWS`` highest under the start, then
+    those each answer breaks, until an answer breaks none. A model with fewer constraints has a least t
+    no higher than the whole problem's, so its proven bound holds for the whole problem, and an answer
+    that fits all of them at that t is the whole problem's optimum.
     If the time limit or ``MINIMUM_NODE_LIMIT`` stops the solver early, L is the best found (an upper
     bound) and ``lower`` what the solver proved. Without memory constraints any budget fits: returns
     0.0 and the greedy assignment. ``start``: an assignment to start from (the greedy one when it is
@@ -42,7 +61,25 @@ def minimum_feasible_budget(problem: Problem, *, time_limit: float = math.inf, b
     returns (inf, the start, cutoff).
     """
     problem.validate()
+    if math.isfinite(time_limit):
+        return _minimum(problem, time_limit, backend, start, cutoff)
+    key = (tuple(problem.choices), tuple(problem.edges), tuple(problem.shared), tuple(problem.memory),
+           None if start is None else tuple(start), cutoff, resolve_backend(backend), MINIMUM_NODE_LIMIT, FIRST_ROWS)
+    with _answers_lock:
+        if key in _ANSWERS:
+            _ANSWERS.move_to_end(key)
+            return _ANSWERS[key]
+    out = _minimum(problem, time_limit, backend, start, cutoff)
+    with _answers_lock:
+        _ANSWERS[key] = out
+        while len(_ANSWERS) > _ANSWERS_KEPT:
+            _ANSWERS.popitem(last=False)
+    return out
 
+
+def _minimum(problem: Problem, time_limit: float, backend: str, start: Sequence[int] | None,
+             cutoff: float | None) -> MinimumBudget:
+    """``minimum_feasible_budget`` solved, not looked up."""
     def peak(a: Sequence[int]) -> float:
         return max(problem.memory_usage(a).values())
 
@@ -50,6 +87,35 @@ def minimum_feasible_budget(problem: Problem, *, time_limit: float = math.inf, b
                 key=peak if problem.memory else (lambda a: 0.0))
     if not problem.memory:
         return MinimumBudget(0.0, start, 0.0)
+
+    usage = problem.memory_usage(start)
+    held = set(sorted(range(len(problem.memory)), key=lambda k: -usage[problem.memory[k].name])[:FIRST_ROWS])
+    # Defensive: never worse than the start, nor one that cannot run where one can.
+    key = lambda a: (math.isinf(problem.objective(a)), peak(a))  # noqa: E731
+    best, lower = start, 0.0
+    while True:
+        part = dataclasses.replace(problem, memory=[problem.memory[k] for k in sorted(held)])
+        status, found, proved = _min_max(part, best, time_limit, backend, cutoff)
+        if status == "cut off":
+            return MinimumBudget(INF, start, cutoff)
+        lower = max(lower, proved)
+        if found is None:
+            break
+        best = min([found, best], key=key)
+        # A layout's t is its peak over the held constraints: those above it join.
+        broken = over(problem, found, max(part.memory_usage(found).values())) - held
+        if not broken:
+            break
+        held |= broken
+    least = peak(best)
+    return MinimumBudget(least, best, min(lower, least))
+
+
+def _min_max(problem: Problem, start: tuple[int, ...], time_limit: float, backend: str, cutoff: float | None):
+    """One solve of min t over ``problem``'s memory constraints: (status, its layout or None, its proven
+    least t); status "cut off" where HiGHS proves that no t is below ``cutoff``."""
+    def peak(a: Sequence[int]) -> float:
+        return max(problem.memory_usage(a).values())
 
     f = Formulation(problem)
     # Only layouts that can run: a resharding that cannot happen is no plan at any budget, nor a shared
@@ -73,13 +139,8 @@ def minimum_feasible_budget(problem: Problem, *, time_limit: float = math.inf, b
     res = run(m, resolve_backend(backend), time_limit=time_limit, gap=_GAP, start=first,
               cutoff=None if cutoff is None else cutoff / scale, presolve=False, node_limit=MINIMUM_NODE_LIMIT)
     if cutoff is not None and res.status == "infeasible":
-        return MinimumBudget(INF, start, cutoff)
-    candidates = ([f.assignment(res.values)] if res.values is not None else []) + [start]
-    # Defensive: never worse than the greedy assignment, nor one that cannot run where one can.
-    best = min(candidates, key=lambda a: (math.isinf(problem.objective(a)), peak(a)))
-    least = peak(best)
-    if res.status == "optimal":
-        lower = least
-    else:   # HiGHS's dual bound; CBC reports none
-        lower = 0.0 if res.bound is None else min(least, res.bound * scale)
-    return MinimumBudget(least, best, lower)
+        return "cut off", None, cutoff
+    found = None if res.values is None else f.assignment(res.values)
+    # HiGHS's dual bound; CBC reports none
+    proved = peak(found) if res.status == "optimal" else 0.0 if res.bound is None else res.bound * scale
+    return res.status, found, proved

@@ -1,10 +1,11 @@
 import itertools
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
 from solver_strategies import MB, problems
 
-from autopar.solver import Choice, MemoryConstraint, Problem, greedy, minimum_feasible_budget, solve
+from autopar.solver import Choice, MemoryConstraint, Problem, greedy, memory_bound, minimum_feasible_budget, solve
 
 
 def brute_force_budget(p: Problem) -> float:
@@ -25,6 +26,41 @@ def test_matches_brute_force(backend, p):
     p.memory_budget = budget - MB / 2
     assert solve(p, backend=backend).status == "infeasible"
 
+
+
+@pytest.mark.parametrize("backend", ["cbc", "highs"])
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(p=problems(memory=True))
+def test_constraints_joining_from_one_find_the_same_least_budget(backend, p):
+    # The min-max model starts from the highest constraint under the start; those its answers break join
+    # until one breaks none: still the least peak, and proven least.
+    with mock.patch.object(memory_bound, "FIRST_ROWS", 1):
+        budget, a, lower = minimum_feasible_budget(p, backend=backend)
+    assert lower == budget
+    assert budget == pytest.approx(brute_force_budget(p), rel=1e-9)
+    assert budget == max(p.memory_usage(a).values())
+
+
+def test_the_same_problem_is_solved_once():
+    # Planning again under another budget too small repeats the error's min-max solves: the second time the
+    # answer is looked up, and a problem that differs in one byte is solved for its own answer.
+    p = Problem(choices=[Choice("a", (1.0, 9.0)), Choice("b", (1.0, 9.0, 5.0))],
+                memory=[MemoryConstraint("fwd", ((0, (8.0, 3.0)), (1, (1.0, 4.0, 2.0))), constant=1.0),
+                        MemoryConstraint("bwd", ((1, (9.0, 1.0, 2.0)),), constant=4.0)])
+    calls = []
+    real = memory_bound.run
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    with mock.patch.object(memory_bound, "run", counted):
+        first = minimum_feasible_budget(p)
+        solves = len(calls)
+        assert solves and minimum_feasible_budget(p) == first and len(calls) == solves
+        p.memory[1] = MemoryConstraint("bwd", ((1, (9.0, 1.0, 2.0)),), constant=5.0)
+        assert minimum_feasible_budget(p).budget == brute_force_budget(p) == 7.0
+        assert len(calls) > solves
 
 def test_ignores_time_and_limit():
     # The fast option needs more memory; the budget question is about memory alone.
