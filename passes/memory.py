@@ -131,10 +131,12 @@ def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda", f
                 if first is not None and _storage_key(outs[0]) != _storage_key(first):
                     if _reads_narrowed(node):
                         set_meta(node, copies=True)
-                    elif target_device == "cpu":
+                    elif target_device == "cpu" or not _views_kernel_output(node):
                         set_meta(node, copies_from=(tuple(first.shape), tuple(first.stride())))
-            saved = _attribute(node, current["saved"], outs, owner, target_device)
-            if node.target not in _FUSED_ON_CPU and node.target is not operator.getitem:
+            gpu_reference = _gpu_reference_backward(node, target_device)
+            reference = gpu_reference is not None or _runs_reference_kernel(node, target_device)
+            saved = _attribute(node, current["saved"], outs, owner, reference)
+            if (reference or node.target not in _FUSED_ON_CPU) and node.target is not operator.getitem:
                 # Repeated layers run the same ops on the same shapes: one backward per distinct call.
                 key = _call_key(node.target, args, kwargs)
                 if key is None or key not in transients:
@@ -143,7 +145,7 @@ def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda", f
                         transients[key] = t
                 else:
                     t = transients[key]
-                saved = dataclasses.replace(saved, backward=t)
+                saved = dataclasses.replace(saved, backward=max(t, int(gpu_reference or 0)))
             set_meta(node, saved=saved)
     return gm
 
@@ -171,13 +173,25 @@ def _view_records(node: fx.Node) -> tuple:
     return m.saved, m.copies, m.copies_from
 
 
+def _views_kernel_output(node: fx.Node) -> bool:
+    """Whether a view op reads, through views, the output of an op whose GPU kernel is not the meta
+    run's (a rule's ``saved_on_gpu``: attention, whose fused kernels lay their output out
+    sequence-major, so a reshape of its transpose views on CUDA where it copies on meta tensors). The
+    expanded keys of grouped-query attention are not such an output: their reshape copies on CUDA as on
+    meta (Qwen2 on an H200 kept both copies per layer: bench/README.md)."""
+    n = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    while n is not None and n.op == "call_function" and n.target in VIEW_OPS:
+        n = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    return n is not None and n.op == "call_function" and rule_for(n).saved_on_gpu is not None
+
+
 def _reads_narrowed(node: fx.Node) -> bool:
     """Whether a view op reads, through views, a slice that drops part of a dim (the shifted logits
     of a causal LM's loss). Such a reshape copies whatever the shards and kernels. Other reshapes that
     copy on meta tensors may view on a rank (one local head of an expanded key) or on CUDA (the flash
-    kernels' outputs are laid out sequence-major): on CPU, whose kernels lay out their outputs as the
-    meta run does, the step memory model finds at each layout whether the local input's strides allow
-    a view (``StepMemory._local_copy``)."""
+    kernels' outputs are laid out sequence-major): the step memory model finds at each layout whether
+    the local input's strides allow a view (``StepMemory._local_copy``), on CUDA too except through
+    the output of an op whose GPU kernel differs from the meta run's (``_views_kernel_output``)."""
     n = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
     while n is not None and n.op == "call_function" and n.target in VIEW_OPS:
         if n.target is torch.ops.aten.slice.Tensor:
@@ -261,10 +275,28 @@ def _backward_transient(target, args, kwargs) -> int:
     return max(0, mode.peak - end)
 
 
-def _attribute(node, saved, outs, owner, target_device) -> SavedForBackward:
+def _runs_reference_kernel(node, target_device) -> bool:
+    """Whether the target device runs the kernel the meta run stands for, so that what it saved holds."""
+    if rule_for(node).saved_on_gpu is None:
+        return True
+    return target_device != "cuda" and node.target not in _FUSED_ON_CPU
+
+
+def _gpu_reference_backward(node, target_device) -> float | None:
+    """Where a CUDA target runs an op's reference kernel instead of the fused one its rule describes,
+    the bytes that kernel's backward holds there (the rule's ``reference_on_gpu``); else None."""
+    from autopar.passes.rules import context_for
+
+    rule = rule_for(node)
+    if target_device != "cuda" or rule.saved_on_gpu is None or rule.reference_on_gpu is None:
+        return None
+    return rule.reference_on_gpu(context_for(node))
+
+
+def _attribute(node, saved, outs, owner, reference: bool) -> SavedForBackward:
     rule = rule_for(node)
     ins = tensor_inputs(node)
-    if rule.saved_on_gpu is not None and saved and (target_device == "cuda" or node.target in _FUSED_ON_CPU):
+    if not reference and saved:
         from autopar.passes.rules import context_for
 
         return rule.saved_on_gpu(context_for(node))
