@@ -136,12 +136,14 @@ class ParallelModule(nn.Module):
     def saved_tensor(self, fqn: str) -> tuple[torch.Tensor, tuple]:
         """(the local tensor a state dict holds of parameter ``fqn``, its layout): ``local_tensor``, or the
         float32 master's block where the master is sharded and the whole local tensor is a copy."""
-        if self._sharded_master(fqn):
+        if self._sharded_master(fqn) is not None:
             return self.local_parameter(fqn), self.state_layout(fqn)
         return self.local_tensor(fqn), self._layouts[fqn]
 
-    def _sharded_master(self, fqn: str) -> bool:
-        return fqn in self._zero_of and self._zero_of[fqn][4] is not None
+    def _sharded_master(self, fqn: str):
+        """The ZeRO state of ``fqn`` where its float32 master is sharded (runtime/zero.py), else None."""
+        states = self._sharded_states.states if self._sharded_states is not None else ()
+        return next((st for st in states if st.fqn == fqn and st.sharded_master), None)
 
     def state_layout(self, fqn: str) -> tuple:
         """The layout of ``local_parameter(fqn)`` and its optimizer state: the plan's layout, with the
@@ -311,8 +313,8 @@ class ParallelModule(nn.Module):
             self._set_local(fqn, local.to(param.dtype), param.requires_grad)
         else:
             self.local_tensor(fqn).detach().copy_(local)
-            if self._sharded_master(fqn):
-                state = next(st for st in self._sharded_states.states if st.fqn == fqn)
+            state = self._sharded_master(fqn)
+            if state is not None:
                 param.detach().copy_(state.block(local))
 
     def _after_load(self) -> None:

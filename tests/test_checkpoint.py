@@ -244,6 +244,13 @@ def _bf16_zero1_checkpoint(rank, world, root):
         assert all(full[f].dtype == torch.float32 for f in sharded)
         assert any(not torch.equal(full[f], full[f].bfloat16().float()) for f in sharded), \
             "the checkpoint holds the bfloat16 copies, not the float32 masters"
+    # A full state dict carries the float32 masters: loaded under the same plan, they are the blocks
+    # stepped, and the copies the program reads are made from them.
+    loaded = compile_(1, 1)
+    loaded.load_state_dict(pm.full_state_dict())
+    for fqn in pm.plan.params:
+        assert torch.equal(loaded.local_parameter(fqn), pm.local_parameter(fqn)), fqn
+        assert torch.equal(loaded.local_tensor(fqn), pm.local_tensor(fqn)), fqn
     for label, zero in (("the same plan", 1), ("data parallel", 0)):
         resumed = compile_(1, zero)
         opt = torch.optim.AdamW(resumed.parameters(), lr=5 * LR)
