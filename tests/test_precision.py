@@ -150,6 +150,19 @@ def test_zero1_shards_the_float32_master_of_each_weight_read_through_its_copy():
     assert gathered == 2 * n_s + 4 * n_w
 
 
+def test_zero2_is_refused_for_a_weight_read_through_its_bf16_copy():
+    """Under bf16-mixed a weight read only through its bfloat16 copy stops at ZeRO-1 (the cast cannot
+    leave its gradient partial for ZeRO-2's reduce-scatter): a pin asking for ZeRO-2 says so."""
+    from autopar.errors import ShardingError
+
+    model = build("llama")
+    ids, labels = batch()
+    with pytest.raises(ShardingError, match=r"ZeRO-2.*stops at ZeRO-1"):
+        autopar.plan(model, autopar.ClusterSpec.local_cpu(2), (ids,), {"labels": labels}, mesh_shape=(2,),
+                     pins={"model.layers.0.mlp.up_proj.weight": {"output": ["R"], "zero": 2}},
+                     precision="bf16-mixed", progress=False)
+
+
 def _train(rank, world, cases):
     import autopar
     from torch.distributed.tensor import DTensor
