@@ -102,7 +102,7 @@ def load(path, pmodel, optimizer=None):
     state = _restrided(contiguous, state)
     with torch.no_grad():
         for fqn in _held(pmodel, state["model"]):
-            local = pmodel.local_tensor(fqn)
+            local = pmodel.saved_tensor(fqn)[0]
             loaded = state["model"][fqn]
             loaded = loaded.to_local() if hasattr(loaded, "to_local") else loaded
             if loaded.data_ptr() != local.data_ptr():

@@ -51,18 +51,21 @@ def codegen_passes(plan: Plan, front: "FrontEnd", group_names, device, *, sharde
     recompute = plan.recompute["layers"]
     cores = tuple((name, tuple(nodes)) for name, nodes in plan.recompute.get("attention", {}).get("regions", {}).items())
     offloaded = tuple(plan.recompute.get("offload", {}).get("layers", ()))
+    # Gradient reductions are bucketed before recompute wraps layers: a parameter read inside a
+    # recomputed layer would otherwise keep one all-reduce per use there, each waited in its backward.
     return (partial(local_program_pass, plan=plan, group_names=group_names, sharded_outputs=sharded_outputs),
+            *((grad_buckets_pass,) if overlap else ()),
             *((partial(recompute_pass, layers=tuple(recompute), cores=cores, offloaded=offloaded),)
               if recompute or cores or offloaded else ()),
             partial(retarget_devices_pass, device=device),
             partial(fuse_pass, backend=kernels, device=device,
                     example_inputs=example_local_inputs(front.gm, plan) if kernels == "triton" else None),
-            *((overlap_pass, grad_buckets_pass) if overlap else ()))
+            *((overlap_pass,) if overlap else ()))
 
 
 PASS_NAMES = tuple(pass_name(p) for p in (autocast_pass, *FRONT_END, *analysis_passes("cpu"), *mesh_passes(()),
-                                           local_program_pass, recompute_pass, retarget_devices_pass, fuse_pass,
-                                           overlap_pass, grad_buckets_pass))
+                                           local_program_pass, grad_buckets_pass, recompute_pass,
+                                           retarget_devices_pass, fuse_pass, overlap_pass))
 
 
 @dataclass

@@ -102,8 +102,10 @@ def plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, 
         # them). Every rank is checked against the budget under each schedule below.
         scaled = _per_microbatch(cost_model)(sub_cluster, sub_shape, optimizer, fused=fused)
         scaled.microbatches, scaled.stages = m, p
-        prob, idx = build_problem(prep.gm, scaled, memory_budget, pins, sharded_outputs, False, overlap=False)
-        sm = StepMemory(prep.gm, scaled, idx, [len(c.costs) for c in prob.choices], sharded_outputs=sharded_outputs)
+        prob, idx = build_problem(prep.gm, scaled, memory_budget, pins, sharded_outputs, False, overlap=False,
+                                  sharded_masters=False)
+        sm = StepMemory(prep.gm, scaled, idx, [len(c.costs) for c in prob.choices], sharded_outputs=sharded_outputs,
+                        sharded_masters=False)
         report(f"mesh {shape}, {m} microbatches: solving {len(prob.choices)} decisions")
         timings["build"] += time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -126,7 +128,7 @@ def plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, 
             if sol.status == "infeasible" or prob.objective(sol.assignment) >= INFEASIBLE:
                 break
             sub = assemble_plan(prep, SolvedMesh(sub_shape, sub_names, idx, cm, sm), sol.assignment, sub_cluster,
-                                memory_budget, sharded_outputs)
+                                memory_budget, sharded_outputs, pipeline=True)
             sub.collectives = _deferred_to_parameters(prep.gm, sub.collectives, cm, sub_names, idx.chosen(sol.assignment))
             costs = _layer_costs(prep.gm, sub, idx.chosen(sol.assignment), cm, recompute)
             evaluated = [sched for sched in schedules if sched in ("GPipe", "1F1B") or m % p == 0]
@@ -198,13 +200,13 @@ def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
                       else self.steps_phase_seconds([st], info.dtype.itemsize, grad) for st in steps]
             return sum(f for f, _ in phases), sum(b for _, b in phases)
 
-        def param_bytes(self, node, layout, zero=None, offload=False):
-            return tuple(x / self.stages for x in super().param_bytes(node, layout, zero, offload))
+        def param_bytes(self, node, layout, zero=None, offload=False, whole_dtype=None):
+            return tuple(x / self.stages for x in super().param_bytes(node, layout, zero, offload, whole_dtype))
 
         def optimizer_seconds(self, node, layout, zero=None, offload=False):   # of the whole parameter, once per step
             return super().optimizer_seconds(node, layout, zero, offload) * self.stages / self.microbatches
 
-        def zero_collectives(self, node, layout, zero):
+        def zero_collectives(self, node, layout, zero, whole_dtype=None):
             # ZeRO-1's all-gather of the updated shards runs once per step, on the whole parameter; and
             # the gradient sync along its axis, priced as an all-reduce with the parameter's readers,
             # runs as a reduce-scatter (runtime/pipeline.py): the difference is the parameter's own.

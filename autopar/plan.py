@@ -213,18 +213,21 @@ class PlanAlternative(_Record):
 @dataclass(frozen=True, eq=True)
 class PlanZero(_Record):
     """A parameter replicated along ``axis`` whose optimizer state (ZeRO-1), and gradient too (ZeRO-2),
-    are sharded along that axis, split on its dim ``dim`` (docs/cost-model.md)."""
+    are sharded along that axis, split on its dim ``dim`` (docs/cost-model.md). ``sharded_master``: its
+    float32 master weight is sharded too, and each rank keeps whole only the bfloat16 copy the program
+    reads (bf16-mixed ZeRO-1, Megatron-LM's distributed optimizer; runtime/zero.py)."""
 
-    OMITTED_AT_DEFAULT: ClassVar[frozenset] = frozenset({"bucket"})
+    OMITTED_AT_DEFAULT: ClassVar[frozenset] = frozenset({"bucket", "sharded_master"})
 
     stage: int                         # 1 or 2
     axis: str
     dim: int
     bucket: int | None = None          # the bucket its updated shard is all-gathered in (runtime/zero.py)
+    sharded_master: bool = False
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "PlanZero":
-        return cls(d["stage"], d["axis"], d["dim"], d.get("bucket"))
+        return cls(d["stage"], d["axis"], d["dim"], d.get("bucket"), d.get("sharded_master", False))
 
 
 def _optional_tuple(v):
@@ -667,7 +670,7 @@ def _schema(axes) -> dict:
         "extra": _object({}, {"warnings": _list_of(_string)}),
         "pipeline": _optional(_pipeline(axes)),
         "zero": _dict_of(_object({"stage": _zero_stage, "axis": _one_of(axes), "dim": _integer(0)},
-                                 {"bucket": _integer(0)}, open_ended=False)),
+                                 {"bucket": _integer(0), "sharded_master": _boolean}, open_ended=False)),
         "offload": _dict_of(_object({"host_bytes": _number, "device_bytes_freed": _number}, open_ended=False)),
     }
 
@@ -747,6 +750,9 @@ def _validate(d: Any) -> None:
         if d.get("pipeline") is not None and z["stage"] != 1:
             _fail(f"zero.{fqn}", f"ZeRO-{z['stage']}: pipeline plans shard optimizer states (ZeRO-1) only, their "
                                  f"gradients accumulate whole over the microbatches")
+        if z.get("sharded_master") and (z["stage"] != 1 or d.get("pipeline") is not None):
+            _fail(f"zero.{fqn}", "sharded_master: only a ZeRO-1 parameter of a plan without a pipeline shards its "
+                                 "float32 master")
     for fqn in d.get("offload") or {}:
         if fqn not in d["params"]:
             _fail(f"offload.{fqn}", "names no parameter of the plan")

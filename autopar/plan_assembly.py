@@ -15,6 +15,7 @@ from autopar.passes.ilp_build import ProblemIndex
 from autopar.passes.layers import layer_counts, layer_instances
 from autopar.passes.memory import StepMemory
 from autopar.passes.meta import is_param, meta_of, op_name
+from autopar.passes.precision import sharded_master_copy
 from autopar.passes.reshard_plan import collectives, plan_reshards
 from autopar.plan import MemoryPoint, Plan, PlanMemory, PlanNode, PlanZero
 
@@ -48,13 +49,16 @@ class SolvedMesh:
 
 
 def assemble_plan(prep: Prepared, mesh: SolvedMesh, assignment, cluster: ClusterSpec, memory_budget: float,
-                  sharded_outputs: bool = False) -> Plan:
-    """The Plan of ``assignment`` (the solver's choice per decision) on ``mesh``."""
+                  sharded_outputs: bool = False, pipeline: bool = False) -> Plan:
+    """The Plan of ``assignment`` (the solver's choice per decision) on ``mesh``; ``pipeline``: one
+    stage's, whose ZeRO-1 parameters keep their master whole."""
     gm, cap = prep.gm, prep.captured
     idx, cm, axis_names, sm = mesh.idx, mesh.cm, mesh.names, mesh.memory
     chosen = idx.chosen(assignment)
+    masters = {} if pipeline else {n: c for n in chosen if is_param(n)
+                                   and (c := sharded_master_copy(n, chosen)) is not None}
     low = plan_reshards(gm, chosen, cm.mesh_shape, sharded_outputs)
-    colls = collectives(low, cm, axis_names)
+    colls = collectives(low, cm, axis_names, masters)
     recompute = recomputed_layers(gm, idx.recompute_counts(assignment), idx.selective_counts(assignment),
                                   idx.offload_counts(assignment))
     cores = {name for names in recompute.get("attention", {}).get("regions", {}).values() for name in names}
@@ -95,15 +99,16 @@ def assemble_plan(prep: Prepared, mesh: SolvedMesh, assignment, cluster: Cluster
             if role and role.kind == "param":
                 lay = s.outputs[0]
                 params[role.target] = format_layout(lay)
+                whole = masters[n].meta["val"].dtype if n in masters else None
                 if s.zero is not None:
                     zero[role.target] = PlanZero(s.zero.stage, axis_names[s.zero.axis], s.zero.dim,
-                                                 sm.gather_bucket[n])
+                                                 sm.gather_bucket[n], n in masters)
                 if s.offload:
                     host = cm.host_bytes(n, lay)
                     freed = sum(cm.param_bytes(n, lay)) - sum(cm.param_bytes(n, lay, None, True))
                     offload[role.target] = {"host_bytes": host, "device_bytes_freed": max(freed, 0.0)}
                     mem["host"] += host
-                p, g, o = cm.param_bytes(n, lay, s.zero, s.offload)
+                p, g, o = cm.param_bytes(n, lay, s.zero, s.offload, whole)
                 mem["params"] += p
                 mem["grads"] += g
                 mem["optimizer"] += o
@@ -112,7 +117,7 @@ def assemble_plan(prep: Prepared, mesh: SolvedMesh, assignment, cluster: Cluster
             elif role and role.kind == "input" and s.outputs:
                 inputs[role.target] = format_layout(s.outputs[0])
             continue
-        c = cm.compute_seconds(n, s)
+        c = 0.0 if n in masters.values() else cm.compute_seconds(n, s)     # a sharded master's cast: not run
         a = cm.activation_bytes(n, s)
         compute += c
         tag = meta_of(n).layer

@@ -9,9 +9,10 @@ included, taking the largest over ranks:
     python -m torch.distributed.run --standalone --nproc-per-node 4 bench/memory_fidelity.py --kinds 2d
     python -m torch.distributed.run --standalone --nproc-per-node 2 bench/memory_fidelity.py --precision bf16-mixed
 
-With ``--gpu`` (one CUDA device, no torchrun needed) it plans for a one-device cluster of the GPU's
-preset (``--preset``, default 1xH100) and measures ``torch.cuda.max_memory_allocated`` over the same
-steps, against ``plan.memory["peak"]``:
+With ``--gpu`` (one CUDA device, no torchrun needed) it plans for a one-device cluster of the GPU
+(``ClusterSpec.from_env()``, or ``--preset``) and measures ``torch.cuda.max_memory_allocated`` over the
+same steps, less what cuBLAS's workspaces hold before any model is built (the cluster's reserve is for
+them), against ``plan.memory["peak"]``; a case that fails prints its error and the run goes on:
 
     python bench/memory_fidelity.py --gpu
 
@@ -22,6 +23,7 @@ measured / budget where a budget was given.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -56,7 +58,18 @@ def measure_cpu(pm, args, kwargs) -> float:
     return peak.item()
 
 
-def measure_gpu(pm, args, kwargs) -> float:
+def cuda_library_bytes() -> int:
+    """The bytes cuBLAS's workspaces hold through the caching allocator once a matmul has run forward and
+    backward: allocated for the process's life, before any model, and not the plan's (the cluster's
+    ``memory_reserve`` covers them)."""
+    a = torch.randn(256, 256, device="cuda", requires_grad=True)
+    (a @ a).sum().backward()
+    del a
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+def measure_gpu(pm, args, kwargs, library_bytes: int) -> float:
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     step = _step(pm, opt, args, kwargs)
     step()
@@ -65,7 +78,7 @@ def measure_gpu(pm, args, kwargs) -> float:
     for _ in range(2):
         step()
     torch.cuda.synchronize()
-    return float(torch.cuda.max_memory_allocated())
+    return float(torch.cuda.max_memory_allocated() - library_bytes)
 
 
 def _step(pm, opt, args, kwargs):
@@ -93,7 +106,8 @@ def main():
                     help="training precision (default: the model's own, 32-true)")
     ap.add_argument("--gpu", action="store_true", help="one CUDA device: torch.cuda.max_memory_allocated "
                                                        "against the one-device plan")
-    ap.add_argument("--preset", default="1xH100", help="the cluster preset of the GPU in --gpu mode")
+    ap.add_argument("--preset", default=None,
+                    help="the cluster preset in --gpu mode (default: the GPU's own, ClusterSpec.from_env())")
     a = ap.parse_args()
 
     if a.gpu:
@@ -103,8 +117,11 @@ def main():
         os.environ.setdefault("MASTER_PORT", "29533")
         dist.init_process_group("nccl", rank=0, world_size=1)
         torch.cuda.set_device(0)
-        cluster = autopar.ClusterSpec.preset(a.preset)
-        device, measure = torch.device("cuda", 0), measure_gpu
+        cluster = autopar.ClusterSpec.preset(a.preset) if a.preset else autopar.ClusterSpec.from_env()
+        library = cuda_library_bytes()
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; cluster {cluster.name}; "
+              f"cuBLAS workspaces {library / 2**20:.1f} MiB (left out of the measured peaks)", flush=True)
+        device, measure = torch.device("cuda", 0), functools.partial(measure_gpu, library_bytes=library)
     else:
         dist.init_process_group("gloo")
         cluster = autopar.ClusterSpec.local_cpu(dist.get_world_size())
@@ -146,7 +163,19 @@ def main():
                     if rank0:
                         print(f"{arch:<10} {kind:<16} {b:>10} no plan: {e}", flush=True)
                     continue
-                measured = measure(pm, args, kwargs)
+                except Exception as e:
+                    if not a.gpu:
+                        raise
+                    print(f"{arch:<10} {kind:<16} {b:>10} failed to compile: {type(e).__name__}: {str(e)[:300]}",
+                          flush=True)
+                    continue
+                try:
+                    measured = measure(pm, args, kwargs)
+                except Exception as e:      # on one GPU a failing case must not hide the others' figures
+                    if not a.gpu:
+                        raise
+                    print(f"{arch:<10} {kind:<16} {b:>10} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    continue
                 pred = pm.plan.memory["peak"]
                 worst = max(worst, abs(measured / pred - 1))
                 if rank0:

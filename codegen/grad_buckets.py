@@ -7,7 +7,8 @@ those reductions out of the program and lists the parameters in ``ProgramMeta.gr
 the order their gradients become ready in backward (reverse order of first use), with their group
 and the number of reductions each replaces; the runtime
 (runtime/grad_buckets.py) packs them into buckets and launches each bucket's all-reduce as soon as
-its gradients are accumulated, while backward goes on.
+its gradients are accumulated, while backward goes on. It runs before ``recompute_pass``, which would
+hide a parameter's uses inside a recomputed layer behind the layer's checkpoint call.
 """
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ from autopar.errors import PlanFormatError, ShardingError
 from autopar.layout import format_layout, local_shape, parse_layout
 from autopar.passes.normalize import BIASED_MATMULS, folded_matmul
 from autopar.passes.reshard_plan import gathered_output, plan_reshards
+from autopar.passes.precision import cast_source
 from autopar.passes.meta import meta_of, op_name, set_meta, set_program_meta
 from autopar.passes.rules import context_for, rule_for
 from autopar.passes.runner import requires
@@ -172,17 +173,17 @@ def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str]
                     outs.append(env[a] if isinstance(a, fx.Node) else a)
             g.output(pytree.tree_unflatten(outs, spec))
     _fold_biases(gm, env)
-    _read_zero_before_use(g, placeholders, plan)
+    copies = _read_zero_before_use(g, placeholders, plan)
     local = fx.GraphModule(gm, g, class_name="LocalProgram")
     # A plan without gather buckets (written before they existed) gathers each parameter alone.
     zero = tuple((fqn, z.stage, group_names[plan.axis_names.index(z.axis)], z.dim,
-                  f"own {fqn}" if z.bucket is None else z.bucket) for fqn, z in plan.zero.items())
+                  f"own {fqn}" if z.bucket is None else z.bucket, copies.get(fqn)) for fqn, z in plan.zero.items())
     set_program_meta(local, placeholders=tuple(placeholders), output_layouts=tuple(output_layouts),
                      sharded_states=zero, offloaded=tuple(sorted(plan.offload)))
     return local
 
 
-def _read_zero_before_use(g: fx.Graph, roles: list, plan: Plan) -> None:
+def _read_zero_before_use(g: fx.Graph, roles: list, plan: Plan) -> dict:
     """Read each ZeRO-1/2 parameter through ``runtime.zero.whole_of`` right before its first use: for
     ZeRO-2 the read is where backward reduce-scatters the parameter's summed gradient, and autograd runs
     it as soon as its gradient is complete only if it was made after everything that ran before its use
@@ -190,9 +191,13 @@ def _read_zero_before_use(g: fx.Graph, roles: list, plan: Plan) -> None:
     recomputed layer's region holds it: outside, it would be made before the whole region and run after
     the region's whole backward. A pipeline plan's ZeRO-1 parameters are read directly: its
     stages find a parameter's per-microbatch all-reduce at its placeholder (codegen/stages.py), and it
-    runs through ``train_step`` only, never under the user's ``torch.autograd.grad``."""
+    runs through ``train_step`` only, never under the user's ``torch.autograd.grad``.
+    A parameter whose float32 master the plan shards (``PlanZero.sharded_master``) is held whole as its
+    lower-precision copy: the read is that copy, in place of the cast. Returns those parameters' copy
+    dtypes."""
     sharded_states = {fqn for fqn, z in plan.zero.items() if z.stage == 2 or not plan.pipeline}
     order = {n: i for i, n in enumerate(g.nodes)}
+    copies = {}
     for ph, (kind, target) in zip([n for n in g.nodes if n.op == "placeholder"], roles):
         if kind != "param" or target not in sharded_states or not ph.users:
             continue
@@ -201,6 +206,15 @@ def _read_zero_before_use(g: fx.Graph, roles: list, plan: Plan) -> None:
             whole = g.call_function(Z.whole_of, (ph,))
         set_meta(whole, layer=meta_of(first).layer)
         ph.replace_all_uses_with(whole, delete_user_cb=lambda u: u is not whole)
+        if plan.zero[target].sharded_master:
+            cast = next(iter(whole.users)) if len(whole.users) == 1 else None
+            if cast is None or cast_source(cast) is not whole:
+                raise PlanFormatError(f"plan zero[{target!r}] shards its float32 master, but the program reads "
+                                      f"{target!r} other than through one dtype cast; plan this model again")
+            copies[target] = cast.kwargs["dtype"]
+            cast.replace_all_uses_with(whole)
+            g.erase_node(cast)
+    return copies
 
 
 def retarget_devices_pass(gm: fx.GraphModule, *, device) -> fx.GraphModule:

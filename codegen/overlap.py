@@ -14,8 +14,10 @@ solver's feature splits over DDP's layout do) is read through ``param_chunk`` in
 all-gather is issued in backward and waited at the next such issue or when backward ends, so the rest
 of backward runs while it is in flight (runtime/collectives.py).
 
-Only the top-level graph is scheduled: collectives inside recomputed layers (codegen/recompute.py)
-and those inside sharded ops (runtime/sharded_ops.py) still wait at once.
+So is one read inside a recomputed or offloaded layer (codegen/recompute.py): autograd runs the
+parameter's chunk's backward in the layer's backward, after its re-run. Only the top-level graph's
+forward collectives are split: those inside recomputed layers and inside sharded ops
+(runtime/sharded_ops.py) still wait at once.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch.fx as fx
 from autopar.passes.meta import program_meta
 from autopar.passes.runner import requires
 from autopar.runtime import collectives as C
+from autopar.runtime.recompute import checkpointed, offloaded
 
 
 @requires("local_program_pass")
@@ -51,9 +54,21 @@ def overlap_pass(gm: fx.GraphModule) -> fx.GraphModule:
         previous_wait = wait
     params = {p for p, (kind, _) in zip((n for n in graph.nodes if n.op == "placeholder"),
                                         program_meta(gm).placeholders) if kind == "param"}
+    _read_params_in_chunks(gm, params)
+    # A recomputed or offloaded layer's body reads the parameters its call passes it.
     for node in graph.nodes:
-        if node.op == "call_function" and node.target is C.local_chunk and node.args[0] in params:
-            node.target = C.param_chunk
+        if node.op == "call_function" and node.target in (checkpointed, offloaded):
+            body = getattr(gm, node.args[0].target)
+            inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
+            _read_params_in_chunks(body, {b for b, a in zip(inputs, node.args[1:]) if a in params})
+            body.recompile()
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _read_params_in_chunks(gm: fx.GraphModule, params: set) -> None:
+    """Read each parameter in ``params`` that ``gm`` reads through ``local_chunk`` through ``param_chunk``."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is C.local_chunk and node.args[0] in params:
+            node.target = C.param_chunk

@@ -243,11 +243,16 @@ class CostModel:
         return phases[0], phases[1]
 
     # --- parameters and memory -----------------------------------------------------------------
-    def param_bytes(self, node: fx.Node, layout, zero=None, offload: bool = False) -> tuple[float, float, float]:
+    def param_bytes(self, node: fx.Node, layout, zero=None, offload: bool = False,
+                    whole_dtype: torch.dtype | None = None) -> tuple[float, float, float]:
         """(parameter, gradient, optimizer state) bytes per device that a parameter under ``layout``
         keeps through the step. ``zero`` (a ZeroState) shards the optimizer state along its axis
         (ZeRO-1), and the gradient kept for the optimizer too (ZeRO-2); ZeRO's formulas
-        (REFERENCES.md) follow: ``p + g + o/N`` and ``p + (g + o)/N``. ``offload`` keeps the
+        (REFERENCES.md) follow: ``p + g + o/N`` and ``p + (g + o)/N``. ``whole_dtype``: a ZeRO-1
+        parameter whose float32 master is sharded too (``passes.precision.sharded_master_copy``) keeps
+        whole only its copy in that dtype, and its master and gradient at the state's block:
+        ``w + p/N``, ``g/N`` (bf16-mixed Adam: 2 + 4/N + 8/N bytes, ZeRO's 2 + 12/N with the master
+        among the states, and a float32 gradient of 4/N). ``offload`` keeps the
         optimizer state, the gradient the optimizer reads and the copy of the parameter it steps in
         host memory (``host_bytes``): on a GPU only the parameter the program reads stays, ``p``; where
         host and device are one memory (CPU processes) the host copies count too, ``2p + g + o``."""
@@ -260,6 +265,8 @@ class CostModel:
         if zero is not None:
             n = self.mesh_shape[zero.axis]
             o /= n
+            if whole_dtype is not None:
+                return numel * whole_dtype.itemsize + p / n, g / n, o
             if zero.scatters_grad:
                 g /= n
         return p, g, o
@@ -286,23 +293,25 @@ class CostModel:
             return (g + p) / c.host_link_bandwidth + touched / (c.host_memory_bandwidth / c.devices_per_node)
         return touched / self.cluster.device.memory_bandwidth
 
-    def zero_collectives(self, node: fx.Node, layout, zero) -> list[Collective]:
+    def zero_collectives(self, node: fx.Node, layout, zero, whole_dtype: torch.dtype | None = None) -> list[Collective]:
         """What a ZeRO-1/2 parameter's state costs in communication beyond plain data parallelism's:
         ZeRO-2 reduce-scatters the gradient (in place of the all-reduce along its axis, which its
-        readers then leave out) and both all-gather the updated shards after the optimizer step."""
+        readers then leave out) and both all-gather the updated shards after the optimizer step, in
+        ``whole_dtype`` where a sharded float32 master updates a whole copy in it (``param_bytes``)."""
         if zero is None:
             return []
         p = self.param_bytes(node, layout)[0]
+        gathered = p if whole_dtype is None else p / node.meta["val"].dtype.itemsize * whole_dtype.itemsize
         out = []
         if zero.scatters_grad:
             out.append(Collective("reduce_scatter", zero.axis, "backward", p,
                                   self.collective_seconds("reduce_scatter", p, zero.axis)))
-        out.append(Collective("all_gather", zero.axis, "optimizer", p,
-                              self.collective_seconds("all_gather", p, zero.axis)))
+        out.append(Collective("all_gather", zero.axis, "optimizer", gathered,
+                              self.collective_seconds("all_gather", gathered, zero.axis)))
         return out
 
-    def zero_seconds(self, node: fx.Node, layout, zero) -> float:
-        return sum(c.seconds for c in self.zero_collectives(node, layout, zero))
+    def zero_seconds(self, node: fx.Node, layout, zero, whole_dtype: torch.dtype | None = None) -> float:
+        return sum(c.seconds for c in self.zero_collectives(node, layout, zero, whole_dtype))
 
     def param_transition_seconds(self, value: Value, src: Strategy, dst_layout, partial_axes: frozenset) -> float:
         """``transition_seconds`` from a parameter's strategy: a ZeRO-2 parameter's gradient is reduced

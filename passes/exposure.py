@@ -136,8 +136,8 @@ def exposure(gm: fx.GraphModule, strategy: dict, colls: list[PlanCollective], cm
             continue
         if c.kind == "all_gather":
             # A replicated parameter read in chunks (runtime/collectives.py: param_chunk), at its reader's
-            # backward, where the program's top level reads it.
-            if st.zero is None and c.node not in recomputed:
+            # backward, recomputed or not.
+            if st.zero is None:
                 deferred[i] = c.node
             continue
         if (c.value, c.node) in split_reads and st.zero is None:

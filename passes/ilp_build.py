@@ -16,6 +16,7 @@ from autopar.layout import Placement, R
 from autopar.passes.costs import INFEASIBLE, CostModel
 from autopar.passes.exposure import HidingWindows
 from autopar.passes.meta import is_param, meta_of
+from autopar.passes.precision import reads_through_copy, sharded_master_option
 from autopar.passes.strategies import MeshStrategies, Value, input_values, requires_grad, strategies_on
 from autopar.solver import Choice, Edge, Problem, SharedEdge
 
@@ -120,10 +121,13 @@ def _pinned_options(rep: fx.Node, opts, pins: dict, mesh_axes: int):
                                 f"{f' with layout {out}' if out else ''}{f' and ZeRO-{zero}' if zero else ''}, which "
                                 f"it cannot take: only a trained parameter offloads, and not with ZeRO-1/2")
         if not allowed and zero:
+            copy = (" (a weight read only through its bfloat16 copy stops at ZeRO-1: the copy's cast cannot leave "
+                    "its gradient partial for ZeRO-2's reduce-scatter; pin zero 1, whose float32 master is sharded "
+                    "too, or ZeRO-3, a sharded layout)") if zero == 2 and is_param(rep) and reads_through_copy(rep) else ""
             raise ShardingError(f"pin {pattern!r} asks {name} for ZeRO-{zero}{f' with layout {out}' if out else ''}, "
                                 f"which it cannot take here: a ZeRO-1/2 state is sharded along a mesh axis the "
                                 f"parameter is replicated on, along a dim no other axis shards and that divides "
-                                f"by that axis's size")
+                                f"by that axis's size{copy}")
         refused = "".join(f"; refused: {r}" for r in meta_of(rep).refused[:8])
         if not allowed and any(Placement.parse(p).is_strided for p in out or ()):
             refused += ("; a strided layout S(d,k) is offered only where dim d is split or chunked into k "
@@ -169,7 +173,8 @@ def _unmatched(pattern, decided_names, strategies: MeshStrategies):
 
 def build_problem(gm: fx.GraphModule, cm: CostModel, memory_budget: float | None,
                   pins: dict | None = None, sharded_outputs: bool = False,
-                  recompute: bool | dict = True, overlap: bool = True) -> tuple[Problem, ProblemIndex]:
+                  recompute: bool | dict = True, overlap: bool = True,
+                  sharded_masters: bool = True) -> tuple[Problem, ProblemIndex]:
     """``pins`` maps a glob over decision names (parameter FQNs, input names, node names) to a layout
     that decision must take. A pin on one copy of a repeated layer applies to every copy. With
     ``sharded_outputs`` only scalar user outputs are priced as gathered (passes.reshard_plan). With
@@ -180,7 +185,9 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_budget: float | None
     .overlap_saving``: all of it but the device's contention share), so the solver prefers layouts whose
     communication hides; ``idx.credit`` holds the credits alone, so that ``objective + credit`` is the
     serial step time. Without it the objective is the serial step time. The strategies are those
-    ``strategies_pass`` made for the cost model's mesh."""
+    ``strategies_pass`` made for the cost model's mesh. With ``sharded_masters`` (not a pipeline's
+    stages) a ZeRO-1 weight read through its bfloat16 copy shards its float32 master: its copy is
+    gathered in bfloat16 and its cast does not run (``passes.precision.sharded_master_copy``)."""
     strategies = strategies_on(gm, cm.mesh_shape)
     nodes = list(strategies)
     root_of = strategies.root_of
@@ -204,8 +211,11 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_budget: float | None
         costs, fwd, core, kept = [], [], [], []
         for o in range(len(opts)):
             c, f, fc, a = 0.0, 0.0, 0.0, 0.0
+            copy = sharded_master_option(rep, o, strategies) if sharded_masters and is_param(rep) else None
             for m in members[rep]:
                 s = strategies.strategy_of(m, o)
+                if m is copy:           # the program reads the whole copy in place of the cast
+                    continue
                 c += cm.compute_seconds(m, s) + cm.op_comm_seconds(m, s)
                 f += cm.forward_seconds(m, s)
                 a += cm.activation_bytes(m, s)
@@ -213,7 +223,7 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_budget: float | None
                     fc += cm.forward_seconds(m, s)
                 if is_param(m):
                     c += (cm.optimizer_seconds(m, s.outputs[0], s.zero, s.offload)
-                          + cm.zero_seconds(m, s.outputs[0], s.zero))
+                          + cm.zero_seconds(m, s.outputs[0], s.zero, None if copy is None else copy.meta["val"].dtype))
             costs.append(c)
             fwd.append(f)
             core.append(fc)

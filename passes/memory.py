@@ -131,10 +131,12 @@ def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda", f
                 if first is not None and _storage_key(outs[0]) != _storage_key(first):
                     if _reads_narrowed(node):
                         set_meta(node, copies=True)
-                    elif target_device == "cpu":
+                    elif target_device == "cpu" or not _views_kernel_output(node):
                         set_meta(node, copies_from=(tuple(first.shape), tuple(first.stride())))
-            saved = _attribute(node, current["saved"], outs, owner, target_device)
-            if node.target not in _FUSED_ON_CPU and node.target is not operator.getitem:
+            gpu_reference = _gpu_reference_backward(node, target_device)
+            reference = gpu_reference is not None or _runs_reference_kernel(node, target_device)
+            saved = _attribute(node, current["saved"], outs, owner, reference)
+            if (reference or node.target not in _FUSED_ON_CPU) and node.target is not operator.getitem:
                 # Repeated layers run the same ops on the same shapes: one backward per distinct call.
                 key = _call_key(node.target, args, kwargs)
                 if key is None or key not in transients:
@@ -143,7 +145,7 @@ def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda", f
                         transients[key] = t
                 else:
                     t = transients[key]
-                saved = dataclasses.replace(saved, backward=t)
+                saved = dataclasses.replace(saved, backward=max(t, int(gpu_reference or 0)))
             set_meta(node, saved=saved)
     return gm
 
@@ -171,13 +173,25 @@ def _view_records(node: fx.Node) -> tuple:
     return m.saved, m.copies, m.copies_from
 
 
+def _views_kernel_output(node: fx.Node) -> bool:
+    """Whether a view op reads, through views, the output of an op whose GPU kernel is not the meta
+    run's (a rule's ``saved_on_gpu``: attention, whose fused kernels lay their output out
+    sequence-major, so a reshape of its transpose views on CUDA where it copies on meta tensors). The
+    expanded keys of grouped-query attention are not such an output: their reshape copies on CUDA as on
+    meta (Qwen2 on an H200 kept both copies per layer: bench/README.md)."""
+    n = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    while n is not None and n.op == "call_function" and n.target in VIEW_OPS:
+        n = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    return n is not None and n.op == "call_function" and rule_for(n).saved_on_gpu is not None
+
+
 def _reads_narrowed(node: fx.Node) -> bool:
     """Whether a view op reads, through views, a slice that drops part of a dim (the shifted logits
     of a causal LM's loss). Such a reshape copies whatever the shards and kernels. Other reshapes that
     copy on meta tensors may view on a rank (one local head of an expanded key) or on CUDA (the flash
-    kernels' outputs are laid out sequence-major): on CPU, whose kernels lay out their outputs as the
-    meta run does, the step memory model finds at each layout whether the local input's strides allow
-    a view (``StepMemory._local_copy``)."""
+    kernels' outputs are laid out sequence-major): the step memory model finds at each layout whether
+    the local input's strides allow a view (``StepMemory._local_copy``), on CUDA too except through
+    the output of an op whose GPU kernel differs from the meta run's (``_views_kernel_output``)."""
     n = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
     while n is not None and n.op == "call_function" and n.target in VIEW_OPS:
         if n.target is torch.ops.aten.slice.Tensor:
@@ -261,10 +275,28 @@ def _backward_transient(target, args, kwargs) -> int:
     return max(0, mode.peak - end)
 
 
-def _attribute(node, saved, outs, owner, target_device) -> SavedForBackward:
+def _runs_reference_kernel(node, target_device) -> bool:
+    """Whether the target device runs the kernel the meta run stands for, so that what it saved holds."""
+    if rule_for(node).saved_on_gpu is None:
+        return True
+    return target_device != "cuda" and node.target not in _FUSED_ON_CPU
+
+
+def _gpu_reference_backward(node, target_device) -> float | None:
+    """Where a CUDA target runs an op's reference kernel instead of the fused one its rule describes,
+    the bytes that kernel's backward holds there (the rule's ``reference_on_gpu``); else None."""
+    from autopar.passes.rules import context_for
+
+    rule = rule_for(node)
+    if target_device != "cuda" or rule.saved_on_gpu is None or rule.reference_on_gpu is None:
+        return None
+    return rule.reference_on_gpu(context_for(node))
+
+
+def _attribute(node, saved, outs, owner, reference: bool) -> SavedForBackward:
     rule = rule_for(node)
     ins = tensor_inputs(node)
-    if rule.saved_on_gpu is not None and saved and (target_device == "cuda" or node.target in _FUSED_ON_CPU):
+    if not reference and saved:
         from autopar.passes.rules import context_for
 
         return rule.saved_on_gpu(context_for(node))
@@ -481,11 +513,15 @@ class StepMemory:
     """
 
     def __init__(self, gm, cm, idx, num_options: Sequence[int], *, sharded_outputs: bool = False,
-                 overlap: bool = True):
+                 overlap: bool = True, sharded_masters: bool = True):
         from autopar.passes.layers import attention_cores, layer_instances
 
         self.cm, self.idx, self.num_options = cm, idx, tuple(num_options)
         self.sharded_outputs, self.overlap = sharded_outputs, overlap
+        # Whether a ZeRO-1 weight read through its bfloat16 copy has its float32 master sharded
+        # (``passes.precision.sharded_master_copy``; not in a pipeline's stages): the program reads the
+        # whole copy, held all step, in place of the cast.
+        self.sharded_masters = sharded_masters
         self.events: list[tuple[int, int, Bytes]] = []     # (category, +1 or -1, bytes)
         self.points: list[tuple[int, str, str]] = []       # (number of events before it, phase, name)
         self._copy_points: set[int] = set()                # the points where a gradient bucket may copy
@@ -568,6 +604,27 @@ class StepMemory:
                 table.append(nbytes * (1.0 if s is None else local_fraction(s.outputs[v.index], self.cm.mesh_shape)))
             self._values[key] = _one(c, table)
         return self._values[key]
+
+    def _master_copy(self, param, o):
+        """The copy ``param`` is read through where its option ``o`` shards its float32 master, else None."""
+        from autopar.passes.precision import sharded_master_option
+
+        if not self.sharded_masters or param not in self.idx.strategies:
+            return None
+        return sharded_master_option(param, o, self.idx.strategies)
+
+    def storage(self, v) -> Bytes:
+        """Bytes of the storage value ``v`` makes: its ``value``, but nothing for the copy of a parameter
+        whose option shards its master (the copy is the parameter's, held all step)."""
+        from autopar.passes.precision import cast_source
+
+        vb = self.value(v)
+        src = cast_source(v.node) if v.node.op == "call_function" else None
+        if src is None or not is_param(src) or self._choice(src) != self._choice(v.node):
+            return vb
+        c = self._choice(src)
+        table = [0.0 if self._master_copy(src, o) is v.node else vb.at({c: o}) for o in self._options(c)]
+        return vb if all(t == vb.at({c: o}) for o, t in zip(self._options(c), table)) else _one(c, table)
 
     def reads(self, v, node, k):
         """How ``node`` reads its input ``k``, value ``v``: (the value's decision, the reader's, the request
@@ -874,7 +931,7 @@ class StepMemory:
             return out + [v]
 
         def stored(s) -> Bytes:
-            return copy_views.get(s) or self.value(s)
+            return copy_views.get(s) or self.storage(s)
 
         inst_of = {}          # node -> the recomputed regions it is in (a layer and its attention core)
         for inst, (_, _, nodes) in instances.items():
@@ -891,14 +948,17 @@ class StepMemory:
                 c = self._choice(n)
                 opts = [self._strategy(n, i) for i in self._options(c)]
                 full = [self.cm.param_bytes(n, s.outputs[0]) for s in opts]
-                kept = [self.cm.param_bytes(n, s.outputs[0], s.zero, s.offload) for s in opts]
+                copies = [self._master_copy(n, o) for o in self._options(c)]
+                copy_dtype = [None if cp is None else cp.meta["val"].dtype for cp in copies]
+                kept = [self.cm.param_bytes(n, s.outputs[0], s.zero, s.offload, w) for s, w in zip(opts, copy_dtype)]
                 if c is not None and any(s.offload for s in opts) and not self.cm.cluster.host_is_device:
                     acc = self._host.setdefault(c, [0.0] * len(opts))
                     for i, s in enumerate(opts):
                         acc[i] += self.cm.host_bytes(n, s.outputs[0]) if s.offload else 0.0
                 add((_P, 1, _one(c, [k[0] for k in kept])))
                 add((_O, 1, _one(c, [k[2] for k in kept])))
-                grads_of[n] = _one(c, [f[1] for f in full])      # the gradient backward accumulates
+                # The gradient backward accumulates (a sharded master's: its block).
+                grads_of[n] = _one(c, [k[1] if w else f[1] for f, k, w in zip(full, kept, copy_dtype)])
                 shards = [1 if s.zero is None else self.cm.mesh_shape[s.zero.axis] for s in opts]
                 # An offloaded parameter's optimizer step runs in host memory: its buffers count on the
                 # device only where host and device are one memory.
@@ -930,8 +990,13 @@ class StepMemory:
                 if any(s.zero is not None for s in opts):
                     # After the step the updated shards of a bucket are copied into one flat buffer and
                     # all-gathered into a new one, then copied into the parameters.
-                    gathers[n] = (_one(c, [0.0 if s.zero is None else f[0] * (1 + 1 / k)
-                                           for s, f, k in zip(opts, full, shards)]), max(f[0] for f in full))
+                    # A sharded master's blocks are gathered in its copy's dtype, by a collective of
+                    # their own: the bucket's parameters of each dtype, one after the other.
+                    dtypes = [val.dtype if w is None else w for w in copy_dtype]
+                    gathers[n] = ({d: _one(c, [0.0 if s.zero is None or t != d else
+                                               f[0] / val.dtype.itemsize * d.itemsize * (1 + 1 / k)
+                                               for s, f, k, t in zip(opts, full, shards, dtypes)])
+                                   for d in dict.fromkeys(dtypes)}, max(f[0] for f in full))
             else:
                 add((_T, 1, Bytes(None, None, float(val.numel() * val.element_size()))))
 
@@ -1004,7 +1069,7 @@ class StepMemory:
                 # (three decisions), it is kept whatever the copy (the safe side). Read through one
                 # copy view, it is kept only where that view reads no copy, or, where the reader keeps
                 # it under some options only, where the reader keeps it (whatever the copy).
-                ca, vb = self._choice(b.node), self.value(b)
+                ca, vb = self._choice(b.node), self.storage(b)
                 exact = cp is None or ca == self._choice(v.node)
                 if views:
                     vc = copy_views[views[0]]
@@ -1028,7 +1093,7 @@ class StepMemory:
                 keeps = [1.0 if i < len(f) and f[i] else 0.0 for f in flags]
                 if any(keeps):
                     b = base(o)
-                    cond = None if all(keeps) or self._choice(b.node) != cb else _gated(self.value(b), cb, keeps)
+                    cond = None if all(keeps) or self._choice(b.node) != cb else _gated(self.storage(b), cb, keeps)
                     holders.setdefault(b, []).append((n, cond))
             if outs:      # output bytes a rule declares (for a GPU kernel) beyond whole outputs
                 vb, extra = self.value(outs[0]), []
@@ -1095,7 +1160,7 @@ class StepMemory:
                     external[(s, ri)] = (ind, pos[nodes[0]]) if e is None else \
                         (tuple(max(x, y) for x, y in zip(e[0], ind)), min(e[1], pos[nodes[0]]))
         for (s, ri), (ind, first) in external.items():
-            q = _times(self.value(s), ri, ind)
+            q = _times(self.storage(s), ri, ind)
             frees.setdefault(("F", last_use[s]), []).append((_A, 1, q))
             frees.setdefault(("B", first), []).append((_A, -1, q))
 
@@ -1136,7 +1201,7 @@ class StepMemory:
                         transient.append(gate(q, _if_recomputed))
             if not is_view(n):
                 for o in output_values(n):
-                    make(o, self.value(o))
+                    make(o, self.storage(o))
             if again is None:
                 for q in kept.get(n, ()):
                     add((_A, 1, q))
@@ -1340,12 +1405,15 @@ class StepMemory:
         buckets = zero_gather_buckets([(n, whole) for n, (_, whole) in gathers.items()])
         self.gather_bucket = {n: b for b, members in enumerate(buckets) for n in members}
         for members in buckets:
-            for n in members:
-                add((_T, 1, gathers[n][0]))
-            self.points.append((len(self.events), "optimizer",
-                                f"all_gather {', '.join(meta_of(n).role.target for n in members)}"))
-            for n in members:
-                add((_T, -1, gathers[n][0]))
+            for d in dict.fromkeys(d for n in members for d in gathers[n][0]):
+                held = [gathers[n][0][d] for n in members if d in gathers[n][0]]
+                for q in held:
+                    add((_T, 1, q))
+                self.points.append((len(self.events), "optimizer",
+                                    f"all_gather {', '.join(meta_of(n).role.target for n in members)} "
+                                    f"({str(d).removeprefix('torch.')})"))
+                for q in held:
+                    add((_T, -1, q))
 
     def _bucketed_gradients(self, grads_of, pos, input_values) -> dict:
         """Reader node -> [Bytes] of the gradient buckets launched after its backward. With overlap

@@ -86,8 +86,10 @@ class ProgramMeta:
     grad_reductions: tuple = ()           # (parameter, group name, uses) whose gradient the runtime
                                           # reduces in buckets (codegen/grad_buckets.py), in backward
                                           # order, in place of one reduction per use
-    sharded_states: tuple = ()            # (parameter, ZeRO stage, group name, dim, gather bucket) of every
-                                          # parameter whose optimizer state the runtime shards (runtime/zero.py)
+    sharded_states: tuple = ()            # (parameter, ZeRO stage, group name, dim, gather bucket, the whole
+                                          # copy's dtype where the float32 master is sharded too, else None) of
+                                          # every parameter whose optimizer state the runtime shards
+                                          # (runtime/zero.py)
     offloaded: tuple = ()                 # parameters whose gradient the runtime copies to host memory
                                           # once complete (runtime/offload.py)
     # On the graph the planner searches: mesh shape -> passes.strategies.MeshStrategies, one per

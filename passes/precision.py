@@ -179,6 +179,39 @@ def gradient_carrier(param: fx.Node) -> fx.Node:
     return users[0] if len(users) == 1 and cast_source(users[0]) is param else param
 
 
+def reads_through_copy(param: fx.Node) -> bool:
+    """Whether a parameter's only reader is its cast to a narrower dtype (bf16-mixed's bfloat16 weight).
+    That cast follows the parameter's layout (passes/strategies.py): the copy is made where the weight
+    lives, and resharded as the copy, the fewer bytes."""
+    carrier = gradient_carrier(param)
+    return carrier is not param and carrier.meta["val"].dtype.itemsize < param.meta["val"].dtype.itemsize
+
+
+def sharded_master_copy(param: fx.Node, strategy: dict) -> fx.Node | None:
+    """The lower-precision copy a ZeRO-1 parameter is read through where its float32 master is sharded
+    too (Megatron-LM's distributed optimizer), else None: under ``strategy`` (node -> Strategy) the
+    parameter's optimizer state is ZeRO-1 sharded, its only reader is its cast (bf16-mixed's bfloat16
+    weight), and the cast reads it at its own layout. Each rank then keeps that copy whole, which the
+    program reads in place of the cast, and the master at the state's block; the updated blocks are
+    all-gathered in the copy's dtype (runtime/zero.py). Pipeline plans read their ZeRO-1 parameters
+    directly (codegen/stages.py) and keep the master whole."""
+    s = strategy.get(param)
+    if s is None or s.zero is None or s.zero.stage != 1 or not reads_through_copy(param):
+        return None
+    carrier = gradient_carrier(param)
+    return carrier if tuple(strategy[carrier].inputs[0]) == tuple(s.outputs[0]) else None
+
+
+def sharded_master_option(param: fx.Node, option: int, strategies) -> fx.Node | None:
+    """``sharded_master_copy`` under option ``option`` of the parameter's decision in ``strategies``
+    (passes.strategies.MeshStrategies), where its copy follows that decision."""
+    if not reads_through_copy(param) or strategies.root_of(gradient_carrier(param)) is not param:
+        return None
+    carrier = gradient_carrier(param)
+    return sharded_master_copy(param, {param: strategies.strategy_of(param, option),
+                                       carrier: strategies.strategy_of(carrier, option)})
+
+
 def _explicit_dtype(node):
     return node.kwargs.get("dtype")
 

@@ -80,8 +80,11 @@ def _reshard(low: ReshardPlan, mesh_shape, v: Value, dst, s: Strategy | None, co
     return key if low.reshards[key] else None
 
 
-def collectives(low: ReshardPlan, cm, axis_names) -> list[PlanCollective]:
-    """The plan's collectives under ``low``, priced by ``cm`` (a passes.costs.CostModel)."""
+def collectives(low: ReshardPlan, cm, axis_names, sharded_masters=None) -> list[PlanCollective]:
+    """The plan's collectives under ``low``, priced by ``cm`` (a passes.costs.CostModel).
+    ``sharded_masters``: ZeRO-1 parameter -> the copy it is read through where its master is sharded
+    (``passes.precision.sharded_master_copy``), whose dtype its post-step all-gather moves."""
+    sharded_masters = sharded_masters or {}
     out = []
     for key, steps in low.reshards.items():
         info = value_info(key.value)
@@ -92,5 +95,9 @@ def collectives(low: ReshardPlan, cm, axis_names) -> list[PlanCollective]:
                 for c in cm.priced_op_collectives(node, s)]
         if s.zero is not None:
             out += [c.record(axis_names, node=node.name, value=node.name, step=f"zero{s.zero.stage}")
-                    for c in cm.zero_collectives(node, s.outputs[0], s.zero)]
+                    for c in cm.zero_collectives(node, s.outputs[0], s.zero, _dtype_of(sharded_masters.get(node)))]
     return out
+
+
+def _dtype_of(node):
+    return None if node is None else node.meta["val"].dtype

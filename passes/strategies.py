@@ -3,7 +3,9 @@
 A strategy fixes the layout of each tensor input and each output of a node. Nodes with one tensor
 input that can take every layout their producer may give without resharding (views, getitem,
 unary pointwise ops) become *followers*: they get no decision of their own, and their strategy is a
-function of the producer's. This keeps the solver's problem to the nodes where a choice matters.
+function of the producer's. This keeps the solver's problem to the nodes where a choice matters. A
+parameter's one follower is its bfloat16 copy, where that cast is its only reader
+(``passes.precision.reads_through_copy``): the copy is made at the weight's layout.
 
 Refused strategies (documented in docs/sharding.md): a dim that does not divide by the mesh axes that
 shard it, and one tensor dim sharded by two mesh axes.
@@ -18,7 +20,8 @@ import torch
 import torch.fx as fx
 
 from autopar.layout import R, S, divides, format_layout, local_shape
-from autopar.passes.meta import meta_of, program_meta, set_meta, set_program_meta
+from autopar.passes.meta import is_param, meta_of, program_meta, set_meta, set_program_meta
+from autopar.passes.precision import reads_through_copy
 from autopar.passes.resharding import grad_partial_axes
 from autopar.passes.rules import (AxisOption, TensorInfo, axis_options, context_for, output_infos)
 from autopar.passes.runner import requires
@@ -250,8 +253,11 @@ def _placeholder_strategies(node: fx.Node, mesh_shape, zero: int = 0, offload: b
             out.append(Strategy((), (tuple(combo),), (False,) * len(mesh_shape)))
             trained = role is not None and role.kind == "param" and requires_grad(node)
             if zero and trained:
+                # A weight read through its bfloat16 copy cannot be ZeRO-2: the copy's cast does not
+                # split its work, so the weight's gradient is not left partial for its reduce-scatter.
+                top = min(zero, 1) if reads_through_copy(node) else zero
                 out += [Strategy((), (tuple(combo),), (False,) * len(mesh_shape), z)
-                        for z in zero_variants(shape, combo, mesh_shape, zero)]
+                        for z in zero_variants(shape, combo, mesh_shape, top)]
             if offload and trained:
                 # The local tensor's optimizer state in host memory (with its own layout: ZeRO-3 offloads
                 # this rank's shard); not combined with ZeRO-1/2.
@@ -338,7 +344,7 @@ def _placeholder_key(node: fx.Node) -> tuple:
     parameters of every copy of a layer share them."""
     role = meta_of(node).role
     return ("placeholder", role.kind if role else None, _val_sig(node.meta.get("val")), meta_of(node).strided,
-            requires_grad(node))
+            requires_grad(node), role is not None and role.kind == "param" and reads_through_copy(node))
 
 
 def _node_strategies(node: fx.Node, mesh_shape, zero: int = 0, offload: bool = False) -> list[Strategy]:
@@ -424,7 +430,8 @@ def _assign_strategies(gm, mesh_shape, drop: dict, zero: int, offload: bool = Fa
         if bad:
             own = [s for s in own if s not in bad]
         sset = None
-        if len(ins) == 1 and ins[0].node.op != "placeholder" and _same_layer(node, ins[0].node):
+        if len(ins) == 1 and (_same_layer(node, ins[0].node) if ins[0].node.op != "placeholder"
+                              else is_param(ins[0].node) and reads_through_copy(ins[0].node)):
             sset = _try_follow(node, own, sets[ins[0].node], ins[0])
         sets[node] = sset or StrategySet(tuple(own))
     return sets

@@ -82,8 +82,8 @@ class ParallelModule(nn.Module):
         if fqn in self._zero_of:
             from autopar.runtime.zero import split
 
-            _stage, group, dim, _bucket = self._zero_of[fqn]
-            self._whole[fqn], self.shards[key] = split(local, group, dim, requires_grad)
+            _stage, group, dim, _bucket, copy_dtype = self._zero_of[fqn]
+            self._whole[fqn], self.shards[key] = split(local, group, dim, requires_grad, copy_dtype)
         elif fqn in self._offloaded:
             from autopar.runtime.offload import split as to_host
 
@@ -96,7 +96,7 @@ class ParallelModule(nn.Module):
 
         self._sharded_states = ShardedStates([ShardedState(fqn, self._whole[fqn], self.local_parameter(fqn), stage,
                                                            group, dim, bucket)
-                                              for fqn, (stage, group, dim, bucket) in self._zero_of.items()],
+                                              for fqn, (stage, group, dim, bucket, _) in self._zero_of.items()],
                                              defer=self._program.overlap)
 
     def _make_host_states(self) -> None:
@@ -132,6 +132,18 @@ class ParallelModule(nn.Module):
         """The local shard under the plan's layout: what the program reads."""
         whole = self._whole.get(fqn)
         return whole if whole is not None else self.local_parameter(fqn)
+
+    def saved_tensor(self, fqn: str) -> tuple[torch.Tensor, tuple]:
+        """(the local tensor a state dict holds of parameter ``fqn``, its layout): ``local_tensor``, or the
+        float32 master's block where the master is sharded and the whole local tensor is a copy."""
+        if self._sharded_master(fqn) is not None:
+            return self.local_parameter(fqn), self.state_layout(fqn)
+        return self.local_tensor(fqn), self._layouts[fqn]
+
+    def _sharded_master(self, fqn: str):
+        """The ZeRO state of ``fqn`` where its float32 master is sharded (runtime/zero.py), else None."""
+        states = self._sharded_states.states if self._sharded_states is not None else ()
+        return next((st for st in states if st.fqn == fqn and st.sharded_master), None)
 
     def state_layout(self, fqn: str) -> tuple:
         """The layout of ``local_parameter(fqn)`` and its optimizer state: the plan's layout, with the
@@ -232,8 +244,8 @@ class ParallelModule(nn.Module):
         if self._host_states is not None:
             self._host_states.sync()
         out = {}
-        for fqn, lay in self._layouts.items():
-            local = self.local_tensor(fqn)
+        for fqn in self._layouts:
+            local, lay = self.saved_tensor(fqn)
             out[fqn] = DTensor.from_local(local.detach(), self.mesh, [p.to_dtensor() for p in lay],
                                           run_check=False, shape=self._full_shape(fqn),
                                           stride=_contiguous_stride(self._full_shape(fqn)))
@@ -298,16 +310,19 @@ class ParallelModule(nn.Module):
         local = shard_of(value, self._layouts[fqn], self.plan.mesh_shape, self._coords)
         param = self.local_parameter(fqn)
         if param.is_meta:
-            self._set_local(fqn, local.to(self.local_tensor(fqn).dtype), param.requires_grad)
+            self._set_local(fqn, local.to(param.dtype), param.requires_grad)
         else:
             self.local_tensor(fqn).detach().copy_(local)
+            state = self._sharded_master(fqn)
+            if state is not None:
+                param.detach().copy_(state.block(local))
 
     def _after_load(self) -> None:
         """ZeRO-1/2 and offloaded parameters after new weights were copied into the whole local tensors."""
         if self._sharded_states is not None:
             if any(self.local_parameter(st.fqn) is not st.shard for st in self._sharded_states.states):
                 self._make_sharded_states()        # parameters made on loading a meta model's weights
-            self._sharded_states.mark_gathered()
+            self._sharded_states.after_load()
         if self._host_states is not None:
             if any(self.local_parameter(st.fqn) is not st.host for st in self._host_states.states):
                 self._make_host_states()           # parameters made on loading a meta model's weights

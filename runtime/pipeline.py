@@ -194,7 +194,7 @@ class PipelineParallelModule(ParallelModule):
                 scatters.append((fqn, p.grad, zero, dist.get_world_size(group)))
             else:
                 dist.all_reduce(p.grad, group=group)
-        for fqn, grad, (_stage, name, dim, _bucket), size in scatters:
+        for fqn, grad, (_stage, name, dim, *_), size in scatters:
             self.local_parameter(fqn).grad = C._reduce_scatter(grad, dim, size, name)
 
     def _check_batch(self, flat, spec):

@@ -21,6 +21,13 @@ updates the block in place, inside the whole tensor.
   program first uses the parameter runs its backward as soon as the gradient is complete; one made
   before the program starts would hold every whole gradient to the end of backward.
 
+Under bf16-mixed a ZeRO-1 parameter read only through its bfloat16 copy may have its float32 master
+sharded too (``plan.zero[fqn]["sharded_master"]``, Megatron-LM's distributed optimizer): the whole local
+tensor is then that copy, which the program reads in place of the cast, and the parameter the
+optimizer steps is a float32 tensor of its own, this rank's block of the master (``_MasterRead``). The
+gradient of the copy, reduced in the program, gives the block's gradient in float32; the gather below
+moves the updated blocks in the copy's dtype.
+
 After the optimizer steps (a global optimizer step hook, and before any forward whose parameters
 changed since the last gather), every rank's updated blocks are all-gathered into the whole tensors,
 one collective per bucket of the plan (``plan.zero[fqn]["bucket"]``, split by group and dtype): the
@@ -64,14 +71,29 @@ class ShardedState:
     dim: int
     bucket: object              # the parameters of one bucket are gathered together
 
+    @property
+    def sharded_master(self) -> bool:
+        """The whole tensor is a lower-precision copy; the shard, a master of its own."""
+        return self.full.dtype != self.shard.dtype
 
-def split(full: torch.Tensor, group: str, dim: int, requires_grad: bool) -> tuple[torch.Tensor, nn.Parameter]:
+    def block(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's block of ``whole`` (the local tensor's shape) along the state's dim."""
+        k = self.shard.shape[self.dim]
+        return whole.narrow(self.dim, C._group(self.group)[0] * k, k)
+
+
+def split(full: torch.Tensor, group: str, dim: int, requires_grad: bool,
+          copy_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, nn.Parameter]:
     """(the whole local tensor as an autograd leaf, the parameter that is this rank's block of it). The
     whole tensor is a Parameter too: a pipeline stage's module holds it, and the zero-bubble schedules
-    compute the gradients of its parameters."""
+    compute the gradients of its parameters. With ``copy_dtype`` (a sharded master) the whole tensor is
+    a copy in that dtype, not a leaf, and the block a float32 tensor of its own."""
     r, n = C._group(group)
+    k = full.shape[dim] // n
+    if copy_dtype is not None:
+        block = full.detach().narrow(dim, r * k, k).clone()
+        return full.detach().to(copy_dtype), nn.Parameter(block, requires_grad=requires_grad)
     whole = nn.Parameter(full.detach().clone(), requires_grad=requires_grad)
-    k = whole.shape[dim] // n
     return whole, nn.Parameter(whole.detach().narrow(dim, r * k, k), requires_grad=requires_grad)
 
 
@@ -114,6 +136,21 @@ class _ZeroOneRead(torch.autograd.Function):
         return None, g, None
 
 
+class _MasterRead(torch.autograd.Function):
+    """The whole copy of a ZeRO-1 parameter whose float32 master is sharded, read by the program: the
+    copy's gradient, which the program reduced, gives the master block's, in the block's dtype."""
+
+    @staticmethod
+    def forward(ctx, shard, s):
+        ctx.s = s
+        return s.full.detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        s = ctx.s
+        return s.block(g).to(s.shard.dtype), None
+
+
 def whole_of(full: torch.Tensor) -> torch.Tensor:
     """What the program reads for a ZeRO-1 or ZeRO-2 parameter whose whole local tensor is ``full``
     (code generation emits the call before the parameter's first use): the tensor as a function of this
@@ -132,6 +169,9 @@ class ShardedStates:
         self._ids = {id(s.shard) for s in states}
         self._seen: dict = {}
         for s in states:
+            if s.sharded_master:
+                s.full._autopar_whole_of = functools.partial(_MasterRead.apply, s.shard, s)
+                continue
             if s.stage == 1 and s.full.requires_grad:
                 s.full.register_post_accumulate_grad_hook(self._ready_hook(s))
                 s.full._autopar_whole_of = functools.partial(_ZeroOneRead.apply, s.shard, s.full, s)
@@ -150,8 +190,7 @@ class ShardedStates:
     def _expose(self, s: ShardedState) -> None:
         """A ZeRO-1 parameter's gradient: the view of its block of the whole tensor's gradient."""
         if s.shard.grad is None and s.full.grad is not None:
-            k = s.shard.shape[s.dim]
-            s.shard.grad = s.full.grad.narrow(s.dim, self._block(s) * k, k)
+            s.shard.grad = s.block(s.full.grad)
 
     def expose_grads(self) -> None:
         """Give every ZeRO-1 parameter its gradient's block, where no accumulation hook did: a pipeline's
@@ -159,10 +198,6 @@ class ShardedStates:
         for s in self.states:
             if s.stage == 1:
                 self._expose(s)
-
-    @staticmethod
-    def _block(s: ShardedState) -> int:
-        return C._group(s.group)[0]
 
     def before_forward(self) -> None:
         """Free a ZeRO-1 gradient the optimizer has let go of (``zero_grad``), and gather parameters
@@ -197,6 +232,7 @@ class ShardedStates:
                     s.full.detach().unflatten(s.dim, (n, -1)).movedim(s.dim, 0).copy_(
                         got[:, offset:offset + k].view(n, *s.shard.shape))
                     offset += k
+                del got             # before the next collective's buffers
         self.mark_gathered()
 
     def sync(self) -> None:
@@ -207,3 +243,11 @@ class ShardedStates:
     def mark_gathered(self) -> None:
         """Every rank holds the same whole tensors (gathered, or loaded whole)."""
         self._seen = {id(s.shard): s.shard._version for s in self.states}
+
+    def after_load(self) -> None:
+        """After weights were loaded: the whole copies of sharded masters are gathered from the loaded
+        blocks (a checkpoint holds the masters, not the copies); every other whole tensor was loaded."""
+        if any(s.sharded_master for s in self.states):
+            self.gather()
+        else:
+            self.mark_gathered()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 ARCHS = ("gpt2", "llama", "bert", "gpt", "gpt-probe", "gpt-vocab", "gpt-long", "llama-long", "qwen2")
-KINDS = ("auto", "dp", "megatron", "zero3", "zero2-recompute", "vocab", "vocab-sharded-outputs", "vocab-sliced",
+KINDS = ("auto", "dp", "megatron", "zero3", "zero1-bf16", "zero2-recompute", "vocab", "vocab-sharded-outputs", "vocab-sliced",
          "recompute", "sharded-outputs", "2d", "ring", "heads")
 # (tokens, batch) of the long-sequence architectures, whatever the caller asks: one sequence long
 # enough, over a small vocabulary, that attention's buffers are most of the peak.
@@ -86,6 +86,10 @@ def options(arch: str, kind: str, ranks: int, model) -> dict | None:
     if kind == "zero3":
         pins = {name: ["S(0)"] if p.shape[0] % ranks == 0 else ["R"] for name, p in model.named_parameters()}
         return {"mesh_shape": (ranks,), "pins": pins, "recompute": False}
+    if kind == "zero1-bf16":   # ZeRO-1 everywhere under bf16-mixed: the float32 masters of the weights read
+        #                        only through their bfloat16 copies are sharded
+        pins = {name: {"output": ["R"], "zero": 1} for name, _ in model.named_parameters()}
+        return {"mesh_shape": (ranks,), "pins": pins, "recompute": False, "precision": "bf16-mixed"}
     if kind == "zero2-recompute":     # ZeRO-2 matrices, replicated biases and norms, every layer recomputed
         pins = {name: {"output": ["R"], "zero": 2 if p.dim() > 1 else 0} for name, p in model.named_parameters()}
         return {"mesh_shape": (ranks,), "pins": pins, "recompute": {"*": "all"}}

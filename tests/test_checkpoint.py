@@ -211,3 +211,56 @@ def test_checkpoint_of_a_pipeline_plan_loads_under_another_plan(tmp_path):
     """Saved by the two stages of a pipeline plan (each rank holds half the parameters); resumed under
     data parallelism and under the pipeline plan again."""
     run_distributed(_pipeline_checkpoint, 2, str(tmp_path), timeout=600)
+
+
+def _bf16_zero1_checkpoint(rank, world, root):
+    """bf16-mixed ZeRO-1 with sharded float32 masters: the checkpoint holds the masters (float32, not
+    their bfloat16 copies), and a run resumed from it, under the same plan or under data parallelism
+    with whole masters, continues with the losses of the uninterrupted run."""
+    import autopar
+
+    ids, labels = batch()
+    params = [n for n, _ in build("gpt2").named_parameters()]
+
+    def compile_(seed, zero):
+        torch.manual_seed(seed)
+        pins = {n: {"output": ["R"], "zero": zero} for n in params}
+        return autopar.compile(build("gpt2"), autopar.ClusterSpec.local_cpu(world), (ids,), {"labels": labels},
+                               mesh_shape=(world,), pins=pins, precision="bf16-mixed", recompute=False)
+
+    pm = compile_(0, 1)
+    assert any(z.sharded_master for z in pm.plan.zero.values())
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    losses = []
+    ckpt = Path(root) / "bf16_zero1"
+    for step in range(STEPS):
+        if step == SAVE_AT:
+            autopar.checkpoint.save(ckpt, pm, opt, extra={"step": SAVE_AT, "data": "position"})
+        losses.append(pm.train_step(ids, labels=labels).item())
+        opt.step(), opt.zero_grad()
+    if rank == 0:
+        full = autopar.checkpoint.to_full(ckpt)
+        sharded = [f for f, z in pm.plan.zero.items() if z.sharded_master]
+        assert all(full[f].dtype == torch.float32 for f in sharded)
+        assert any(not torch.equal(full[f], full[f].bfloat16().float()) for f in sharded), \
+            "the checkpoint holds the bfloat16 copies, not the float32 masters"
+    # A full state dict carries the float32 masters: loaded under the same plan, they are the blocks
+    # stepped, and the copies the program reads are made from them.
+    loaded = compile_(1, 1)
+    loaded.load_state_dict(pm.full_state_dict())
+    for fqn in pm.plan.params:
+        assert torch.equal(loaded.local_parameter(fqn), pm.local_parameter(fqn)), fqn
+        assert torch.equal(loaded.local_tensor(fqn), pm.local_tensor(fqn)), fqn
+    for label, zero in (("the same plan", 1), ("data parallel", 0)):
+        resumed = compile_(1, zero)
+        opt = torch.optim.AdamW(resumed.parameters(), lr=5 * LR)
+        assert autopar.checkpoint.load(ckpt, resumed, opt)["step"] == SAVE_AT
+        for step in range(SAVE_AT, STEPS):
+            loss = resumed.train_step(ids, labels=labels).item()
+            opt.step(), opt.zero_grad()
+            assert abs(loss - losses[step]) <= 1e-5 * abs(losses[step]), \
+                f"bf16-mixed ZeRO-1 -> {label}: step {step} loss {loss} vs uninterrupted {losses[step]}"
+
+
+def test_checkpoint_of_bf16_mixed_zero1_holds_the_sharded_float32_masters(tmp_path):
+    run_distributed(_bf16_zero1_checkpoint, 2, str(tmp_path), timeout=600)

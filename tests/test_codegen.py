@@ -156,7 +156,7 @@ def _collectives_match(rank, world, model_name, mesh, pins, options):
             assert torch.equal(a.grad, b.grad), name
 
 
-def _replicated_weights_read_in_chunks(rank, world):
+def _replicated_weights_read_in_chunks(rank, world, recompute):
     import autopar
     from autopar.models import GPT, GPTConfig
 
@@ -168,8 +168,11 @@ def _replicated_weights_read_in_chunks(rank, world):
     pins = {**{n: {"output": ["R"], "zero": 0} for n, _ in model.named_parameters()},
             "input_ids": ["S(0)"], "labels": ["S(0)"], "linear_default_4": ["S(2)"]}
     cluster = autopar.ClusterSpec.local_cpu(world)
-    pm = autopar.compile(model, cluster, (ids,), {"labels": ids}, pins=pins)
+    pm = autopar.compile(model, cluster, (ids,), {"labels": ids}, pins=pins,
+                         **({"recompute": recompute} if recompute else {}))
     plain = autopar.compile(model, cluster, (ids,), {"labels": ids}, plan=pm.plan, overlap=False)
+    # Inside recomputed layers too (pm.code lists their bodies).
+    assert not recompute or pm.plan.recompute["layers"]
     assert pm.code.count("param_chunk(") == 2 and "param_chunk(" not in plain.code, pm.code
     gathers = (torch.ops._c10d_functional.all_gather_into_tensor.default,)
     # The gradients' all-gathers wait at the next one's issue or at the end of backward, with the
@@ -186,8 +189,9 @@ def _replicated_weights_read_in_chunks(rank, world):
         assert torch.equal(a.grad, b.grad), name
 
 
-def test_replicated_weights_read_in_chunks_gather_their_gradients_deferred():
-    run_distributed(_replicated_weights_read_in_chunks, 2, timeout=300)
+@pytest.mark.parametrize("recompute", [False, {"*": "all"}], ids=["top-level", "recomputed"])
+def test_replicated_weights_read_in_chunks_gather_their_gradients_deferred(recompute):
+    run_distributed(_replicated_weights_read_in_chunks, 2, recompute, timeout=300)
 
 
 def check_collectives(pm, ids, labels):
@@ -333,19 +337,27 @@ def test_outputs_can_stay_sharded_as_dtensors():
     run_distributed(_sharded_outputs, 2, timeout=300)
 
 
-def _bucketed_gradients(rank, world):
+def _data_parallel_gpt2(world):
+    """GPT-2, its batch, a cluster whose links are fast enough that splitting the batch pays, and pins
+    that replicate every weight without ZeRO: data-parallel gradients."""
+    import dataclasses
+
     import autopar
 
     torch.manual_seed(0)
     model = build("gpt2")
     ids, labels = batch()
-    import dataclasses
-
-    # Links fast enough that splitting the batch pays: replicated weights, data-parallel gradients.
     cluster = dataclasses.replace(autopar.ClusterSpec.local_cpu(world), intra_node_bandwidth=1e13,
                                   intra_node_latency=1e-9)
     plain_dp = {"output": ["R"], "zero": 0}
     pins = {"*.weight": plain_dp, "*.bias": plain_dp, "input_ids": ["S(0)"], "labels": ["S(0)"]}
+    return model, ids, labels, cluster, pins
+
+
+def _bucketed_gradients(rank, world):
+    import autopar
+
+    model, ids, labels, cluster, pins = _data_parallel_gpt2(world)
     one = autopar.compile(model, cluster, (ids,), {"labels": labels}, pins=pins)              # 25 MiB buckets
     each = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=one.plan, bucket_mb=0)
     plain = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=one.plan, overlap=False)
@@ -384,6 +396,46 @@ def _bucketed_gradients(rank, world):
 
 def test_bucketed_reductions_match_unbucketed_bitwise():
     run_distributed(_bucketed_gradients, 2, timeout=300)
+
+
+def _recomputed_gradients_bucketed(rank, world):
+    import autopar
+    from autopar.runtime import collectives as C
+
+    model, ids, labels, cluster, pins = _data_parallel_gpt2(world)
+    pm = autopar.compile(model, cluster, (ids,), {"labels": labels}, pins=pins, recompute={"*": "all"},
+                         bucket_mb=0)
+    plain = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=pm.plan, overlap=False)
+    assert pm.plan.recompute["layers"]
+    reduced = [t for t, _, _ in pm._program.grad_reductions]
+
+    def reduced_in_layers(m):
+        """The parameters ``m`` reduces on each use inside its recomputed layers."""
+        bodies = [b for name, b in m.local_program.named_children() if name.startswith("recompute_")]
+        return {n.args[0].name for b in bodies for n in b.graph.nodes
+                if n.target is C.grad_all_reduce and n.args[0].op == "placeholder"}
+
+    in_layers = reduced_in_layers(plain)
+    assert in_layers and in_layers <= {"p_" + t.replace(".", "_") for t in reduced}, in_layers
+    assert not reduced_in_layers(pm), pm.code
+
+    # One bucket per parameter: every bucket is launched as its gradient is accumulated, during the
+    # recomputed layers' backward, not when backward ends.
+    last = pm.local_parameter(reduced[-1])
+    launched = []
+    last.register_post_accumulate_grad_hook(lambda p: launched.append(len(pm._grad_buckets.works)))
+    for m in (pm, plain):
+        m(ids, labels=labels).loss.backward()
+    assert launched == [len(reduced)], launched
+    for (name, a), (_, b) in zip(pm.named_parameters(), plain.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_recomputed_layers_reduce_their_gradients_in_buckets():
+    """A replicated parameter read inside a recomputed layer has its gradient all-reduced in DDP's
+    buckets, as outside one (the cost model prices it so), not once per use, waited in the layer's
+    backward."""
+    run_distributed(_recomputed_gradients_bucketed, 2, timeout=300)
 
 
 def test_a_recomputed_layer_reads_its_zero_2_weights_inside_its_checkpoint():

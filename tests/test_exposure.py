@@ -147,6 +147,24 @@ def test_a_sharded_parameters_gradient_reduce_scatter_waits_at_the_next_one_or_a
     assert exposure(gm, zero2, scatters, cm, ["dp"], set()).exposed == [1.5, 0.0, 0.0]
 
 
+def test_a_gradient_gathered_from_chunks_waits_at_the_next_one_inside_recomputed_layers_too():
+    """A replicated parameter read in chunks (runtime/collectives.py: param_chunk, placed in recomputed
+    layers' bodies too by codegen/overlap.py) all-gathers its gradient at its reader's backward, waited
+    at the next such issue or when backward ends."""
+    from autopar.passes.meta import Role, set_meta
+
+    gm, strategy = _chain(3, weights=3)
+    for n in gm.graph.nodes:
+        if n.name.startswith("w"):
+            set_meta(n, role=Role("param", n.name))
+    cm = _Clock({"op0": 1.0, "op1": 1.0, "op2": 1.0})        # backward: 2 s per op, 3 s recomputed
+    colls = [_coll("all_gather", "backward", f"w{i}", f"op{i}", 1.5) for i in range(3)]
+    # w2's runs 1.5 s from the end of op2's backward and is waited at w1's issue 2 s (3 s) later; so is
+    # w1's; w0's is waited when backward ends, right after its issue.
+    for recomputed in (set(), {"op0", "op1", "op2"}):
+        assert exposure(gm, strategy, colls, cm, ["dp"], recomputed).exposed == [1.5, 0.0, 0.0], recomputed
+
+
 def test_plan_reports_exposed_and_hidden_communication():
     from tests.memory_cases import build, options
 

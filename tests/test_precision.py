@@ -125,6 +125,44 @@ def test_the_models_count_the_master_and_the_bf16_copy():
     assert mm and all(x["compute_seconds"] < ref[x["name"]]["compute_seconds"] for x in mm)
 
 
+def test_zero1_shards_the_float32_master_of_each_weight_read_through_its_copy():
+    """Offline, LLaMA on 8xH100 under bf16-mixed ZeRO-1: a weight read only through its bfloat16 copy
+    holds that copy whole and its float32 master, Adam's states and its gradient at 1/8 (2 + 12/N bytes
+    per parameter with the master among ZeRO's K = 12, and a 4/N float32 gradient block), and its updated
+    blocks are all-gathered in bfloat16; the norms, read in float32 on a GPU, keep their weight whole
+    (4 + 4 + 8/N). The plan's memory model counts every rank's bytes so."""
+    model = build("llama")
+    ids, labels = batch()
+    pins = {name: {"output": ["R"], "zero": 1} for name, _ in model.named_parameters()}
+    plan = autopar.plan(model, autopar.ClusterSpec.preset("8xH100"), (ids,), {"labels": labels}, mesh_shape=(8,),
+                        pins=pins, progress=False, recompute=False, precision="bf16-mixed")
+    sizes = dict((name, p.numel()) for name, p in model.named_parameters())
+    sharded = {f for f, z in plan.zero.items() if z.sharded_master}
+    assert {f for f in sizes if f.endswith(("proj.weight", "lm_head.weight"))} <= sharded
+    assert not any("norm" in f for f in sharded)
+    n_s = sum(sizes[f] for f in sharded)
+    n_w = sum(sizes.values()) - n_s
+    assert (plan.memory["params"], plan.memory["grads"], plan.memory["optimizer"]) == \
+        (2 * n_s + 4 * n_s / 8 + 4 * n_w, 4 * n_s / 8 + 4 * n_w, 8 * (n_s + n_w) / 8)
+    for f in sharded:
+        assert plan.memory["by_param"][f] == (2 + 12 / 8 + 4 / 8) * sizes[f], f
+    gathered = sum(c["bytes"] for c in plan.collectives if c["step"] == "zero1")
+    assert gathered == 2 * n_s + 4 * n_w
+
+
+def test_zero2_is_refused_for_a_weight_read_through_its_bf16_copy():
+    """Under bf16-mixed a weight read only through its bfloat16 copy stops at ZeRO-1 (the cast cannot
+    leave its gradient partial for ZeRO-2's reduce-scatter): a pin asking for ZeRO-2 says so."""
+    from autopar.errors import ShardingError
+
+    model = build("llama")
+    ids, labels = batch()
+    with pytest.raises(ShardingError, match=r"ZeRO-2.*stops at ZeRO-1"):
+        autopar.plan(model, autopar.ClusterSpec.local_cpu(2), (ids,), {"labels": labels}, mesh_shape=(2,),
+                     pins={"model.layers.0.mlp.up_proj.weight": {"output": ["R"], "zero": 2}},
+                     precision="bf16-mixed", progress=False)
+
+
 def _train(rank, world, cases):
     import autopar
     from torch.distributed.tensor import DTensor
@@ -139,6 +177,9 @@ def _train(rank, world, cases):
         pins = {"dp": {n: ["R"] * len(mesh) for n in params},
                 "megatron": {k: [v] for k, v in MEGATRON[model_name].items()},
                 "zero3": {n: ["S(0)"] if p.shape[0] % world == 0 else ["R"] for n, p in params.items()},
+                # ZeRO-1 everywhere: the float32 masters of the weights read only through their
+                # bfloat16 copy are sharded (Megatron's distributed optimizer).
+                "zero1": {n: {"output": ["R"] * len(mesh), "zero": 1} for n in params},
                 "auto": {},
                 # Replicated weights, the batch split on dp: every gradient is synced over dp.
                 "pp x dp": {"*.weight": ["R", "R"], "input_ids": ["R", "S(0)"], "labels": ["R", "S(0)"],
@@ -152,6 +193,8 @@ def _train(rank, world, cases):
         else:
             assert "torch.bfloat16" in pm.code, where
         assert all(p.dtype == torch.float32 for p in pm.parameters()), f"{where}: master weights are fp32"
+        if kind == "zero1":
+            _check_sharded_masters(pm, world, where)
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
         for step in range(STEPS):
@@ -175,12 +218,28 @@ def _train(rank, world, cases):
                         continue          # on another rank's stage
                     local = pm.local_parameter(fqn)
                     assert local.grad.dtype == torch.float32, where
-                    lay = [x.to_dtensor() for i, x in enumerate(pm._layouts[fqn]) if not pipeline or i != pm.pp_axis]
+                    lay = [x.to_dtensor() for i, x in enumerate(pm.state_layout(fqn)) if not pipeline or i != pm.pp_axis]
                     grad = DTensor.from_local(local.grad, mesh_of, lay, run_check=False).full_tensor()
                     err = (grad - p.grad).abs().max().item()
                     assert err <= GRAD_TOL * scale, f"{where}: gradient of {fqn} off by {err} (largest {scale})"
             opt.step(), ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
+
+
+def _check_sharded_masters(pm, world, where):
+    """Each weight read only through its bfloat16 copy keeps that copy whole and its float32 master at
+    1/world of it (the block the optimizer steps); the others (norms, read in float32 on CPU, and the
+    tied embedding) keep their float32 weight whole."""
+    sharded = [fqn for fqn, z in pm.plan.zero.items() if z.sharded_master]
+    assert any(fqn.endswith("mlp.fc1.weight") for fqn in sharded), f"{where}: {sharded}"
+    for fqn in pm.plan.params:
+        whole, master = pm.local_tensor(fqn), pm.local_parameter(fqn)
+        if fqn in sharded:
+            assert whole.dtype == torch.bfloat16 and master.dtype == torch.float32, where
+            assert master.numel() * world == whole.numel(), f"{where}: {fqn}'s master is held whole"
+            assert master.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr(), where
+        else:
+            assert whole.dtype == torch.float32, where
 
 
 def _check_gradient_sync_once_per_step(pm, where):
@@ -204,5 +263,10 @@ def test_bf16_mixed_trains_like_eager_autocast_on_two_ranks():
                     timeout=600)
 
 
+def test_bf16_mixed_zero1_shards_the_master_weights_and_trains_like_eager_autocast_on_two_ranks():
+    run_distributed(_train, 2, [("gpt", "zero1", (2,))], timeout=600)
+
+
 def test_bf16_mixed_trains_like_eager_autocast_on_four_ranks():
-    run_distributed(_train, 4, [("llama", "auto", (2, 2)), ("llama", "pp x dp", (2, 2))], timeout=600)
+    run_distributed(_train, 4, [("llama", "auto", (2, 2)), ("llama", "pp x dp", (2, 2)), ("gpt", "zero1", (4,))],
+                    timeout=600)

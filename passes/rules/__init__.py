@@ -115,6 +115,11 @@ class OpRule:
     # What the target GPU kernel saves for backward (a passes.meta.SavedForBackward), when it differs
     # from what the planning machine's kernel saves.
     saved_on_gpu: Callable[[OpContext], object] | None = None
+    # For an op with ``saved_on_gpu``: None where the target GPU runs the fused kernel that describes,
+    # else the GPU runs the reference kernel after all (its fused kernels refuse these inputs), so what
+    # the planning machine's reference kernel saves holds there too, and this is the bytes (full size)
+    # its backward holds there at its peak beyond the gradients it returns.
+    reference_on_gpu: Callable[[OpContext], float | None] | None = None
     replicate_only: bool = False
     # For an op whose sharded form communicates by itself (Megatron's vocab-parallel loss): the
     # collectives it runs under a strategy, (ctx, input layouts, mesh shape) -> list[OpCollective],
@@ -160,10 +165,10 @@ _RULES: dict = {}
 _warned: set = set()
 
 
-def register_rule(*targets, flops=None, local_args=None, saved_on_gpu=None, collectives=None, local_call=None,
-                  saved_sharded=None, workspace=None, backward_workspace=None, reads_strided=False):
+def register_rule(*targets, flops=None, local_args=None, saved_on_gpu=None, reference_on_gpu=None, collectives=None,
+                  local_call=None, saved_sharded=None, workspace=None, backward_workspace=None, reads_strided=False):
     def deco(fn):
-        rule = OpRule(fn, flops, local_args, saved_on_gpu, collectives=collectives, local_call=local_call,
+        rule = OpRule(fn, flops, local_args, saved_on_gpu, reference_on_gpu, collectives=collectives, local_call=local_call,
                       saved_sharded=saved_sharded, workspace=workspace, backward_workspace=backward_workspace,
                       reads_strided=reads_strided)
         for t in targets:

@@ -111,6 +111,21 @@ def _sdpa_saved_on_gpu(ctx):
     return SavedForBackward(ctx.outs[0].nbytes, inputs, lse, converted=converted)
 
 
+def _sdpa_reference_on_gpu(ctx) -> float | None:
+    """CUDA's fused attention kernels need the mask's last dimension at stride 1; a mask broadcast
+    along the keys (stride 0 there, as BERT's per-query mask is) sends the call to the math kernel,
+    which keeps the s x s probabilities, and whose backward holds about three s x s buffers of float32
+    at its peak (the probabilities' gradient, the softmax backward's and the scores' gradient; float32
+    in a bfloat16 call too); both seen on an H200 with torch 2.11 (bench/README.md, "Memory fidelity
+    on one GPU")."""
+    arg = ctx.node.args[3] if len(ctx.node.args) > 3 else ctx.node.kwargs.get("attn_mask")
+    mask = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+    if not (isinstance(mask, torch.Tensor) and mask.ndim > 0 and mask.shape[-1] > 1 and mask.stride(-1) == 0):
+        return None
+    q, k = ctx.ins[0], ctx.ins[1]
+    return 3.0 * math.prod(q.shape[:-1]) * k.shape[-2] * max(q.dtype.itemsize, 4)
+
+
 def _sdpa_collectives(ctx, in_layouts, mesh_shape):
     """Ring attention (keys split along the sequence): n-1 forward steps, each moving one key/value
     block while the previous one is attended to; backward, the block and its fp32 gradient, the last
@@ -245,7 +260,7 @@ def _sdpa_saved_sharded(ctx, in_layouts):
 
 
 @register_rule(aten.scaled_dot_product_attention.default, flops=_sdpa_flops, saved_on_gpu=_sdpa_saved_on_gpu,
-               collectives=_sdpa_collectives, local_call=_sdpa_local_call, saved_sharded=_sdpa_saved_sharded,
+               reference_on_gpu=_sdpa_reference_on_gpu, collectives=_sdpa_collectives, local_call=_sdpa_local_call, saved_sharded=_sdpa_saved_sharded,
                workspace=_sdpa_workspace, backward_workspace=_sdpa_backward_workspace)
 def sdpa_rule(ctx):
     """Batch, heads (Ulysses is a head split between sequence-split neighbors: the resharding is the
