@@ -131,7 +131,7 @@ def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda", f
                 if first is not None and _storage_key(outs[0]) != _storage_key(first):
                     if _reads_narrowed(node):
                         set_meta(node, copies=True)
-                    elif target_device == "cpu" or not _views_kernel_output(node):
+                    elif target_device == "cpu" or _reads_expanded(first):
                         set_meta(node, copies_from=(tuple(first.shape), tuple(first.stride())))
             gpu_reference = _gpu_reference_backward(node, target_device)
             reference = gpu_reference is not None or _runs_reference_kernel(node, target_device)
@@ -173,16 +173,13 @@ def _view_records(node: fx.Node) -> tuple:
     return m.saved, m.copies, m.copies_from
 
 
-def _views_kernel_output(node: fx.Node) -> bool:
-    """Whether a view op reads, through views, the output of an op whose GPU kernel is not the meta
-    run's (a rule's ``saved_on_gpu``: attention, whose fused kernels lay their output out
-    sequence-major, so a reshape of its transpose views on CUDA where it copies on meta tensors). The
-    expanded keys of grouped-query attention are not such an output: their reshape copies on CUDA as on
-    meta (Qwen2 on an H200 kept both copies per layer: bench/README.md)."""
-    n = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-    while n is not None and n.op == "call_function" and n.target in VIEW_OPS:
-        n = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-    return n is not None and n.op == "call_function" and rule_for(n).saved_on_gpu is not None
+def _reads_expanded(x: torch.Tensor) -> bool:
+    """Whether a view op's input is broadcast along a dim (stride 0 over more than one element), as
+    grouped-query attention's keys and values expanded to every query head are: their reshape copies on
+    CUDA as on meta tensors (Qwen2 on an H200 kept both copies per layer: bench/README.md). Other
+    reshapes that copy on meta tensors are left to CPU targets: on CUDA the fused attention kernels lay
+    their outputs out sequence-major, so the reshape of their transpose views there."""
+    return any(st == 0 and size > 1 for size, st in zip(x.shape, x.stride()))
 
 
 def _reads_narrowed(node: fx.Node) -> bool:
@@ -190,8 +187,8 @@ def _reads_narrowed(node: fx.Node) -> bool:
     of a causal LM's loss). Such a reshape copies whatever the shards and kernels. Other reshapes that
     copy on meta tensors may view on a rank (one local head of an expanded key) or on CUDA (the flash
     kernels' outputs are laid out sequence-major): the step memory model finds at each layout whether
-    the local input's strides allow a view (``StepMemory._local_copy``), on CUDA too except through
-    the output of an op whose GPU kernel differs from the meta run's (``_views_kernel_output``)."""
+    the local input's strides allow a view (``StepMemory._local_copy``), on CUDA only for an expanded
+    input (``_reads_expanded``)."""
     n = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
     while n is not None and n.op == "call_function" and n.target in VIEW_OPS:
         if n.target is torch.ops.aten.slice.Tensor:
