@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import shutil
+import signal
 import struct
 import subprocess
 import tempfile
@@ -34,8 +36,10 @@ class Browser:
                               "pip install websocket-client (in autopar's test extra)") from e
 
         self.profile = tempfile.TemporaryDirectory(prefix="autopar-chromium-")
+        # A session of its own: close() ends Chromium's helper processes too, which otherwise go on
+        # writing into the profile while it is removed.
         self.proc = subprocess.Popen([binary, *FLAGS, f"--user-data-dir={self.profile.name}", "about:blank"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         port_file = Path(self.profile.name) / "DevToolsActivePort"
         deadline = time.time() + 30
         while not port_file.exists() or not port_file.read_text().strip():
@@ -103,12 +107,20 @@ class Browser:
     def close(self) -> None:
         if getattr(self, "ws", None):
             self.ws.close()
-        self.proc.terminate()
+        self._signal_group(signal.SIGTERM)
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            pass
+        self._signal_group(signal.SIGKILL)
+        self.proc.wait()
         self.profile.cleanup()
+
+    def _signal_group(self, sig) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:      # every process of the group has exited
+            pass
 
 
 def png_distinct_pixels(data: bytes, limit: int = 2) -> int:
