@@ -133,10 +133,9 @@ def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda", f
                         set_meta(node, copies=True)
                     elif target_device == "cpu" or _reads_expanded(first):
                         set_meta(node, copies_from=(tuple(first.shape), tuple(first.stride())))
-            gpu_reference = _gpu_reference_backward(node, target_device)
-            reference = gpu_reference is not None or _runs_reference_kernel(node, target_device)
-            saved = _attribute(node, current["saved"], outs, owner, reference)
-            if (reference or node.target not in _FUSED_ON_CPU) and node.target is not operator.getitem:
+            reference = _reference_backward(node, target_device)
+            saved = _attribute(node, current["saved"], outs, owner, reference is not None)
+            if (reference is not None or node.target not in _FUSED_ON_CPU) and node.target is not operator.getitem:
                 # Repeated layers run the same ops on the same shapes: one backward per distinct call.
                 key = _call_key(node.target, args, kwargs)
                 if key is None or key not in transients:
@@ -145,7 +144,7 @@ def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda", f
                         transients[key] = t
                 else:
                     t = transients[key]
-                saved = dataclasses.replace(saved, backward=max(t, int(gpu_reference or 0)))
+                saved = dataclasses.replace(saved, backward=max(t, int(reference or 0)))
             set_meta(node, saved=saved)
     return gm
 
@@ -272,22 +271,19 @@ def _backward_transient(target, args, kwargs) -> int:
     return max(0, mode.peak - end)
 
 
-def _runs_reference_kernel(node, target_device) -> bool:
-    """Whether the target device runs the kernel the meta run stands for, so that what it saved holds."""
-    if rule_for(node).saved_on_gpu is None:
-        return True
-    return target_device != "cuda" and node.target not in _FUSED_ON_CPU
-
-
-def _gpu_reference_backward(node, target_device) -> float | None:
-    """Where a CUDA target runs an op's reference kernel instead of the fused one its rule describes,
-    the bytes that kernel's backward holds there (the rule's ``reference_on_gpu``); else None."""
+def _reference_backward(node, target_device) -> float | None:
+    """None where the target device runs the fused kernel the op's rule describes (``saved_on_gpu``), whose
+    record then replaces the meta run's; else the target runs the kernel the meta run stands for, and
+    this is the least its backward holds there beyond the gradients it returns: the rule's
+    ``reference_on_gpu`` where a CUDA target falls back to it, else 0 (the meta run's figure holds)."""
     from autopar.passes.rules import context_for
 
     rule = rule_for(node)
-    if target_device != "cuda" or rule.saved_on_gpu is None or rule.reference_on_gpu is None:
-        return None
-    return rule.reference_on_gpu(context_for(node))
+    if rule.saved_on_gpu is None:
+        return 0.0
+    if target_device != "cuda":
+        return None if node.target in _FUSED_ON_CPU else 0.0
+    return rule.reference_on_gpu(context_for(node)) if rule.reference_on_gpu is not None else None
 
 
 def _attribute(node, saved, outs, owner, reference: bool) -> SavedForBackward:
@@ -620,8 +616,10 @@ class StepMemory:
         if src is None or not is_param(src) or self._choice(src) != self._choice(v.node):
             return vb
         c = self._choice(src)
-        table = [0.0 if self._master_copy(src, o) is v.node else vb.at({c: o}) for o in self._options(c)]
-        return vb if all(t == vb.at({c: o}) for o, t in zip(self._options(c), table)) else _one(c, table)
+        held = [self._master_copy(src, o) is v.node for o in self._options(c)]
+        if not any(held):
+            return vb
+        return _one(c, [0.0 if h else vb.at({c: o}) for o, h in zip(self._options(c), held)])
 
     def reads(self, v, node, k):
         """How ``node`` reads its input ``k``, value ``v``: (the value's decision, the reader's, the request

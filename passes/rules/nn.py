@@ -118,7 +118,7 @@ def _sdpa_reference_on_gpu(ctx) -> float | None:
     at its peak (the probabilities' gradient, the softmax backward's and the scores' gradient; float32
     in a bfloat16 call too); both seen on an H200 with torch 2.11 (bench/README.md, "Memory fidelity
     on one GPU")."""
-    arg = ctx.node.args[3] if len(ctx.node.args) > 3 else ctx.node.kwargs.get("attn_mask")
+    arg = ctx.arg(3, "attn_mask")
     mask = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
     if not (isinstance(mask, torch.Tensor) and mask.ndim > 0 and mask.shape[-1] > 1 and mask.stride(-1) == 0):
         return None
