@@ -38,8 +38,9 @@ from autopar.runtime.program import Program
 FRONT_END = (normalize_pass, layers_pass, mark_requires_grad_pass, strided_hints_pass)
 
 
-def analysis_passes(device_type: str) -> tuple:
-    return (partial(saved_activations_pass, target_device=device_type), count_saving_consumers_pass)
+def analysis_passes(device_type: str, fused: bool = False) -> tuple:
+    """``fused``: for the program the Triton backend runs (passes/memory.py keeps its kernels' records)."""
+    return (partial(saved_activations_pass, target_device=device_type, fused=fused), count_saving_consumers_pass)
 
 
 def mesh_passes(mesh_shape, zero: int = 2, offload: bool = False) -> tuple:

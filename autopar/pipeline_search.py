@@ -84,7 +84,7 @@ def plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, 
         report(f"mesh {shape}, {m} microbatches: capturing")
         t0 = time.perf_counter()
         prep = prepare(model, mb_args, mb_kwargs, sub_cluster, skip_passes=skip_passes, insert_passes=insert_passes,
-                       precision=precision, programs=programs)
+                       precision=precision, programs=programs, fused=fused)
         front_passes = sum(r.seconds for r in prep.runner.records)
         timings["capture"] += prep.capture_seconds
         timings["passes"] += front_passes

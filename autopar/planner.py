@@ -49,13 +49,13 @@ class Prepared:
 
 
 def prepare(model, example_inputs, example_kwargs, cluster: ClusterSpec, *, skip_passes=(), insert_passes=(),
-            front: FrontEnd | None = None, precision: str | None = None, programs: dict | None = None
-            ) -> Prepared:
+            front: FrontEnd | None = None, precision: str | None = None, programs: dict | None = None,
+            fused: bool = False) -> Prepared:
     """Capture the model and run the passes that do not depend on the mesh; ``front`` is a front end
     already run (``autopar.compile`` runs it once and plans from it). ``programs`` (batch size -> a
     capture before its passes) holds the captures made so far: with two of them at batches of 2 or
     more, a third batch's program is derived from them rather than captured (passes/capture.py
-    ``rebatch``), and a new capture is added to it."""
+    ``rebatch``), and a new capture is added to it. ``fused``: for the program the Triton backend runs."""
     capture_seconds = 0.0
     if front is None:
         t0 = time.perf_counter()
@@ -67,7 +67,7 @@ def prepare(model, example_inputs, example_kwargs, cluster: ClusterSpec, *, skip
         if front.raw is not None and batch_of(front.raw) is not None:
             programs[batch_of(front.raw)] = front.raw
         capture_seconds = time.perf_counter() - t0 - sum(r.seconds for r in front.runner.records)
-    gm = front.runner.run(analysis_passes(cluster.device_type), front.gm, "analysis")
+    gm = front.runner.run(analysis_passes(cluster.device_type, fused), front.gm, "analysis")
     return Prepared(front.captured, gm, front.runner, model_fingerprint(model), capture_seconds, front.precision)
 
 
@@ -164,7 +164,8 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
         if any("pp" not in names for _, names in candidates):
             report("capturing")
             prep = prepare(model, example_inputs, example_kwargs, cluster, skip_passes=skip_passes,
-                           insert_passes=insert_passes, front=front, precision=prec.name, programs=programs)
+                           insert_passes=insert_passes, front=front, precision=prec.name, programs=programs,
+                           fused=fused)
         best, tried, meshes = None, [], []
         pipe = {k: 0.0 for k in PLANNING_PHASES}        # seconds of the pipeline meshes, by phase
 

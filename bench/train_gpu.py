@@ -7,8 +7,8 @@ autopar row also prints the plan's predicted step time and peak beside the measu
 Models are Hugging Face GPT-2 (12 layers, d 768, vocab 50304) and a LLaMA (8 layers, d 1024, 16 heads,
 4 KV heads, vocab 32000), random weights, fp32 parameters with TF32 matmuls, AdamW. Step time is the
 median of --steps steps after 3 warm-up steps; memory is `torch.cuda.max_memory_allocated` over
-training steps after the first (parameters, gradients and Adam states included). Without a GPU it
-says so and exits 0.
+training steps after the first (parameters, gradients and Adam states included), the model's output
+held through backward. Without a GPU it says so and exits 0.
 """
 from __future__ import annotations
 
@@ -43,7 +43,10 @@ def measure(model, ids, steps):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step():
-        model(ids, labels=ids).loss.backward()
+        # The caller holds the outputs (the logits) through backward: the step the memory model predicts
+        # (docs/cost-model.md), and how a loop that keeps ``out`` for logging runs.
+        out = model(ids, labels=ids)
+        out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 

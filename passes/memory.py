@@ -4,7 +4,8 @@
 Saved tensors are attributed at full size; the cost model scales them by each strategy's layout.
 Ops whose target-GPU kernel saves something else than the planning machine's kernel (flash attention
 keeps a logsumexp, never the s x s scores) declare ``saved_on_gpu`` in their rule, which wins when the
-cluster is CUDA (and for attention on CPU too, whose kernel is a flash kernel as well).
+cluster is CUDA (and for attention on CPU too, whose kernel is a flash kernel as well). Under the
+Triton backend, the nodes its kernels run keep what those kernels save (``_kernel_records``).
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from autopar.passes.costs import VIEW_OPS
+from autopar.passes.fusion import find_regions, library_kernel, tensor_val
 from autopar.passes.meta import SavedForBackward, is_param, meta_of, set_meta
+from autopar.passes.normalize import folded_matmul
 from autopar.passes.rules import rule_for, tensor_inputs
 from autopar.plan import pack_buckets
 
@@ -46,8 +49,10 @@ def _to_meta(v):
 _FUSED_ON_CPU = {torch.ops.aten.scaled_dot_product_attention.default}
 
 
-def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda", fold: bool = True) -> fx.GraphModule:
-    """Write ``SavedForBackward`` on every call_function node.
+def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda", fold: bool = True,
+                           fused: bool = False) -> fx.GraphModule:
+    """Write ``SavedForBackward`` on every call_function node; ``fused`` for the program the Triton backend
+    runs (``_kernel_records``).
 
     With ``fold``, a repeated layer's fourth and later instances are not run: where its second and
     third instances agree at every position (what each node keeps, and whether a view copies), the
@@ -146,7 +151,67 @@ def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda", f
                     t = transients[key]
                 saved = dataclasses.replace(saved, backward=max(t, int(reference or 0)))
             set_meta(node, saved=saved)
+    if fused:
+        _kernel_records(gm)
     return gm
+
+
+def _keeps(saved: SavedForBackward | None) -> bool:
+    return saved is not None and bool(saved.outputs or saved.internal or any(saved.inputs))
+
+
+def _region_backward(region) -> int:
+    """Bytes a generated kernel's backward holds beyond the gradients it returns: it writes a gradient of
+    every float input (codegen/triton/kernel.py), an input that needs none into a buffer it drops, and
+    one that broadcasts (a bias, a norm's weight, a per-row value) at the region's shape in fp32, which
+    it then sums to the input's shape."""
+    from autopar.passes.strategies import requires_grad
+
+    members = set(region.nodes)
+    inputs = dict.fromkeys(a for n in region.nodes for a in n.all_input_nodes if a not in members)
+    total = 0
+    for a in inputs:
+        x = tensor_val(a)
+        if x is None or not x.dtype.is_floating_point:
+            continue
+        per_row = region.row and (x.dim() == 0 or x.shape[-1] == 1) and region.shape[-1] > 1
+        full = region.shape[:-1] + (1,) if per_row else region.shape
+        exact = tuple(x.shape) == tuple(full)
+        if exact and requires_grad(a):
+            continue
+        total += math.prod(full) * (x.element_size() if exact else 4)
+    return total
+
+
+def _kernel_records(gm: fx.GraphModule) -> None:
+    """What the Triton backend's kernels keep for backward, in place of the ATen ops' records, on the
+    nodes they run (passes/fusion.py says which; docs/kernels.md). A generated kernel keeps its region's
+    inputs and recomputes the rest in its backward kernel, so a value made and read inside the region is
+    never kept. The library's norms keep their input, weight and bias and fp32 row statistics (one per
+    row for RMS, two for layer norm); its loss keeps the logits, the targets and an fp32 logsumexp per
+    row, where ATen's keeps the log-probabilities and its backward makes their gradient beside the
+    logits'. The library's kernels hold nothing more in backward than the gradients they return, a generated
+    one what ``_region_backward`` counts. A region or kernel through which no gradient flows keeps
+    nothing, as its ATen ops do."""
+    # A bias add codegen folds into its matmul (passes/normalize.py) is not the kernel's to fuse.
+    for region in find_regions(gm.graph, stays=folded_matmul):
+        if not any(_keeps(meta_of(n).saved) for n in region.nodes):
+            continue
+        members = set(region.nodes)
+        for n in region.nodes:
+            kept = tuple(a not in members for a in tensor_inputs(n))
+            set_meta(n, saved=SavedForBackward(0, kept, 0))
+        # Its backward runs at the region's last node, where autograd reaches the kernel's call.
+        last = region.nodes[-1]
+        set_meta(last, saved=dataclasses.replace(meta_of(last).saved, backward=_region_backward(region)))
+    for n in gm.graph.nodes:
+        kind = library_kernel(n)
+        if kind is None or not _keeps(meta_of(n).saved):
+            continue
+        x = tensor_val(n.args[0])
+        rows = x.numel() // x.shape[-1]
+        stats = (2 if kind == "layer_norm" else 1) * rows * 4
+        set_meta(n, saved=SavedForBackward(0, (True,) * len(tensor_inputs(n)), stats))
 
 
 def _fold_templates(gm: fx.GraphModule) -> tuple[dict, dict]:

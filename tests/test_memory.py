@@ -18,13 +18,14 @@ TOLERANCE = 0.10
 # at 64 x 8 tokens, reads its logits through an all-to-all to the vocab-parallel loss's layout and a
 # view of that copy, which the loss keeps: 1.052x its prediction and 1.037x its budget while the copy
 # was counted as a transient), "fits": measured within its budget (held to 10%), "zero": a ZeRO
-# stage the plan must use (the case is there for it), and "overlap": compile's (and plan's) option.
+# stage the plan must use (the case is there for it), "overlap": compile's (and plan's) option, and
+# "kernels": the backend (ATen unless it says so).
 AIM = 0.05
 
 
 def _smallest(model, cluster, args, kwargs, opts) -> float:
     with pytest.raises(InfeasiblePlanError) as e:
-        autopar.plan(model, cluster, args, kwargs, memory_budget=1.0, progress=False, kernels="aten", **opts)
+        autopar.plan(model, cluster, args, kwargs, memory_budget=1.0, progress=False, **opts)
     return e.value.min_feasible_budget
 
 
@@ -45,11 +46,13 @@ def _measure(rank, world, cases):
             opts = {**opts, "precision": precision[0]}
         if "overlap" in case:
             opts = {**opts, "overlap": case["overlap"]}
+        opts = {**opts, "kernels": case.get("kernels", "aten")}
         budget = [None]
         if factor is not None and rank == 0:
             budget = [factor * _smallest(model, cluster, args, kwargs, opts)]
         dist.broadcast_object_list(budget, src=0)
-        pm = autopar.compile(model, cluster, args, kwargs, memory_budget=budget[0], kernels="aten", **opts)
+        pm = autopar.compile(model, cluster, args, kwargs, memory_budget=budget[0], **opts)
+        assert bool(pm.kernels) == (opts["kernels"] == "triton"), (arch, kind, opts["kernels"])
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
 
         def step():

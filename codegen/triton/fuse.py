@@ -9,6 +9,9 @@
    - the region stays convex: no path leaves it and comes back, so one call can replace it. Calls
      into ``runtime.collectives`` are never fused, so no region spans a collective.
 3. Each region of two ops or more becomes one call of a generated kernel (codegen.triton.kernel).
+
+Which nodes steps 1 and 2 take is passes/fusion.py's (``library_kernel``, ``find_regions``): the memory
+model reads the same answer to count what the kernels save.
 """
 from __future__ import annotations
 
@@ -17,21 +20,17 @@ import importlib
 import inspect
 import logging
 import operator
-from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from autopar.codegen.graph_order import stable_toposort
 from autopar.codegen.triton.kernel import kernel_for
-from autopar.codegen.triton.ops import FLOAT_DTYPES, ROW_KINDS, FusedOp, fused_op
 from autopar.codegen.triton.source import Input, Op, Output, RegionSpec
+from autopar.passes.fusion import Region, find_regions, fused_op, library_kernel, node_arg, tensor_val
 from autopar.passes.meta import program_meta, set_meta, set_program_meta
 
 log = logging.getLogger("autopar")
-aten = torch.ops.aten
-
-MAX_ROW = 65536     # a row kernel holds one row in registers; longer rows stay ATen
 
 
 def fuse_pass(gm: fx.GraphModule, *, backend: str = "triton", example_inputs=None, device=None) -> fx.GraphModule:
@@ -103,15 +102,6 @@ def record_meta(gm: fx.GraphModule, example_inputs, *, device=None) -> None:
 
 
 # --- library kernels -----------------------------------------------------------------------------
-def _val(node):
-    v = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
-def _arg(node, i, name, default):
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
-
-
 def _library_call(node):
     """(kernel function, its arguments, library module) for a norm, a loss or ring attention the
     library covers."""
@@ -121,134 +111,28 @@ def _library_call(node):
 
     if node.op != "call_function":
         return None
-    t = node.target
-    x = _val(node.args[0]) if node.args else None
-    if x is None or x.dtype not in FLOAT_DTYPES or x.dim() == 0:
-        return None
-    if t in (aten.layer_norm.default, aten.rms_norm.default):
-        if list(node.args[1]) != [x.shape[-1]] or x.shape[-1] > MAX_ROW:
-            return None
-        if t is aten.layer_norm.default:
-            args = (node.args[0], _arg(node, 2, "weight", None), _arg(node, 3, "bias", None),
-                    _arg(node, 4, "eps", 1e-5))
-            return kernels.layer_norm, args, "_norms"
-        eps = _arg(node, 3, "eps", None)
-        args = (node.args[0], _arg(node, 2, "weight", None), torch.finfo(x.dtype).eps if eps is None else eps)
+    kind = library_kernel(node)
+    if kind == "layer_norm":
+        args = (node.args[0], node_arg(node, 2, "weight", None), node_arg(node, 3, "bias", None),
+                node_arg(node, 4, "eps", 1e-5))
+        return kernels.layer_norm, args, "_norms"
+    if kind == "rms_norm":
+        eps = node_arg(node, 3, "eps", None)
+        args = (node.args[0], node_arg(node, 2, "weight", None),
+                torch.finfo(tensor_val(node.args[0]).dtype).eps if eps is None else eps)
         return kernels.rms_norm, args, "_norms"
-    if t is aten.cross_entropy_loss.default:
-        target = _val(node.args[1])
-        reduction = _arg(node, 3, "reduction", 1)
-        if (x.dim() != 2 or target is None or target.dim() != 1 or _arg(node, 2, "weight", None) is not None
-                or reduction not in (0, 2) or _arg(node, 5, "label_smoothing", 0.0) != 0.0):
-            return None
-        args = (node.args[0], node.args[1], _arg(node, 4, "ignore_index", -100), "none" if reduction == 0 else "sum")
+    if kind == "cross_entropy":
+        reduction = node_arg(node, 3, "reduction", 1)
+        args = (node.args[0], node.args[1], node_arg(node, 4, "ignore_index", -100),
+                "none" if reduction == 0 else "sum")
         return kernels.cross_entropy, args, "_cross_entropy"
-    if t is ring_attention:
+    if node.target is ring_attention:
         return kernels.ring_attention, tuple(node.args), "_attention"
-    if t is vocab_parallel_cross_entropy:
+    if node.target is vocab_parallel_cross_entropy:
         logits, target, ignore_index, reduction, group = node.args
         args = (logits, target, group, ignore_index, ("none", "mean", "sum")[reduction])
         return kernels.vocab_parallel_cross_entropy, args, "_cross_entropy"
     return None
-
-
-# --- regions -------------------------------------------------------------------------------------
-@dataclass(eq=False)
-class Region:
-    nodes: list          # in graph order
-    shape: tuple         # the iteration shape: every op's shape (pointwise), or the reduced input's (row)
-    row: bool            # holds a reduction along the last dim
-
-
-def _fusible(node: fx.Node) -> FusedOp | None:
-    if node.op != "call_function":
-        return None
-    out = _val(node)
-    if out is None or out.dtype not in FLOAT_DTYPES:
-        return None
-    low = fused_op(node)
-    if low is None:
-        return None
-    for i, a in enumerate(low.operands):
-        if isinstance(a, fx.Node):
-            v = _val(a)
-            if v is None or v.device != out.device or v.dtype.is_complex or v.dtype == torch.float64:
-                return None
-            if v.dtype == torch.bool and not (low.kind == "where" and i == 0):   # masks select, never add
-                return None
-        elif not isinstance(a, (int, float, bool)):
-            return None
-    if low.kind in ROW_KINDS and not 1 < _val(low.operands[0]).shape[-1] <= MAX_ROW:
-        return None
-    return low
-
-
-def _shape_of(node, low: FusedOp) -> tuple[tuple, bool]:
-    """The (iteration shape, row) of a region holding only ``node``."""
-    if low.kind in ROW_KINDS:
-        return tuple(_val(low.operands[0]).shape), True
-    return tuple(_val(node).shape), False
-
-
-def _combine(a, b):
-    """The (shape, row) of two regions joined, or None when one kernel cannot hold both."""
-    if a[1] == b[1]:
-        return a if a[0] == b[0] else None
-    (full, _), (other, _) = (a, b) if a[1] else (b, a)
-    return (full, True) if other in (full, full[:-1] + (1,)) else None
-
-
-def find_regions(graph: fx.Graph) -> list[Region]:
-    pos = {n: i for i, n in enumerate(graph.nodes)}
-    region_of: dict = {}
-    for node in graph.nodes:
-        low = _fusible(node)
-        if low is None:
-            continue
-        candidates = list(dict.fromkeys(region_of[a] for a in low.operands if isinstance(a, fx.Node)
-                                        and a in region_of))
-        choices = ([candidates] if len(candidates) > 1 else []) + [[c] for c in candidates]
-        region = next((r for r in (_join(c, node, low, pos) for c in choices) if r is not None), None)
-        if region is None:
-            shape, row = _shape_of(node, low)
-            region = Region([node], shape, row)
-        for n in region.nodes:
-            region_of[n] = region
-    kept = [r for r in dict.fromkeys(region_of.values()) if len(r.nodes) > 1]   # one op alone gains nothing
-    return sorted(kept, key=lambda r: pos[r.nodes[0]])
-
-
-def _join(regions, node, low, pos) -> Region | None:
-    shape = _shape_of(node, low)
-    for r in regions:
-        shape = shape and _combine(shape, (r.shape, r.row))
-    if shape is None:
-        return None
-    members = {n for r in regions for n in r.nodes} | {node}
-    full, row = shape
-    # A reduction without keepdim has lost the row's axis: it may leave the region, not feed it.
-    if row and any(a in members and _val(a).dim() != len(full) for n in members for a in n.all_input_nodes):
-        return None
-    if not _convex(members, pos):
-        return None
-    return Region(sorted(members, key=pos.__getitem__), full, row)
-
-
-def _convex(members: set, pos: dict) -> bool:
-    """No path leaves ``members`` and comes back (the region could not run as one call)."""
-    last = max(pos[n] for n in members)
-    stack = [u for n in members for u in n.users if u not in members]
-    seen = set()
-    while stack:
-        u = stack.pop()
-        if u in seen or pos[u] > last:
-            continue
-        seen.add(u)
-        for w in u.users:
-            if w in members:
-                return False
-            stack.append(w)
-    return True
 
 
 def region_spec(region: Region):
@@ -272,12 +156,12 @@ def region_spec(region: Region):
             else:
                 if a not in inputs:
                     inputs[a] = len(inputs)
-                    specs.append(_input_spec(_val(a), full, dims, region.row))
+                    specs.append(_input_spec(tensor_val(a), full, dims, region.row))
                 args.append(("in", inputs[a]))
-        row = region.row and tuple(_val(n).shape) != full
+        row = region.row and tuple(tensor_val(n).shape) != full
         ops.append(Op(low.kind, tuple(args), low.params, row, aten=str(n.target)))
     outputs = [n for n in region.nodes if any(u not in index for u in n.users)]
-    outs = tuple(Output(index[n], _val(n).dtype, _val(n).dim() == rank) for n in outputs)
+    outs = tuple(Output(index[n], tensor_val(n).dtype, tensor_val(n).dim() == rank) for n in outputs)
     spec = RegionSpec(region.row, rank, dims, tuple(specs), tuple(ops), outs)
     return spec, list(inputs), outputs
 

@@ -1,5 +1,5 @@
-"""The ATen ops that generated kernels implement: how a node reads as a fused op, and its Triton
-forward and gradient formulas.
+"""The Triton forward and gradient formulas of the ops generated kernels implement (which ATen node
+reads as which op is passes/fusion.py's ``fused_op``).
 
 A formula is a template over the op's operands ``{a}``, ``{b}``, ``{c}``, its output ``{y}`` and the
 gradient of its output ``{g}``. Every value is fp32 inside a kernel (loads upcast, stores round), so
@@ -11,26 +11,12 @@ marks the real columns of the row and ``N`` is their count; reductions see only 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
-import torch.fx as fx
 
-aten = torch.ops.aten
-
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TL_DTYPE = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16"}
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-
-
-@dataclass(frozen=True)
-class FusedOp:
-    """A node read as a fused op: ``operands`` are fx nodes or Python numbers, in template order."""
-
-    kind: str
-    operands: tuple
-    params: tuple = ()
 
 
 def lit(x) -> str:
@@ -41,81 +27,6 @@ def lit(x) -> str:
     if math.isnan(x):
         return 'float("nan")'
     return repr(x)
-
-
-_UNARY = {aten.neg.default: "neg", aten.exp.default: "exp", aten.log.default: "log", aten.sqrt.default: "sqrt",
-          aten.rsqrt.default: "rsqrt", aten.reciprocal.default: "reciprocal", aten.sigmoid.default: "sigmoid",
-          aten.tanh.default: "tanh", aten.relu.default: "relu", aten.silu.default: "silu", aten.abs.default: "abs",
-          aten.clone.default: "copy", aten.contiguous.default: "copy"}
-_BINARY = {aten.mul.Tensor: "mul", aten.mul.Scalar: "mul", aten.div.Tensor: "div", aten.div.Scalar: "div",
-           aten.maximum.default: "maximum", aten.minimum.default: "minimum"}
-_ADDITIVE = {aten.add.Tensor: "add", aten.add.Scalar: "add", aten.sub.Tensor: "sub", aten.sub.Scalar: "sub"}
-_CASTS = {aten._to_copy.default, aten.to.dtype}
-_REDUCTIONS = {aten.sum.dim_IntList: "sum", aten.mean.dim: "mean", aten.amax.default: "amax"}
-_SOFTMAX = {aten._softmax.default: "softmax", aten.softmax.int: "softmax",
-            aten._log_softmax.default: "log_softmax", aten.log_softmax.int: "log_softmax"}
-REDUCTION_KINDS = frozenset(("sum", "mean", "amax"))
-ROW_KINDS = REDUCTION_KINDS | {"softmax", "log_softmax"}   # need a whole row in one program
-
-
-def fused_op(node: fx.Node) -> FusedOp | None:
-    """How a generated kernel computes ``node``, or None when it cannot."""
-    t, args, kw = node.target, node.args, node.kwargs
-    if t in _UNARY:
-        return FusedOp(_UNARY[t], (args[0],))
-    if t in _BINARY:
-        if t is aten.div.Tensor and kw.get("rounding_mode") is not None:
-            return None
-        return FusedOp(_BINARY[t], (args[0], args[1]))
-    if t in _ADDITIVE:
-        return FusedOp(_ADDITIVE[t], (args[0], args[1]), (kw.get("alpha", args[2] if len(args) > 2 else 1),))
-    if t in (aten.rsub.Scalar, aten.rsub.Tensor):              # other - alpha * self
-        return FusedOp("sub", (args[1], args[0]), (kw.get("alpha", args[2] if len(args) > 2 else 1),))
-    if t is aten.pow.Tensor_Scalar and isinstance(args[1], (int, float)) and args[1] != 0:
-        return FusedOp("pow", (args[0],), (float(args[1]),))
-    if t is aten.gelu.default:
-        approximate = kw.get("approximate", args[1] if len(args) > 1 else "none")
-        return FusedOp("gelu", (args[0],), (approximate,)) if approximate in ("none", "tanh") else None
-    if t is aten.clamp.default:
-        lo = kw.get("min", args[1] if len(args) > 1 else None)
-        hi = kw.get("max", args[2] if len(args) > 2 else None)
-        if lo is None and hi is None or any(not isinstance(v, (int, float, type(None))) for v in (lo, hi)):
-            return None
-        return FusedOp("clamp", (args[0],), (lo, hi))
-    if t in (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf):
-        cond = args[0]
-        if not (isinstance(cond, fx.Node) and _val(cond) is not None and _val(cond).dtype == torch.bool):
-            return None
-        return FusedOp("where", (cond, args[1], args[2]))
-    if t in _CASTS:
-        if set(kw) - {"dtype", "memory_format", "layout", "device"} or len(args) > (2 if t is aten.to.dtype else 1):
-            return None
-        return FusedOp("cast", (args[0],), (_val(node).dtype,))
-    if t in _REDUCTIONS:
-        dims = args[1] if len(args) > 1 else kw.get("dim")
-        keepdim = kw.get("keepdim", args[2] if len(args) > 2 else False)
-        if kw.get("dtype") is not None or not _last_dim_only(node, dims):
-            return None
-        return FusedOp(_REDUCTIONS[t], (args[0],), (bool(keepdim),))
-    if t in _SOFTMAX:
-        dim = args[1]
-        extra = args[2] if len(args) > 2 else kw.get("dtype")
-        if extra not in (None, False) or not _last_dim_only(node, [dim]):
-            return None
-        return FusedOp(_SOFTMAX[t], (args[0],))
-    return None
-
-
-def _val(node):
-    v = node.meta.get("val")
-    return v if isinstance(v, torch.Tensor) else None
-
-
-def _last_dim_only(node, dims) -> bool:
-    x = _val(node.args[0])
-    if x is None or x.dim() == 0 or not isinstance(dims, (list, tuple)) or len(dims) != 1:
-        return False
-    return dims[0] % x.dim() == x.dim() - 1
 
 
 def _power(x: str, p: float) -> str:

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autopar.codegen.triton.ops import FLOAT_DTYPES, formulas, lit
+from autopar.codegen.triton.ops import formulas, lit
+from autopar.passes.fusion import FLOAT_DTYPES
 
 
 @dataclass(frozen=True)
