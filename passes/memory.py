@@ -1029,6 +1029,13 @@ class StepMemory:
                 gather_sources.append(_one(c, [vb.at({c: i}) * (1.0 if cp.at({c: i}) else 0.0)
                                                for i in self._options(c)]))
         grouped, copies_before = self._shared_copies(calls, pos, input_values, inst_of, frees, copy_views)
+        @functools.lru_cache(maxsize=None)      # a layer's every instance asks the same of its position
+        def kept_unless_copied(ca, cb, vb, keeps, cp):
+            """Storage ``vb`` (decision ``ca``) where reader option ``j`` (decision ``cb``) keeps it (``keeps``)
+            and reads no copy ``cp`` (None: reads it in place)."""
+            return _pair(ca, cb, [[vb.at({ca: i}) * keeps[j] * (0.0 if cp and cp.at({ca: i, cb: j}) else 1.0)
+                                   for j in self._options(cb)] for i in self._options(ca)])
+
         holders = {}          # storage -> [(saving node, None or Bytes kept only where no copy is read)]
         kept = {}             # node -> [Bytes] allocated in its forward, freed after its backward
         held_copy = {}        # (node, input position) whose copy backward keeps -> the part it does not keep
@@ -1078,9 +1085,7 @@ class StepMemory:
                         cond = _pair(ca, cv, [[0.0 if vc.at({ca: i, cv: j}) else vb.at({ca: i})
                                                for j in self._options(cv)] for i in self._options(ca)])
                 elif n not in inst_of and (not everywhere or (cp is not None and exact)):
-                    cond = _pair(ca, cb, [[vb.at({ca: i}) * keeps[j] *
-                                           (0.0 if exact and cp and cp.at({ca: i, cb: j}) else 1.0)
-                                           for j in self._options(cb)] for i in self._options(ca)])
+                    cond = kept_unless_copied(ca, cb, vb, tuple(keeps), cp if exact else None)
                 holders.setdefault(b, []).append((n, cond))
             outs = output_values(n)
             flags = [s.held or _held_by_bytes(s.outputs, outs) for s in per_option]
@@ -1092,10 +1097,11 @@ class StepMemory:
                     holders.setdefault(b, []).append((n, cond))
             if outs:      # output bytes a rule declares (for a GPU kernel) beyond whole outputs
                 vb, extra = self.value(outs[0]), []
+                sizes = [value_info_nbytes(x) for x in outs]
                 for o, (s, f) in enumerate(zip(per_option, flags)):
-                    covered = sum(value_info_nbytes(x) for x, kf in zip(outs, f) if kf)
+                    covered = sum(size for size, kf in zip(sizes, f) if kf)
                     more = 0.0 if s.held or s.outputs <= covered else s.outputs - covered
-                    extra.append(vb.at({cb: o}) * more / max(value_info_nbytes(outs[0]), 1))
+                    extra.append(vb.at({cb: o}) * more / max(sizes[0], 1))
                 if any(extra):
                     kept.setdefault(n, []).append(_one(cb, extra))
             internal = _one(cb, [s.internal / self.cm.work_split(self._strategy(n, o)) if s.internal else 0.0
@@ -1160,6 +1166,8 @@ class StepMemory:
             frees.setdefault(("B", first), []).append((_A, -1, q))
 
         def workspace(n) -> Bytes:
+            if not rule_for(n).workspace:       # most ops hold none: not asked once per option
+                return Bytes(None, None, 0.0)
             c = self._choice(n)
             return _one(c, [self.cm.workspace_bytes(n, self._strategy(n, o)) for o in self._options(c)])
 
@@ -1424,6 +1432,7 @@ class StepMemory:
         from autopar.passes.strategies import Value, requires_grad
 
         launched = {}
+        reduces = {}      # fold key of (parameter, reader, input) -> per option pair, whether the reader reduces
         for p, grad in grads_of.items():
             uses = [(m, k) for m in p.users if m in pos for k, v in enumerate(input_values(m)) if v.node is p]
             if not uses or not requires_grad(p):
@@ -1432,16 +1441,14 @@ class StepMemory:
             first = min((m for m, _ in uses), key=pos.__getitem__)
             for m, k in uses:
                 cb = self._choice(m)
-                table = []
-                for i in self._options(ca):
-                    src, row = self._strategy(p, i), []
-                    for j in self._options(cb):
-                        dst = self._strategy(m, j)
-                        reduced = src is not None and dst is not None and not src.offload and \
-                            src.read_grad_partial(Value(p), dst.inputs[k], dst)
-                        row.append(grad.at({ca: i}) / len(uses) if reduced else 0.0)
-                    table.append(row)
-                q = _pair(ca, cb, table)
+                key = self._fold_key(Value(p), m, k)
+                if key not in reduces:
+                    reduces[key] = [[src is not None and dst is not None and not src.offload and
+                                     src.read_grad_partial(Value(p), dst.inputs[k], dst)
+                                     for dst in (self._strategy(m, j) for j in self._options(cb))]
+                                    for src in (self._strategy(p, i) for i in self._options(ca))]
+                q = _pair(ca, cb, [[grad.at({ca: i}) / len(uses) if r else 0.0 for r in row]
+                                   for i, row in enumerate(reduces[key])])
                 if not q.zero():
                     launched.setdefault(first, []).append(q)
         return launched
