@@ -521,6 +521,7 @@ class StepMemory:
         self._runs: list[range] = []      # the points of a layer's forward, and of a recomputed one's run again
         self._values: dict = {}
         self._reads: dict = {}
+        self._steps: dict = {}   # (source layout, read layout, reduced axes, shape, dtype) -> bytes of its steps
         self._copies: dict = {}
         self._moved: dict = {}   # an instance whose saved activations go to host -> (decision, indicator)
         self._recomputed: dict = {}   # a region that runs its forward again -> (decision, indicator)
@@ -641,8 +642,6 @@ class StepMemory:
             cpu = self.cm.cluster.device_type != "cuda"
             grad = requires_grad(v.node)
             ca, cb = self._choice(v.node), self._choice(node)
-            # Readers' options ask for few distinct requests and producers make few distinct layouts:
-            # the steps are found once per distinct pair.
             requests, made = [], {}
             for j in self._options(cb):
                 s = self._strategy(node, j)
@@ -650,7 +649,9 @@ class StepMemory:
                 request = (dst, grad_partial_axes(dst, s.splits_work, grad))
                 requests.append(request)
                 made.setdefault(request, s)
-            found = {}
+            # Readers' options ask for few distinct requests and producers make few distinct layouts, and
+            # values of one shape and dtype (a layer's every instance) share their steps: each is found once.
+            found = self._steps
             per_request = {}
             for (dst, partial), s in made.items():
                 size = info.nbytes * local_fraction(dst, mesh)
@@ -659,15 +660,16 @@ class StepMemory:
                     src = self._strategy(v.node, i)
                     pair = (dst, dst, partial) if src is None else (
                         tuple(src.outputs[v.index]), dst, src.readers_grad_partial(partial))
-                    if pair not in found:
+                    fk = (*pair, info.shape, info.dtype)
+                    if fk not in found:
                         steps = self.cm.transition(v, *pair) or []
                         # A local chunk's backward all-gathers the gradient; along a dim with larger
                         # dims before it, the gathered blocks stand beside their contiguous copy.
                         gathered = max((info.dtype.itemsize * prod(st.in_shape) for st in steps if st.op == "local_chunk"
                                         and st.dim and prod(st.in_shape[:st.dim]) > 1), default=0.0)
-                        found[pair] = (size if any(st.makes_storage for st in steps) else 0.0,
-                                       size if steps else 0.0, float(gathered), _staging(steps, info, size, cpu))
-                    rows.append(found[pair])
+                        found[fk] = (size if any(st.makes_storage for st in steps) else 0.0,
+                                     size if steps else 0.0, float(gathered), _staging(steps, info, size, cpu))
+                    rows.append(found[fk])
                 per_request[(dst, partial)] = rows
             self._reads[key] = (ca, cb, tuple(requests), per_request)
         return self._reads[key]
