@@ -624,7 +624,7 @@ class ClusterSpec:
                 f"{dev.peak_flops('bfloat16') / 1e12:.3g} TFLOP/s bf16, "
                 f"{dev.peak_flops('float32') / 1e12:.3g} TFLOP/s fp32, "
                 f"{dev.memory_bandwidth / 1e12:.3g} TB/s, {dev.op_overhead * 1e6:.3g} us/op, "
-                f"comm contention {dev.comm_contention:.2f}, peer wait {dev.peer_wait * 1e6:.3g} us, "
+                f"comm contention {dev.comm_contention:.2f}, peer wait {dev.peer_wait * 1e3:.3g} ms, "
                 f"{dev.memory / 1e9:.3g} GB "
                 f"({self.memory_reserve / 1e9:.3g} GB reserved); "
                 f"intra-node {self.intra_node_bandwidth / 1e9:.3g} GB/s {self.intra_node_latency * 1e6:.3g} us, "
