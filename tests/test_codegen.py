@@ -131,6 +131,18 @@ def _waited_after_compute(pm, ids, labels, issues):
     return between
 
 
+def _same_as_overlap_off(plain, pm, ids, labels):
+    """``pm`` gives the numbers of ``plain``, its plan compiled with overlap off, bitwise: loss and every
+    local gradient."""
+    for m in (plain, pm):
+        m.zero_grad()
+        m.loss = m(ids, labels=labels).loss
+        m.loss.backward()
+    assert torch.equal(plain.loss, pm.loss)
+    for (name, a), (_, b) in zip(plain.named_parameters(), pm.named_parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
 def _collectives_match(rank, world, model_name, mesh, pins, options):
     import autopar
 
@@ -152,14 +164,7 @@ def _collectives_match(rank, world, model_name, mesh, pins, options):
         plain = autopar.compile(model, autopar.ClusterSpec.local_cpu(world), (ids,), {"labels": labels},
                                 plan=pm.plan, overlap=False, **options)
         assert "_start(" not in plain.code and "_wait(" not in plain.code
-        # The same numbers with overlap off, bitwise: loss and every local gradient.
-        for m in (plain, pm):
-            m.zero_grad()
-            m.loss = m(ids, labels=labels).loss
-            m.loss.backward()
-        assert torch.equal(plain.loss, pm.loss)
-        for (name, a), (_, b) in zip(plain.named_parameters(), pm.named_parameters()):
-            assert torch.equal(a.grad, b.grad), name
+        _same_as_overlap_off(plain, pm, ids, labels)
 
 
 def _replicated_weights_read_in_chunks(rank, world, recompute):
@@ -468,14 +473,7 @@ def _recomputed_layers_overlap(rank, world, kind):
         again = _waited_after_compute(pm, ids, labels, (c10d.all_gather_into_tensor.default,))
         assert sum(n > 0 for n in again) >= hidden, (again, hidden)
         assert not any(_waited_after_compute(plain, ids, labels, (c10d.all_gather_into_tensor.default,)))
-    # The same numbers with overlap off, bitwise: loss and every local gradient.
-    for m in (plain, pm):
-        m.zero_grad()
-        m.loss = m(ids, labels=labels).loss
-        m.loss.backward()
-    assert torch.equal(plain.loss, pm.loss)
-    for (name, a), (_, b) in zip(plain.named_parameters(), pm.named_parameters()):
-        assert torch.equal(a.grad, b.grad), name
+    _same_as_overlap_off(plain, pm, ids, labels)
 
 
 @pytest.mark.parametrize("kind", ["megatron", "zero3", "vocab"])
