@@ -978,6 +978,15 @@ class StepMemory:
 
                     block, whole = [k[1] for k in kept], [f[1] for f in full]
                     output = [f if cpu else k for f, k in zip(whole, block)]
+                    # A sharded master's (ZeRO-2 read through its copy, runtime/zero.py): the copy's
+                    # gradient, in its dtype, is what the collective holds, the master's block counted
+                    # from the copy's backward on (grads_of); the walk frees the copy's gradient there,
+                    # so it is counted again, with the output, until the wait.
+                    for i, w in enumerate(copy_dtype):
+                        if w is not None:
+                            narrow = w.itemsize / val.dtype.itemsize
+                            output[i] = (whole[i] + (whole[i] if cpu else block[i])) * narrow
+                            block[i] = whole[i] = 0.0
                     scatter[n] = _MovedGradient(
                         where(at_once, block), where(at_once, whole),
                         where(waited, output),
@@ -1420,12 +1429,20 @@ class StepMemory:
         whose reader reduces the gradient counts its share of that buffer at the backward of the
         parameter's first reader and at each copy after it; a bucket launches when its last gradient is
         ready, and a parameter some reader does not reduce is reduced in the program instead (all the
-        safe side)."""
+        safe side). A gradient reduced in its bfloat16 copy's dtype has a buffer of that dtype; its
+        float32 gradient is let go at the copy and made again from the buffer at backward's end, one
+        bucket at a time: counted held throughout (the safe side, by the buffer's bytes, in between),
+        and the widening's buffer is within the last copy's count."""
+        from autopar.passes.precision import gradient_carrier
         from autopar.passes.strategies import Value, requires_grad
 
         launched = {}
         for p, grad in grads_of.items():
-            uses = [(m, k) for m in p.users if m in pos for k, v in enumerate(input_values(m)) if v.node is p]
+            # A weight read only through its bfloat16 copy is bucketed by its copy's readers, in the
+            # copy's dtype, where its optimizer state is not sharded (exposure.bucketed_params).
+            v = gradient_carrier(p)
+            narrow = v.meta["val"].dtype.itemsize / p.meta["val"].dtype.itemsize
+            uses = [(m, k) for m in v.users if m in pos for k, x in enumerate(input_values(m)) if x.node is v]
             if not uses or not requires_grad(p):
                 continue
             ca = self._choice(p)
@@ -1434,12 +1451,12 @@ class StepMemory:
                 cb = self._choice(m)
                 table = []
                 for i in self._options(ca):
-                    src, row = self._strategy(p, i), []
+                    own, src, row = self._strategy(p, i), self._strategy(v, i), []
                     for j in self._options(cb):
                         dst = self._strategy(m, j)
-                        reduced = src is not None and dst is not None and not src.offload and \
-                            src.read_grad_partial(Value(p), dst.inputs[k], dst)
-                        row.append(grad.at({ca: i}) / len(uses) if reduced else 0.0)
+                        reduced = None not in (own, src, dst) and not own.offload and \
+                            (v is p or own.zero is None) and src.read_grad_partial(Value(v), dst.inputs[k], dst)
+                        row.append(grad.at({ca: i}) * narrow / len(uses) if reduced else 0.0)
                     table.append(row)
                 q = _pair(ca, cb, table)
                 if not q.zero():
