@@ -183,7 +183,7 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_budget: float | None
     communication hides; ``idx.credit`` holds the credits alone, so that ``objective + credit`` is the
     serial step time. Without it the objective is the serial step time. The strategies are those
     ``strategies_pass`` made for the cost model's mesh. With ``sharded_masters`` (not a pipeline's
-    stages) a ZeRO-1 weight read through its bfloat16 copy shards its float32 master: its copy is
+    stages) a ZeRO-1/2 weight read through its bfloat16 copy shards its float32 master: its copy is
     gathered in bfloat16 and its cast does not run (``passes.precision.sharded_master_copy``)."""
     strategies = strategies_on(gm, cm.mesh_shape)
     nodes = list(strategies)

@@ -511,7 +511,7 @@ class StepMemory:
 
         self.cm, self.idx, self.num_options = cm, idx, tuple(num_options)
         self.sharded_outputs, self.overlap = sharded_outputs, overlap
-        # Whether a ZeRO-1 weight read through its bfloat16 copy has its float32 master sharded
+        # Whether a ZeRO-1/2 weight read through its bfloat16 copy has its float32 master sharded
         # (``passes.precision.sharded_master_copy``; not in a pipeline's stages): the program reads the
         # whole copy, held all step, in place of the cast.
         self.sharded_masters = sharded_masters

@@ -82,7 +82,7 @@ def _reshard(low: ReshardPlan, mesh_shape, v: Value, dst, s: Strategy | None, co
 
 def collectives(low: ReshardPlan, cm, axis_names, sharded_masters=None) -> list[PlanCollective]:
     """The plan's collectives under ``low``, priced by ``cm`` (a passes.costs.CostModel).
-    ``sharded_masters``: ZeRO-1 parameter -> the copy it is read through where its master is sharded
+    ``sharded_masters``: ZeRO-1/2 parameter -> the copy it is read through where its master is sharded
     (``passes.precision.sharded_master_copy``), whose dtype its post-step all-gather moves."""
     sharded_masters = sharded_masters or {}
     out = []

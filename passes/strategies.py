@@ -41,8 +41,9 @@ class ZeroState:
     @property
     def scatters_grad(self) -> bool:
         """ZeRO-2: the runtime reduce-scatters the accumulated gradient into the state's shard, once for
-        all the parameter's readers (which then leave it out of their reductions, ``readers_grad_partial``)
-        and in place of a bucketed all-reduce."""
+        all the parameter's readers (which then leave it out of their reductions, ``readers_grad_partial``;
+        for a weight read through its bfloat16 copy, the copy's readers: ``_try_follow``) and in place of
+        a bucketed all-reduce."""
         return self.stage >= 2
 
     def state_layout(self, layout: Layout) -> Layout:

@@ -2,7 +2,8 @@
 
 The program lists the parameters whose accumulated gradient is summed over a group
 (``Program.grad_reductions``, in the order backward makes them ready). They are packed into buckets of
-about ``bucket_bytes`` (one group and dtype per bucket); a bucket's all-reduce starts, asynchronously,
+about ``bucket_bytes`` of the dtype they are reduced in (one group and dtype per bucket, one bucket
+open per group and dtype: ``autopar.plan.pack_buckets``); a bucket's all-reduce starts, asynchronously,
 once every gradient in it is accumulated, and buckets start in index order so that every rank issues
 the same collectives in the same order. The end of backward waits for them.
 A gradient ``torch.autograd.grad`` returns is all-reduced alone, at once.

@@ -337,20 +337,21 @@ def test_outputs_can_stay_sharded_as_dtensors():
     run_distributed(_sharded_outputs, 2, timeout=300)
 
 
-def _data_parallel_gpt2(world):
-    """GPT-2, its batch, a cluster whose links are fast enough that splitting the batch pays, and pins
-    that replicate every weight without ZeRO: data-parallel gradients."""
+def _data_parallel_gpt2(world, model_name="gpt2", **node_pins):
+    """GPT-2 (or ``model_name``), its batch, a cluster whose links are fast enough that splitting the
+    batch pays, and pins that replicate every weight without ZeRO (and pin ``node_pins``): data-parallel
+    gradients."""
     import dataclasses
 
     import autopar
 
     torch.manual_seed(0)
-    model = build("gpt2")
+    model = build(model_name)
     ids, labels = batch()
     cluster = dataclasses.replace(autopar.ClusterSpec.local_cpu(world), intra_node_bandwidth=1e13,
                                   intra_node_latency=1e-9)
     plain_dp = {"output": ["R"], "zero": 0}
-    pins = {"*.weight": plain_dp, "*.bias": plain_dp, "input_ids": ["S(0)"], "labels": ["S(0)"]}
+    pins = {"*.weight": plain_dp, "*.bias": plain_dp, "input_ids": ["S(0)"], "labels": ["S(0)"], **node_pins}
     return model, ids, labels, cluster, pins
 
 
@@ -402,19 +403,11 @@ def _bucketed_bf16_gradients(rank, world):
     """bf16-mixed data parallelism: each weight read only through its bfloat16 copy has its gradient
     reduced once, in bfloat16, in the runtime's buckets, in place of the reduction of its copy's
     gradient in the program."""
-    import dataclasses
-
     import autopar
     from autopar.runtime import collectives as C
 
-    torch.manual_seed(0)
-    model = build("gpt")
-    ids, labels = batch()
-    cluster = dataclasses.replace(autopar.ClusterSpec.local_cpu(world), intra_node_bandwidth=1e13,
-                                  intra_node_latency=1e-9)
-    plain_dp = {"output": ["R"], "zero": 0}
-    pins = {"*.weight": plain_dp, "*.bias": plain_dp, "input_ids": ["S(0)"], "labels": ["S(0)"],
-            "linear*": ["S(0)"], "layer_norm*": ["S(0)"]}
+    batch_split = {"linear*": ["S(0)"], "layer_norm*": ["S(0)"]}
+    model, ids, labels, cluster, pins = _data_parallel_gpt2(world, "gpt", **batch_split)
     one = autopar.compile(model, cluster, (ids,), {"labels": labels}, pins=pins, precision="bf16-mixed",
                           kernels="aten", recompute=False)
     each = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=one.plan, bucket_mb=0, kernels="aten")

@@ -126,55 +126,48 @@ def test_the_models_count_the_master_and_the_bf16_copy():
     assert mm and all(x["compute_seconds"] < ref[x["name"]]["compute_seconds"] for x in mm)
 
 
+def _llama_sharded_masters(stage: int):
+    """Offline, LLaMA on 8xH100 under bf16-mixed with every parameter ZeRO-``stage``: (the plan, the
+    parameters' sizes, those whose float32 master it shards, their elements, the others' elements)."""
+    model = build("llama")
+    ids, labels = batch()
+    pins = {name: {"output": ["R"], "zero": stage} for name, _ in model.named_parameters()}
+    plan = autopar.plan(model, autopar.ClusterSpec.preset("8xH100"), (ids,), {"labels": labels}, mesh_shape=(8,),
+                        pins=pins, progress=False, recompute=False, precision="bf16-mixed")
+    sizes = dict((name, p.numel()) for name, p in model.named_parameters())
+    assert {z.stage for z in plan.zero.values()} == {stage}
+    sharded = {f for f, z in plan.zero.items() if z.sharded_master}
+    assert {f for f in sizes if f.endswith(("proj.weight", "lm_head.weight"))} <= sharded
+    assert not any("norm" in f for f in sharded)
+    for f in sharded:
+        assert plan.memory["by_param"][f] == (2 + 12 / 8 + 4 / 8) * sizes[f], f
+    n_s = sum(sizes[f] for f in sharded)
+    return plan, sizes, sharded, n_s, sum(sizes.values()) - n_s
+
+
 def test_zero1_shards_the_float32_master_of_each_weight_read_through_its_copy():
     """Offline, LLaMA on 8xH100 under bf16-mixed ZeRO-1: a weight read only through its bfloat16 copy
     holds that copy whole and its float32 master, Adam's states and its gradient at 1/8 (2 + 12/N bytes
     per parameter with the master among ZeRO's K = 12, and a 4/N float32 gradient block), and its updated
     blocks are all-gathered in bfloat16; the norms, read in float32 on a GPU, keep their weight whole
     (4 + 4 + 8/N). The plan's memory model counts every rank's bytes so."""
-    model = build("llama")
-    ids, labels = batch()
-    pins = {name: {"output": ["R"], "zero": 1} for name, _ in model.named_parameters()}
-    plan = autopar.plan(model, autopar.ClusterSpec.preset("8xH100"), (ids,), {"labels": labels}, mesh_shape=(8,),
-                        pins=pins, progress=False, recompute=False, precision="bf16-mixed")
-    sizes = dict((name, p.numel()) for name, p in model.named_parameters())
-    sharded = {f for f, z in plan.zero.items() if z.sharded_master}
-    assert {f for f in sizes if f.endswith(("proj.weight", "lm_head.weight"))} <= sharded
-    assert not any("norm" in f for f in sharded)
-    n_s = sum(sizes[f] for f in sharded)
-    n_w = sum(sizes.values()) - n_s
+    plan, sizes, sharded, n_s, n_w = _llama_sharded_masters(1)
     assert (plan.memory["params"], plan.memory["grads"], plan.memory["optimizer"]) == \
         (2 * n_s + 4 * n_s / 8 + 4 * n_w, 4 * n_s / 8 + 4 * n_w, 8 * (n_s + n_w) / 8)
-    for f in sharded:
-        assert plan.memory["by_param"][f] == (2 + 12 / 8 + 4 / 8) * sizes[f], f
     gathered = sum(c["bytes"] for c in plan.collectives if c["step"] == "zero1")
     assert gathered == 2 * n_s + 4 * n_w
 
 
 def test_zero2_reduce_scatters_the_bf16_gradient_of_each_weight_read_through_its_copy():
     """Offline, LLaMA on 8xH100 under bf16-mixed ZeRO-2 (Megatron-LM's distributed optimizer with its
-    gradients reduce-scattered): a weight read only through its bfloat16 copy holds that copy whole and
-    its float32 master, Adam's states and gradient at 1/8 (2 + 12/N + 4/N bytes per parameter, as under
-    ZeRO-1, whose gradient block is the same); its copy's gradient is reduce-scattered in bfloat16 (half
-    the bytes of the float32 master's), in place of any all-reduce, and the updated blocks all-gathered
-    in bfloat16. The norms, read in float32 on a GPU, are ZeRO-2 over their float32 weight, held whole
-    (4 + 4/N + 8/N bytes), and reduce-scatter its float32 gradient."""
-    model = build("llama")
-    ids, labels = batch()
-    pins = {name: {"output": ["R"], "zero": 2} for name, _ in model.named_parameters()}
-    plan = autopar.plan(model, autopar.ClusterSpec.preset("8xH100"), (ids,), {"labels": labels}, mesh_shape=(8,),
-                        pins=pins, progress=False, recompute=False, precision="bf16-mixed")
-    sizes = dict((name, p.numel()) for name, p in model.named_parameters())
-    assert {z.stage for z in plan.zero.values()} == {2}
-    sharded = {f for f, z in plan.zero.items() if z.sharded_master}
-    assert {f for f in sizes if f.endswith(("proj.weight", "lm_head.weight"))} <= sharded
-    assert not any("norm" in f for f in sharded)
-    n_s = sum(sizes[f] for f in sharded)
-    n_w = sum(sizes.values()) - n_s
+    gradients reduce-scattered): a weight read only through its bfloat16 copy holds what it holds under
+    ZeRO-1 (2 + 12/N + 4/N bytes per parameter); its copy's gradient is reduce-scattered in bfloat16
+    (half the bytes of the float32 master's), in place of any all-reduce, and the updated blocks
+    all-gathered in bfloat16. The norms, read in float32 on a GPU, are ZeRO-2 over their float32
+    weight, held whole (4 + 4/N + 8/N bytes), and reduce-scatter its float32 gradient."""
+    plan, sizes, sharded, n_s, n_w = _llama_sharded_masters(2)
     assert (plan.memory["params"], plan.memory["grads"], plan.memory["optimizer"]) == \
         (2 * n_s + 4 * n_s / 8 + 4 * n_w, 4 * (n_s + n_w) / 8, 8 * (n_s + n_w) / 8)
-    for f in sharded:
-        assert plan.memory["by_param"][f] == (2 + 12 / 8 + 4 / 8) * sizes[f], f
     scattered = {c["value"]: c["bytes"] for c in plan.collectives if c["step"] == "zero2" and c["kind"] == "reduce_scatter"}
     for f in sizes:
         assert scattered["p_" + f.replace(".", "_")] == (2 if f in sharded else 4) * sizes[f], f
