@@ -10,7 +10,8 @@ streams, compute and communication, the way the generated program runs them:
   attention, priced with their own overlap) wait where they are issued.
 - **backward**: a parameter whose every use reduces its gradient over one mesh axis (plain data
   parallelism; codegen/grad_buckets.py), or whose bfloat16 copy's every use does (bf16-mixed), has
-  that reduction done once, on its accumulated gradient, in DDP-style buckets of ``bucket_bytes`` (runtime/grad_buckets.py): a bucket's all-reduce starts when
+  that reduction done once, on its accumulated gradient, in DDP-style buckets of ``bucket_bytes``
+  (runtime/grad_buckets.py): a bucket's all-reduce starts when
   its last gradient is accumulated (the backward of the parameter's first reader) and the previous
   bucket has started, and runs on the communication stream while the rest of backward computes.
   A sharded parameter's gradient reduce-scatter (the backward of its split forward all-gather,
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from autopar.passes.meta import is_param, meta_of
-from autopar.passes.precision import gradient_carrier
+from autopar.passes.precision import bucketed_gradient
 from autopar.passes.strategies import requires_grad
 from autopar.plan import PlanCollective, pack_buckets
 
@@ -57,12 +58,10 @@ def bucketed_params(gm: fx.GraphModule, colls: list[PlanCollective], strategy: d
                     resharded_for: dict[str, set[str]] | None = None) -> dict[str, tuple[str, object]]:
     """Value name -> (mesh axis, dtype), for the values whose gradient the runtime reduces in buckets
     (codegen/grad_buckets.py): a parameter, or its lower-precision copy where that copy is its only
-    reader (``passes.precision.gradient_carrier``, bf16-mixed's weights, whose reduction then moves the
-    copy's dtype), when every use of it reads it through a backward all-reduce alone, on one axis. A
-    ZeRO-2 parameter's gradient is reduce-scattered instead, an offloaded one copied to the host, and a
-    ZeRO-1 parameter's copy is read whole in place of the cast (``sharded_master_copy``), its reductions
-    left in the program. ``resharded_for``: value name -> the consumers that read it through a
-    resharding (a resharding several consumers share is listed once in ``colls``, at its first);
+    reader (bf16-mixed's weights, whose reduction then moves the copy's dtype), as
+    ``passes.precision.bucketed_gradient`` says, when every use of it reads it through a backward
+    all-reduce alone, on one axis. ``resharded_for``: value name -> the consumers that read it through
+    a resharding (a resharding several consumers share is listed once in ``colls``, at its first);
     without it, those of ``colls``."""
     by_value: dict[str, list[PlanCollective]] = {}
     for c in colls:
@@ -71,11 +70,8 @@ def bucketed_params(gm: fx.GraphModule, colls: list[PlanCollective], strategy: d
     for n in gm.graph.nodes:
         if n.op != "placeholder" or n not in strategy:
             continue
-        s = strategy[n]
-        if s.grad_scatter_axis is not None or s.offload:
-            continue
-        v = gradient_carrier(n)
-        if v is not n and s.zero is not None or v.name not in by_value:
+        v = bucketed_gradient(n, strategy[n])
+        if v is None or v.name not in by_value:
             continue
         own = by_value[v.name]
         axes = {c.axis for c in own}

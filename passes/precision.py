@@ -179,6 +179,17 @@ def gradient_carrier(param: fx.Node) -> fx.Node:
     return users[0] if len(users) == 1 and cast_source(users[0]) is param else param
 
 
+def bucketed_gradient(param: fx.Node, s) -> fx.Node | None:
+    """The value whose readers' gradient all-reduces the runtime's buckets take over for a parameter
+    under its Strategy ``s`` (codegen/grad_buckets.py), or None: its ``gradient_carrier``, unless its
+    gradient is reduce-scattered (ZeRO-2) or copied to the host (offload), or the carrier is a copy
+    whose master is sharded (ZeRO-1 reads the copy whole, its reductions left in the program)."""
+    if s.grad_scatter_axis is not None or s.offload:
+        return None
+    carrier = gradient_carrier(param)
+    return None if carrier is not param and s.zero is not None else carrier
+
+
 def reads_through_copy(param: fx.Node) -> bool:
     """Whether a parameter's only reader is its cast to a narrower dtype (bf16-mixed's bfloat16 weight).
     That cast follows the parameter's layout (passes/strategies.py): the copy is made where the weight

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 ARCHS = ("gpt2", "llama", "bert", "gpt", "gpt-probe", "gpt-vocab", "gpt-long", "llama-long", "qwen2")
-KINDS = ("auto", "dp", "dp-bf16", "megatron", "zero3", "zero1-bf16", "zero2-bf16", "zero2-recompute", "vocab", "vocab-sharded-outputs", "vocab-sliced",
+KINDS = ("auto", "dp", "dp-bf16", "megatron", "zero3", "zero1-bf16", "zero2-bf16", "zero2-recompute", "vocab",
+         "vocab-sharded-outputs", "vocab-sliced",
          "recompute", "sharded-outputs", "2d", "ring", "heads")
 # (tokens, batch) of the long-sequence architectures, whatever the caller asks: one sequence long
 # enough, over a small vocabulary, that attention's buffers are most of the peak.

@@ -126,7 +126,8 @@ def test_bf16_mixed_and_the_vocab_parallel_loss_predicted_peaks_match_measured_o
     Data parallel over a split batch ("dp-bf16"): the weights' bfloat16 gradients in the runtime's
     buckets, each float32 gradient let go while its bucket is in flight."""
     run_distributed(_measure, 2, [("gpt2", "dp", None, "bf16-mixed"), ("llama", "megatron", None, "bf16-mixed"),
-                                  ("gpt", "dp-bf16", None, {"strict": True}), ("llama", "dp-bf16", None, {"strict": True}),
+                                  ("gpt", "dp-bf16", None, {"strict": True}),
+                                  ("llama", "dp-bf16", None, {"strict": True}),
                                   ("gpt", "zero3", 1.05, "bf16-mixed"), ("gpt-vocab", "vocab-sharded-outputs", None),
                                   ("gpt-vocab", "vocab-sharded-outputs", None, "bf16-mixed"),
                                   ("gpt-vocab", "vocab", None, "bf16-mixed"), ("gpt-vocab", "vocab-sliced", None)],

@@ -168,7 +168,8 @@ def test_zero2_reduce_scatters_the_bf16_gradient_of_each_weight_read_through_its
     plan, sizes, sharded, n_s, n_w = _llama_sharded_masters(2)
     assert (plan.memory["params"], plan.memory["grads"], plan.memory["optimizer"]) == \
         (2 * n_s + 4 * n_s / 8 + 4 * n_w, 4 * (n_s + n_w) / 8, 8 * (n_s + n_w) / 8)
-    scattered = {c["value"]: c["bytes"] for c in plan.collectives if c["step"] == "zero2" and c["kind"] == "reduce_scatter"}
+    scattered = {c["value"]: c["bytes"] for c in plan.collectives
+                 if c["step"] == "zero2" and c["kind"] == "reduce_scatter"}
     for f in sizes:
         assert scattered["p_" + f.replace(".", "_")] == (2 if f in sharded else 4) * sizes[f], f
     assert not [c for c in plan.collectives if c["kind"] == "all_reduce" and c["phase"] == "backward"]
@@ -227,8 +228,8 @@ def _train(rank, world, cases):
             _check_sharded_masters(pm, world, where)
         if kind in ("dp buckets", "megatron x dp"):
             narrowed = [t for t, _, _, dtype in pm._program.grad_reductions if dtype == torch.bfloat16]
-            assert any(t.endswith(".mlp.up_proj.weight" if model_name == "llama" else ".mlp.fc1.weight") for t in narrowed), \
-                f"{where}: {pm._program.grad_reductions}"
+            mlp = ".mlp.up_proj.weight" if model_name == "llama" else ".mlp.fc1.weight"
+            assert any(t.endswith(mlp) for t in narrowed), f"{where}: {pm._program.grad_reductions}"
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
         for step in range(STEPS):
