@@ -102,6 +102,17 @@ class DeviceSpec:
     and moves data over NVLink and the NIC, so a collective hides nearly whole behind matmuls on the
     other SMs; what it does take is left to the profile. A CPU spec not profiled keeps 0 as well
     (``local_cpu``'s figures are all guesses until ``profile()``), as does a spec saved before the term.
+
+    ``peer_wait`` is what each collective costs beyond its link's alpha-beta time, in seconds: the wait
+    for the last rank to reach it after the compute before it (the ranks' skew) and for the
+    collective's threads to be scheduled. Ranks that share cores with each other and with other
+    processes (gloo processes on one machine) drift apart between two collectives by milliseconds,
+    and every collective that synchronizes them pays it; the link latency, measured by back-to-back
+    collectives of ranks already in step, does not show it. ``ClusterSpec.profile()`` measures it (a
+    small all-reduce issued after a few milliseconds of matmuls, the median of interleaved rounds, less
+    the latency). The default, 0, is the GPU's: a rank's host queues identical kernels ahead of the
+    device, so the ranks reach a collective within microseconds of each other, within NCCL's latency
+    already priced. A CPU spec not profiled and a spec saved before the term price none.
     """
 
     name: str
@@ -110,6 +121,7 @@ class DeviceSpec:
     memory: float
     op_overhead: float = 0.0
     comm_contention: float = 0.0
+    peer_wait: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -133,10 +145,12 @@ class DeviceSpec:
             raise ValueError(f"device {self.name}: comm_contention is a fraction of the hidden time, "
                              f"at most 1, got {contention!r}")
         object.__setattr__(self, "comm_contention", contention)
+        object.__setattr__(self, "peer_wait",
+                           _positive(f"device {self.name}: peer_wait", self.peer_wait, allow_zero=True))
 
     def __hash__(self):
         return hash((self.name, tuple(sorted(self.flops.items())), self.memory_bandwidth, self.memory,
-                     self.op_overhead, self.comm_contention))
+                     self.op_overhead, self.comm_contention, self.peer_wait))
 
     def peak_flops(self, dtype) -> float:
         """Peak FLOP/s for a torch dtype or a name (``"bf16"``, ``"torch.bfloat16"``); unknown
@@ -147,7 +161,7 @@ class DeviceSpec:
     def to_dict(self) -> dict:
         return {"name": self.name, "flops": dict(self.flops),
                 "memory_bandwidth": self.memory_bandwidth, "memory": self.memory, "op_overhead": self.op_overhead,
-                "comm_contention": self.comm_contention}
+                "comm_contention": self.comm_contention, "peer_wait": self.peer_wait}
 
 
 # Datasheet figures, SXM parts. NVLink: H100/H200 900 GB/s and A100 600 GB/s bidirectional, i.e.
@@ -176,6 +190,9 @@ _GPUS_PER_NODE = 8
 _GENERIC_GPU = dict(flops={"float32": 20e12, "bfloat16": 100e12, "float16": 100e12},
                     memory_bandwidth=1e12, intra=(25e9, 1e-5), inter=(12.5e9, 2e-5))
 _CPU_FLOPS, _CPU_MEMORY_BANDWIDTH = 5e10, 1e10
+# profile()'s peer wait: the compute before each all-reduce (seconds), about what a step of a small model
+# runs between two collectives, and the rounds it takes the median of.
+_PEER_WAIT_SEGMENT, _PEER_WAIT_ROUNDS = 5e-3, 24
 _OVERHEAD_CHAIN = 200  # ops in profile()'s chain: enough that the chain's own start and end vanish
 _CPU_INTRA, _CPU_INTER = (2e9, 5e-5), (1.25e9, 1e-4)  # shared memory / loopback; 10 GbE
 
@@ -431,7 +448,9 @@ class ClusterSpec:
         one the bandwidth beta from the ring formula ``t = alpha + 2(n-1)/n * B / beta``. On more than
         one rank, the communication contention (``DeviceSpec.comm_contention``): a chain of the
         matmuls above about twice as long as the large all-reduce, the all-reduce, and the all-reduce
-        issued asynchronously with the chain run beside it (``overlap_contention``). Every time
+        issued asynchronously with the chain run beside it (``overlap_contention``); and the peer wait
+        (``DeviceSpec.peer_wait``): a small all-reduce issued after about 5 ms of matmuls, the median of
+        24 rounds of the ranks' mean wait, less the latency. Every time
         is the max over ranks, so all ranks return the same spec. The link measured is the group's
         slowest: intra-node when the cluster is one node, inter-node otherwise. fp32 matmuls run
         under the process's TF32 setting (off by default), as the model's matmuls will.
@@ -500,7 +519,8 @@ class ClusterSpec:
         t = torch.tensor(times, dtype=torch.float64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         t_small, t_large, t_fp32, t_bf16, t_copy, t_op = t.tolist()
-        contention = self.device.comm_contention    # one rank: nothing to overlap, keep the figure
+        # One rank: nothing to overlap and no peer to wait for, keep the figures.
+        contention, peer_wait = self.device.comm_contention, self.device.peer_wait
         if world > 1:
             # The chain runs about twice the all-reduce (from times every rank has), so the all-reduce
             # can hide whole behind it.
@@ -529,13 +549,33 @@ class ClusterSpec:
             t = torch.tensor(best, dtype=torch.float64, device=dev)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
             contention = overlap_contention(*t.tolist())
+            # The peer wait: a small all-reduce issued after a few milliseconds of matmuls run on every
+            # rank from a common start, as a step's collectives follow its compute. The first rank to
+            # arrive waits the skew and the last only the latency, and the step pays the skew once: a
+            # round's figure is the mean over ranks, the spec's the median round less the latency.
+            b = torch.randn(mm_n // 4, mm_n // 4, device=dev)
+            segment = max(1, math.ceil(_PEER_WAIT_SEGMENT / (t_fp32 / 64)))     # 1/64 of the big matmul's FLOPs
+            small_buf = torch.zeros(max(1, small // 4), device=dev)
+            waits = []
+            for _ in range(_PEER_WAIT_ROUNDS):
+                dist.barrier(group)
+                for _ in range(segment):
+                    torch.mm(b, b)
+                sync()
+                t0 = time.perf_counter()
+                dist.all_reduce(small_buf, group=group)
+                sync()
+                waits.append(time.perf_counter() - t0)
+            w = torch.tensor(waits, dtype=torch.float64, device=dev)
+            dist.all_reduce(w, group=group)
+            peer_wait = max(0.0, sorted(w.tolist())[len(waits) // 2] / world - t_small)
 
         mm_flops = 2.0 * mm_n**3
         flops = {"float32": mm_flops / t_fp32}
         if cuda:
             flops["bfloat16"] = flops["float16"] = mm_flops / t_bf16
         device = dataclasses.replace(self.device, flops=flops, op_overhead=t_op, comm_contention=contention,
-                                     memory_bandwidth=2.0 * copy_bytes / t_copy)  # read + write
+                                     peer_wait=peer_wait, memory_bandwidth=2.0 * copy_bytes / t_copy)  # read + write
         if world == 1:  # an all-reduce over one rank moves nothing: keep the link figures
             return dataclasses.replace(self, device=device)
         ring = 2.0 * (world - 1) / world
@@ -566,7 +606,7 @@ class ClusterSpec:
             d = {**{f: None for f in _HOST_FIELDS}, **d}
         _check_keys("cluster spec", d, {f.name for f in dataclasses.fields(cls)})
         if isinstance(d["device"], Mapping):              # saved before these terms existed: none priced
-            d = {**d, "device": {"op_overhead": 0.0, "comm_contention": 0.0, **d["device"]}}
+            d = {**d, "device": {"op_overhead": 0.0, "comm_contention": 0.0, "peer_wait": 0.0, **d["device"]}}
         _check_keys("cluster spec 'device'", d["device"],
                     {f.name for f in dataclasses.fields(DeviceSpec)})
         try:
@@ -584,7 +624,8 @@ class ClusterSpec:
                 f"{dev.peak_flops('bfloat16') / 1e12:.3g} TFLOP/s bf16, "
                 f"{dev.peak_flops('float32') / 1e12:.3g} TFLOP/s fp32, "
                 f"{dev.memory_bandwidth / 1e12:.3g} TB/s, {dev.op_overhead * 1e6:.3g} us/op, "
-                f"comm contention {dev.comm_contention:.2f}, {dev.memory / 1e9:.3g} GB "
+                f"comm contention {dev.comm_contention:.2f}, peer wait {dev.peer_wait * 1e3:.3g} ms, "
+                f"{dev.memory / 1e9:.3g} GB "
                 f"({self.memory_reserve / 1e9:.3g} GB reserved); "
                 f"intra-node {self.intra_node_bandwidth / 1e9:.3g} GB/s {self.intra_node_latency * 1e6:.3g} us, "
                 f"inter-node {self.inter_node_bandwidth / 1e9:.3g} GB/s {self.inter_node_latency * 1e6:.3g} us"

@@ -76,10 +76,16 @@ def assemble_plan(prep: Prepared, mesh: SolvedMesh, assignment, cluster: Cluster
     resharded_for: dict = {}
     for (consumer, _), key in low.uses.items():
         resharded_for.setdefault(key.value.node.name, set()).add(consumer.name)
-    ex = exposure(gm, chosen, colls, cm, axis_names, recomputed_nodes, resharded_for=resharded_for)
+    # The regions codegen makes one call of (codegen/recompute.py), each scheduling its own collectives.
+    off_layers = set(recompute.get("offload", {}).get("layers", ()))
+    regions = {n.name: tag.layer for n in chosen
+               if n.op == "call_function" and (tag := meta_of(n).layer) and tag.layer in off_layers}
+    regions |= {n.name: inst for n, inst in instance_of.items()}
+    regions |= {name: core for core, names in recompute.get("attention", {}).get("regions", {}).items()
+                for name in names}
+    ex = exposure(gm, chosen, colls, cm, axis_names, recomputed_nodes, resharded_for=resharded_for, regions=regions)
     colls = [replace(c, seconds=seconds, exposed=exposed) for c, seconds, exposed in zip(colls, ex.seconds, ex.exposed)]
     # Offloaded layers' saved activations go to host memory in forward and come back in backward.
-    off_layers = set(recompute.get("offload", {}).get("layers", ()))
     offload_seconds = 0.0
     if off_layers:
         saved = sum(cm.activation_bytes(n, chosen[n]) for n in chosen

@@ -3,10 +3,11 @@ one model, forced with pins, on a profiled cluster, and the Spearman rank correl
 
     OMP_NUM_THREADS=1 python bench/calibration.py [--arch gpt-probe] [--world 2] [--rounds 8] [--steps 3]
                                                   [--op-overhead SECONDS] [--contention FRACTION]
+                                                  [--peer-wait SECONDS]
 
 On CPU it runs ``--world`` gloo processes; under torchrun on GPUs (``--gpu``) it measures there. Every
 rank profiles the cluster (``ClusterSpec.profile()``: matmul FLOP/s, copy bandwidth, op overhead,
-all-reduce latency and bandwidth, communication contention), plans each kind with that spec, compiles and
+all-reduce latency and bandwidth, communication contention, peer wait), plans each kind with that spec, compiles and
 trains it. Kinds whose pins give the same plan (``auto`` is often Megatron's) are measured once, under
 the first kind's name. The plans' steps are timed round-robin (``--rounds`` rounds of ``--steps`` steps
 each, after two warm-up steps per plan), so that drift in the machine's load falls on every plan alike;
@@ -96,6 +97,8 @@ def _run(rank, world, args):
     if args.contention is not None:
         cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device,
                                                                           comm_contention=args.contention))
+    if args.peer_wait is not None:
+        cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, peer_wait=args.peer_wait))
     if rank == 0:
         print(f"cluster: {cluster}", flush=True)
     sync = torch.cuda.synchronize if args.gpu else (lambda: None)
@@ -198,6 +201,8 @@ def main():
                     help="price this per-op overhead instead of the profiled one (0: the model without the term)")
     ap.add_argument("--contention", type=float, default=None, metavar="FRACTION",
                     help="price this communication contention instead of the profiled one (0: hiding is free)")
+    ap.add_argument("--peer-wait", type=float, default=None, metavar="SECONDS",
+                    help="price this wait per collective instead of the profiled one (0: the model without the term)")
     ap.add_argument("--gpu", action="store_true", help="under torchrun, one GPU per rank (NCCL)")
     args = ap.parse_args()
     args.kinds = args.kinds.split(",")

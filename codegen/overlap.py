@@ -9,15 +9,21 @@ flight at a time, and collectives are issued in program order, so every rank iss
 order and no more than one extra communication buffer is alive (a ZeRO-3 parameter is gathered
 while the compute before its first use runs, not all parameters at the start of the step).
 
+A recomputed or offloaded layer (codegen/recompute.py) is one call of a submodule, its body. The body's
+collectives are split the same way inside it, starting with none in flight: the first is issued at the
+earliest when the body starts, and each waits inside the body. A body runs whole in forward and, when
+recomputed, whole again in backward, so every rank issues the same collectives in the same order in
+both runs. The call of a body that communicates so is a wait for the program around it: a collective
+of that program is issued after the call, never in flight across it, which keeps one in flight at a
+time.
+
 A parameter read through ``local_chunk`` (a replicated weight a rank uses one chunk of, as the
 solver's feature splits over DDP's layout do) is read through ``param_chunk`` instead: its gradient's
 all-gather is issued in backward and waited at the next such issue or when backward ends, so the rest
-of backward runs while it is in flight (runtime/collectives.py).
+of backward runs while it is in flight (runtime/collectives.py). So is one read inside a body: autograd
+runs the parameter's chunk's backward in the layer's backward, after its re-run.
 
-So is one read inside a recomputed or offloaded layer (codegen/recompute.py): autograd runs the
-parameter's chunk's backward in the layer's backward, after its re-run. Only the top-level graph's
-forward collectives are split: those inside recomputed layers and inside sharded ops
-(runtime/sharded_ops.py) still wait at once.
+Collectives inside sharded ops (runtime/sharded_ops.py) still wait at once.
 """
 from __future__ import annotations
 
@@ -32,14 +38,41 @@ from autopar.runtime.recompute import checkpointed, offloaded
 @requires("local_program_pass")
 def overlap_pass(gm: fx.GraphModule) -> fx.GraphModule:
     graph = gm.graph
+    params = {p for p, (kind, _) in zip((n for n in graph.nodes if n.op == "placeholder"),
+                                        program_meta(gm).placeholders) if kind == "param"}
+    _read_params_in_chunks(gm, params)
+    barriers = set()
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in (checkpointed, offloaded):
+            body = getattr(gm, node.args[0].target)
+            inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
+            # The body reads the parameters its call passes it.
+            _read_params_in_chunks(body, {b for b, a in zip(inputs, node.args[1:]) if a in params})
+            if _split_collectives(body.graph, set()):
+                barriers.add(node)
+            body.graph.lint()
+            body.recompile()
+    _split_collectives(graph, barriers)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _split_collectives(graph: fx.Graph, barriers: set) -> bool:
+    """Split every one-call collective of ``graph`` into its issue and its wait (module docstring), none
+    issued before a node of ``barriers`` and waited after it. Returns whether any was split."""
     position = {n: i for i, n in enumerate(graph.nodes)}
     previous_wait = None
-    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in C.SPLIT]:
+    split = False
+    for node in [n for n in graph.nodes if (n.op == "call_function" and n.target in C.SPLIT) or n in barriers]:
+        if node in barriers:
+            previous_wait = node
+            continue
         start_fn, wait_fn, wait_args = C.SPLIT[node.target]
         users = sorted(node.users, key=position.__getitem__)
         if not users:
             continue
-        # Issue after the latest of: the inputs, the previous collective's wait.
+        # Issue after the latest of: the inputs, the previous collective's wait (or a barrier).
         after = max((*node.all_input_nodes, *((previous_wait,) if previous_wait else ())), key=position.__getitem__)
         first_op = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr"))
         with graph.inserting_before(first_op) if position[after] < position[first_op] else graph.inserting_after(after):
@@ -52,19 +85,8 @@ def overlap_pass(gm: fx.GraphModule) -> fx.GraphModule:
         graph.erase_node(node)
         position = {n: i for i, n in enumerate(graph.nodes)}
         previous_wait = wait
-    params = {p for p, (kind, _) in zip((n for n in graph.nodes if n.op == "placeholder"),
-                                        program_meta(gm).placeholders) if kind == "param"}
-    _read_params_in_chunks(gm, params)
-    # A recomputed or offloaded layer's body reads the parameters its call passes it.
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target in (checkpointed, offloaded):
-            body = getattr(gm, node.args[0].target)
-            inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
-            _read_params_in_chunks(body, {b for b, a in zip(inputs, node.args[1:]) if a in params})
-            body.recompile()
-    graph.lint()
-    gm.recompile()
-    return gm
+        split = True
+    return split
 
 
 def _read_params_in_chunks(gm: fx.GraphModule, params: set) -> None:

@@ -6,7 +6,8 @@
   read and write about twice; about two kernels per op). A recomputed op pays its forward, overhead
   included, again.
 - Communication: alpha-beta per mesh axis (``passes.resharding.collective_seconds``), with the axis's
-  link from ``ClusterSpec.axis_link`` (intra-node or inter-node).
+  link from ``ClusterSpec.axis_link`` (intra-node or inter-node), plus the device's peer wait per
+  collective (``DeviceSpec.peer_wait``: the ranks' skew, which each collective synchronizes).
 - Memory per device: parameters, gradients and optimizer states under each parameter's layout, and the
   activations each node keeps for backward under its layouts.
 - Communication overlaps compute where the generated program schedules it so (passes/exposure.py); an
@@ -157,9 +158,11 @@ class CostModel:
         return rule.collectives(context_for(node), s.inputs, self.mesh_shape)
 
     def collective_seconds(self, kind: str, nbytes: float, axis: int) -> float:
-        """The one price of a collective: alpha-beta on the link of mesh axis ``axis``."""
+        """The one price of a collective: alpha-beta on the link of mesh axis ``axis``, and the wait for
+        the peers to reach it (``DeviceSpec.peer_wait``)."""
         bw, lat = self.links[axis]
-        return collective_seconds(kind, nbytes, self.mesh_shape[axis], bw, lat)
+        seconds = collective_seconds(kind, nbytes, self.mesh_shape[axis], bw, lat)
+        return seconds + self.cluster.device.peer_wait if seconds else 0.0
 
     def overlap_saving(self, hidden: float) -> float:
         """The step time that ``hidden`` seconds of communication overlapped with compute save: all of
@@ -324,15 +327,31 @@ class CostModel:
 
     def param_transition_phase_seconds(self, value: Value, src: Strategy, dst_layout,
                                        partial_axes: frozenset) -> tuple[float, float] | None:
-        """``param_transition_seconds`` as (forward, backward) seconds; None where it is INFEASIBLE."""
+        """``param_transition_seconds`` as (forward, backward) seconds; None where it is INFEASIBLE. A
+        gradient reduction the runtime runs in a bucket (``bucketed_gradient``) is priced without the peer
+        wait: the bucket pays it once for the many parameters it reduces (the replay prices the bucket)."""
         axis = src.grad_scatter_axis
         # A weight read through its bfloat16 copy leaves the reduce-scatter to the copy's readers'
         # gradient (the copy's strategy carries the ZeroState: passes.strategies._try_follow).
         if axis is not None and not (dst_layout[axis].is_replicate and axis in partial_axes) \
                 and not (is_param(value.node) and reads_through_copy(value.node)):
             return None
-        return self.transition_phase_seconds(value, src.outputs[value.index], dst_layout,
-                                             src.readers_grad_partial(partial_axes))
+        src_layout, partial = src.outputs[value.index], src.readers_grad_partial(partial_axes)
+        phases = self.transition_phase_seconds(value, src_layout, dst_layout, partial)
+        wait = self.cluster.device.peer_wait
+        if phases is None or not wait or not self.bucketed_gradient(src, phases[0]):
+            return phases
+        itemsize = value_info(value).dtype.itemsize
+        waits = sum(phase == "backward" for st in self.transition(value, src_layout, dst_layout, partial)
+                    for _, phase, _ in st.collectives(itemsize, True))
+        return phases[0], max(0.0, phases[1] - waits * wait)
+
+    @staticmethod
+    def bucketed_gradient(src: Strategy, forward_seconds: float) -> bool:
+        """Whether a parameter read under ``src`` through a resharding of ``forward_seconds`` has its
+        gradient reduced in the runtime's buckets (passes.exposure.bucketed_params): read as it is, its
+        gradient all-reduced alone; not a ZeRO-2 one (reduce-scattered), nor an offloaded one."""
+        return forward_seconds == 0.0 and not src.offload and src.grad_scatter_axis is None
 
     def activation_bytes(self, node: fx.Node, s: Strategy) -> float:
         """Bytes ``node`` keeps for backward under ``s``, per device.

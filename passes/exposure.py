@@ -3,11 +3,14 @@
 The plan's collectives are priced one by one (passes/costs.py); this replays one training step on two
 streams, compute and communication, the way the generated program runs them:
 
-- **forward** (codegen/overlap.py): a top-level resharding's collective is issued as soon as its input
-  is computed and the previous such collective has been waited, and waited just before the first use
-  of its result; one is in flight at a time. It hides behind the compute between its issue and its
-  wait. Collectives inside recomputed layers and inside sharded ops (the vocab-parallel loss, ring
-  attention, priced with their own overlap) wait where they are issued.
+- **forward** (codegen/overlap.py): a resharding's collective is issued as soon as its input is
+  computed and the previous such collective has been waited, and waited just before the first use of
+  its result; one is in flight at a time. It hides behind the compute between its issue and its wait.
+  One inside a recomputed or offloaded region (a layer, or an attention core) is issued at the earliest
+  when the region starts, and one outside after the last region before its reader that has split
+  collectives has ended. A recomputed region's run again in backward repeats its forward schedule, so
+  each of its collectives is exposed there as much as in forward. Collectives inside sharded ops (the
+  vocab-parallel loss, ring attention, priced with their own overlap) wait where they are issued.
 - **backward**: a parameter whose every use reduces its gradient over one mesh axis (plain data
   parallelism; codegen/grad_buckets.py), or whose bfloat16 copy's every use does (bf16-mixed), has
   that reduction done once, on its accumulated gradient, in DDP-style buckets of ``bucket_bytes``
@@ -20,8 +23,8 @@ streams, compute and communication, the way the generated program runs them:
   the program reads the parameter in chunks (a feature split over replicated weights); each is waited
   when the next one is issued or when backward ends (runtime/collectives.py, FSDP2's scheme). The
   communication stream runs these and the buckets in issue order. Every other backward collective
-  (Megatron's "f", sequence parallelism's pairs, recomputed layers' collectives) waits where it is
-  issued: autograd runs the reader of its result next, so there is no compute to hide it behind.
+  (Megatron's "f", sequence parallelism's pairs) waits where it is issued: autograd runs the reader of
+  its result next, so there is no compute to hide it behind.
 - the optimizer step's collectives (ZeRO-1/2 gathers) wait where they are issued.
 
 ``exposure`` returns, per collective, the seconds it runs for (a bucketed reduction: its share of its
@@ -30,12 +33,12 @@ bucket's one all-reduce, by bytes) and the seconds of it that no compute hides.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.fx as fx
 
 from autopar.passes.meta import is_param, meta_of
-from autopar.passes.precision import bucketed_gradient
+from autopar.passes.precision import bucketed_value
 from autopar.passes.strategies import requires_grad
 from autopar.plan import PlanCollective, pack_buckets
 
@@ -59,7 +62,7 @@ def bucketed_params(gm: fx.GraphModule, colls: list[PlanCollective], strategy: d
     """Value name -> (mesh axis, dtype), for the values whose gradient the runtime reduces in buckets
     (codegen/grad_buckets.py): a parameter, or its lower-precision copy where that copy is its only
     reader (bf16-mixed's weights, whose reduction then moves the copy's dtype), as
-    ``passes.precision.bucketed_gradient`` says, when every use of it reads it through a backward
+    ``passes.precision.bucketed_value`` says, when every use of it reads it through a backward
     all-reduce alone, on one axis. ``resharded_for``: value name -> the consumers that read it through
     a resharding (a resharding several consumers share is listed once in ``colls``, at its first);
     without it, those of ``colls``."""
@@ -70,7 +73,7 @@ def bucketed_params(gm: fx.GraphModule, colls: list[PlanCollective], strategy: d
     for n in gm.graph.nodes:
         if n.op != "placeholder" or n not in strategy:
             continue
-        v = bucketed_gradient(n, strategy[n])
+        v = bucketed_value(n, strategy[n])
         if v is None or v.name not in by_value:
             continue
         own = by_value[v.name]
@@ -84,10 +87,13 @@ def bucketed_params(gm: fx.GraphModule, colls: list[PlanCollective], strategy: d
 
 
 def exposure(gm: fx.GraphModule, strategy: dict, colls: list[PlanCollective], cm, axis_names, recomputed: set[str],
-             bucket_bytes: int = GRAD_BUCKET_BYTES, resharded_for: dict[str, set[str]] | None = None) -> Exposure:
+             bucket_bytes: int = GRAD_BUCKET_BYTES, resharded_for: dict[str, set[str]] | None = None,
+             regions: dict[str, str] | None = None) -> Exposure:
     """Replay the step on a compute and a communication stream (module docstring). ``strategy``: node ->
     Strategy; ``colls``: the plan's collective entries; ``cm``: the CostModel; ``recomputed``: names of
-    the nodes inside recomputed layers or attention cores; ``resharded_for``: as ``bucketed_params``."""
+    the nodes inside recomputed layers or attention cores; ``resharded_for``: as ``bucketed_params``;
+    ``regions``: node name -> the recomputed or offloaded region (layer instance or attention core)
+    that codegen makes one call of, for the nodes inside one."""
     order = [n for n in gm.graph.nodes if n.op in ("placeholder", "call_function", "output")]
     position = {n.name: i for i, n in enumerate(order)}
     ops = [n for n in order if n.op == "call_function" and n in strategy]
@@ -100,10 +106,10 @@ def exposure(gm: fx.GraphModule, strategy: dict, colls: list[PlanCollective], cm
     exposed = list(seconds)
     buckets = bucketed_params(gm, colls, strategy, resharded_for)
 
+    regions = regions or {}
     # Forward: the split collectives, in program order (their first consumer's, then their steps').
     split = sorted((i for i, c in enumerate(colls)
-                    if c.phase == "forward" and c.node != c.value and c.node not in recomputed
-                    and c.node in position and c.value in position),
+                    if c.phase == "forward" and c.node != c.value and c.node in position and c.value in position),
                    key=lambda i: (position[colls[i].node], i))
     at_consumer: dict[str, list[int]] = {}
     for i in split:
@@ -112,16 +118,33 @@ def exposure(gm: fx.GraphModule, strategy: dict, colls: list[PlanCollective], cm
     for i, c in enumerate(colls):
         if c.phase == "forward" and i not in set(split):
             blocking.setdefault(c.node, []).append(i)
+    communicating = {regions[colls[i].node] for i in split if colls[i].node in regions}
+    region_end = {regions[n.name]: n.name for n in order if n.name in regions}      # its last node
     clock, last_wait, done = 0.0, 0.0, {}
+    region_start: dict[str, float] = {}
+    barrier = 0.0            # when the last region with split collectives ended
     for n in order:
+        region = regions.get(n.name)
+        if region is not None:
+            region_start.setdefault(region, clock)
         for i in at_consumer.get(n.name, ()):
-            issue = max(done[colls[i].value], last_wait)
+            issue = max(done[colls[i].value], last_wait, barrier if region is None else region_start[region])
             before = clock
             clock = max(clock, issue + seconds[i])
             exposed[i] = clock - before
             last_wait = clock
         clock += sum(seconds[i] for i in blocking.get(n.name, ())) + forward[n.name]
         done[n.name] = clock
+        if region in communicating and region_end[region] == n.name:
+            barrier = clock
+    # A recomputed region's run again: each collective as exposed as its forward twin.
+    twins: dict[PlanCollective, list[int]] = {}
+    for i, c in enumerate(colls):
+        if c.phase == "forward":
+            twins.setdefault(c, []).append(i)
+    for i, c in enumerate(colls):
+        if c.recompute and (twin := twins.get(replace(c, phase="forward", recompute=False))):
+            exposed[i] = exposed[twin.pop(0)]
 
     # Backward, in reverse: blocking collectives at their node; a sharded parameter's gradient
     # reduce-scatter issued at its node and waited at the next one's issue or at the end; bucketed
@@ -133,7 +156,8 @@ def exposure(gm: fx.GraphModule, strategy: dict, colls: list[PlanCollective], cm
 
     deferred: dict[int, str] = {}         # collective -> the node whose backward issues it
     for i, c in enumerate(colls):
-        if c.phase != "backward" or c.kind not in ("reduce_scatter", "all_gather") or c.value not in nodes:
+        if (c.phase != "backward" or c.recompute or c.kind not in ("reduce_scatter", "all_gather")
+                or c.value not in nodes):
             continue
         st = strategy.get(nodes[c.value])
         if st is None or not is_param(nodes[c.value]) or st.offload:
@@ -180,7 +204,7 @@ def exposure(gm: fx.GraphModule, strategy: dict, colls: list[PlanCollective], cm
             clock = max(clock, finish)
 
     for n in reversed(order):
-        clock += backward[n.name] + sum(seconds[i] for i in at_node.get(n.name, ()))
+        clock += backward[n.name] + sum(exposed[i] for i in at_node.get(n.name, ()))
         for i in deferred_at.get(n.name, ()):
             wait_in_flight()
             stream_free = max(clock, stream_free) + seconds[i]
@@ -226,8 +250,11 @@ class HidingWindows:
       axis); the bucket's members share that window by bytes.
 
     The replay (``exposure``) prices the plan the solver picks exactly; what the windows leave out
-    makes a credit smaller than the replay's hiding, never larger, but for collectives inside
-    recomputed layers (they wait where they are issued: the ILP decides recompute with the layouts).
+    makes a credit smaller than the replay's hiding, never larger, but where recompute or offload
+    splits the program into regions (the ILP decides those with the layouts, so the windows cannot
+    know them): a window that reaches back past the start of its reader's region, or across a region
+    with collectives of its own, counts compute the runtime does not hide behind. A recomputed
+    region's run again hides its collectives as its forward does, which no credit counts.
     """
 
     def __init__(self, gm: fx.GraphModule, strategies, cm, boundaries, bucket_bytes: int = GRAD_BUCKET_BYTES):

@@ -435,9 +435,7 @@ def _shared_edge(v: Value, rs, count: int, idx: ProblemIndex, cm: CostModel,
                 continue
             fwd, bwd = phases
             hidden = min(fwd, forward_window)
-            # Only a parameter's gradient all-reduce alone runs in the runtime's buckets (passes.exposure
-            # .bucketed_params): not a ZeRO-2 one (reduce-scattered), nor an offloaded one.
-            if fwd == 0.0 and not src.offload and src.grad_scatter_axis is None:
+            if cm.bucketed_gradient(src, fwd):
                 hidden += min(bwd, backward_window)
             saved = cm.overlap_saving(hidden)
             cost_row.append(fwd + bwd - saved)

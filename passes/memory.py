@@ -1433,13 +1433,13 @@ class StepMemory:
         float32 gradient is let go at the copy and made again from the buffer at backward's end, one
         bucket at a time: counted held throughout (the safe side, by the buffer's bytes, in between),
         and the widening's buffer is within the last copy's count."""
-        from autopar.passes.precision import bucketed_gradient, gradient_carrier
+        from autopar.passes.precision import bucketed_value, gradient_carrier
         from autopar.passes.strategies import Value, requires_grad
 
         launched = {}
         for p, grad in grads_of.items():
             # A weight read only through its bfloat16 copy is bucketed by its copy's readers, in the
-            # copy's dtype, where its optimizer state is not sharded (bucketed_gradient).
+            # copy's dtype, where its optimizer state is not sharded (bucketed_value).
             v = gradient_carrier(p)
             narrow = v.meta["val"].dtype.itemsize / p.meta["val"].dtype.itemsize
             uses = [(m, k) for m in v.users if m in pos for k, x in enumerate(input_values(m)) if x.node is v]
@@ -1454,7 +1454,7 @@ class StepMemory:
                     own, src, row = self._strategy(p, i), self._strategy(v, i), []
                     for j in self._options(cb):
                         dst = self._strategy(m, j)
-                        reduced = None not in (own, src, dst) and bucketed_gradient(p, own) is v and \
+                        reduced = None not in (own, src, dst) and bucketed_value(p, own) is v and \
                             src.read_grad_partial(Value(v), dst.inputs[k], dst)
                         row.append(grad.at({ca: i}) * narrow / len(uses) if reduced else 0.0)
                     table.append(row)

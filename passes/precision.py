@@ -179,7 +179,7 @@ def gradient_carrier(param: fx.Node) -> fx.Node:
     return users[0] if len(users) == 1 and cast_source(users[0]) is param else param
 
 
-def bucketed_gradient(param: fx.Node, s) -> fx.Node | None:
+def bucketed_value(param: fx.Node, s) -> fx.Node | None:
     """The value whose readers' gradient all-reduces the runtime's buckets take over for a parameter
     under its Strategy ``s`` (codegen/grad_buckets.py), or None: its ``gradient_carrier``, unless its
     gradient is reduce-scattered (ZeRO-2) or copied to the host (offload), or the carrier is a copy

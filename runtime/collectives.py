@@ -158,8 +158,9 @@ def _p2p(sends, recvs, name: str) -> list:
 
 
 def _released(y: torch.Tensor) -> torch.Tensor:
-    """A new tensor on the storage of ``y``, a waited collective's result that its c10d Work may still
-    hold: the backend's thread drops the Work some time after the wait, and autograd attaches the
+    """A new tensor on the storage of ``y``, a collective's result that its c10d Work may still hold
+    (an issued one's until its wait; a waited one's until the backend's thread drops the Work, some
+    time after the wait; ``wait_tensor`` finds the Work by storage): autograd attaches the
     graph (in a recomputed layer, every tensor the recomputation made) to the tensor an
     autograd.Function returns. Through a tensor of its own (not a view: the program may write to it
     in place), the graph is not kept alive by the Work, which keeps only the buffer."""
@@ -458,7 +459,7 @@ class _AllGatherStart(torch.autograd.Function):
         # A sharded parameter (ZeRO-3): its gradient's reduce-scatter may be waited after the rest of
         # backward has run past it.
         ctx.param = x if grad == "reduce_scatter" and x.is_leaf else None
-        return _start_gather(x, size, name)
+        return _released(_start_gather(x, size, name))
 
     @staticmethod
     def backward(ctx, g):
@@ -479,7 +480,7 @@ class _ReduceScatterStart(torch.autograd.Function):
         _, size = _group(name)
         _check_divisible("reduce_scatter", x, dim, size, name, groups)
         ctx.args = dim, name, size, groups
-        return _start_reduce_scatter(x, dim, size, name, groups=groups)
+        return _released(_start_reduce_scatter(x, dim, size, name, groups=groups))
 
     @staticmethod
     def backward(ctx, g):
@@ -490,7 +491,7 @@ class _ReduceScatterStart(torch.autograd.Function):
 class _AllReduceStart(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, name):
-        return _start_all_reduce(x, name)
+        return _released(_start_all_reduce(x, name))
 
     @staticmethod
     def backward(ctx, g):
@@ -503,7 +504,7 @@ class _AllToAllStart(torch.autograd.Function):
         _, size = _group(name)
         _check_divisible("all_to_all", x, dst_dim, size, name, dst_groups)
         ctx.args = src_dim, dst_dim, name, size, src_groups, dst_groups
-        return _start_all_to_all(x, dst_dim, size, name, dst_groups=dst_groups)
+        return _released(_start_all_to_all(x, dst_dim, size, name, dst_groups=dst_groups))
 
     @staticmethod
     def backward(ctx, g):

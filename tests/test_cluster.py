@@ -151,6 +151,7 @@ def test_round_trip(spec):
     assert d["device"]["flops"]["float32"] == spec.device.flops["float32"]
     assert d["device"]["op_overhead"] == again.device.op_overhead == spec.device.op_overhead
     assert d["device"]["comm_contention"] == again.device.comm_contention == spec.device.comm_contention
+    assert d["device"]["peer_wait"] == again.device.peer_wait == spec.device.peer_wait
 
 
 def test_comm_contention_round_trips_and_is_a_fraction():
@@ -163,6 +164,18 @@ def test_comm_contention_round_trips_and_is_a_fraction():
     for bad in (-0.1, 1.5, float("nan")):
         with pytest.raises(ValueError, match="comm_contention"):
             dataclasses.replace(spec.device, comm_contention=bad)
+
+
+def test_peer_wait_round_trips_and_is_seconds():
+    spec = ClusterSpec.preset("8xH100")
+    assert spec.device.peer_wait == 0.0          # the GPU default: ranks reach a collective in step
+    waiting = dataclasses.replace(spec, device=dataclasses.replace(spec.device, peer_wait=1.5e-3))
+    again = ClusterSpec.from_dict(json.loads(json.dumps(waiting.to_dict())))
+    assert again == waiting and again.device.peer_wait == 1.5e-3 and hash(again) != hash(spec)
+    assert "peer wait 1.5 ms" in str(again)
+    for bad in (-1e-6, float("inf"), "1ms"):
+        with pytest.raises(ValueError, match="peer_wait"):
+            dataclasses.replace(spec.device, peer_wait=bad)
 
 
 @pytest.mark.parametrize("compute,collective,both,expected", [
@@ -179,9 +192,9 @@ def test_overlap_contention(compute, collective, both, expected):
 
 def test_a_spec_saved_before_the_device_terms_loads_without_them():
     d = ClusterSpec.preset("8xH100").to_dict()
-    del d["device"]["op_overhead"], d["device"]["comm_contention"]
+    del d["device"]["op_overhead"], d["device"]["comm_contention"], d["device"]["peer_wait"]
     loaded = ClusterSpec.from_dict(d).device
-    assert loaded.op_overhead == 0.0 and loaded.comm_contention == 0.0
+    assert loaded.op_overhead == 0.0 and loaded.comm_contention == 0.0 and loaded.peer_wait == 0.0
 
 
 def _good_dict():
@@ -256,8 +269,9 @@ def _profile_worker(rank, world, port, queue):
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     try:
         spec = ClusterSpec.from_env()  # initializes gloo from the torchrun-style variables
-        # A figure no timing gives exactly: the profile's own must replace it.
-        measured = dataclasses.replace(spec, device=dataclasses.replace(spec.device, comm_contention=0.5)).profile()
+        # Figures no timing gives exactly: the profile's own must replace them.
+        planted = dataclasses.replace(spec.device, comm_contention=0.5, peer_wait=0.5)
+        measured = dataclasses.replace(spec, device=planted).profile()
         try:
             ClusterSpec.local_cpu(3).profile()
             mismatch = None
@@ -293,6 +307,7 @@ def test_from_env_and_profile_on_two_gloo_ranks():
     assert 1e8 < measured.device.flops["float32"] < 1e13  # a CPU core, within reason
     assert 1e-8 < measured.device.op_overhead < 1e-3      # an eager op: microseconds, not the default copied
     assert 0.0 <= measured.device.comm_contention <= 1.0 and measured.device.comm_contention != 0.5
+    assert 0.0 <= measured.device.peer_wait < 0.1 and measured.device.peer_wait != 0.5   # milliseconds at most
     assert measured.device.flops.keys() == {"float32"}
     # one node: the inter-node figures and the capacity stay as given
     assert (measured.inter_node_bandwidth, measured.inter_node_latency) == (

@@ -62,25 +62,27 @@ def _graph_forward_counts(pm):
     return counts
 
 
-def _issue_before_wait(pm):
-    """Every forward collective of the top-level program is split: issued, then waited just before the
-    first use of its result. Returns how many run with compute between their issue and their wait."""
+def _issue_before_wait(pm, graphs=None):
+    """Every forward collective of the program (``graphs``: by default the top-level one and the bodies
+    of its recomputed and offloaded layers) is split: issued, then waited just before the first use of
+    its result. Returns how many run with compute between their issue and their wait."""
     from autopar.runtime.collectives import SPLIT
 
     starts = {start for start, _, _ in SPLIT.values()}
     waits = {wait for _, wait, _ in SPLIT.values()}
-    nodes = list(pm.local_program.graph.nodes)
-    at = {n: i for i, n in enumerate(nodes)}
-    assert not [n.name for n in nodes if n.target in SPLIT], "a one-call collective was left in the program"
     hidden = 0
-    for n in (n for n in nodes if n.target in starts):
-        (wait,) = n.users
-        assert wait.target is SPLIT[next(k for k, v in SPLIT.items() if v[0] is n.target)][1], wait.name
-        first_use = min(wait.users, key=at.__getitem__)
-        assert all(m.target in starts or m.target in waits for m in nodes[at[wait] + 1:at[first_use]]), \
-            f"{wait.name} waits before {nodes[at[wait] + 1].name}, not at the first use of its result"
-        hidden += any(m.op == "call_function" and m.target not in starts and m.target not in waits
-                      for m in nodes[at[n] + 1:at[wait]])
+    for graph in graphs or [m.graph for m in pm.local_program.modules() if isinstance(m, torch.fx.GraphModule)]:
+        nodes = list(graph.nodes)
+        at = {n: i for i, n in enumerate(nodes)}
+        assert not [n.name for n in nodes if n.target in SPLIT], "a one-call collective was left in the program"
+        for n in (n for n in nodes if n.target in starts):
+            (wait,) = n.users
+            assert wait.target is SPLIT[next(k for k, v in SPLIT.items() if v[0] is n.target)][1], wait.name
+            first_use = min(wait.users, key=at.__getitem__)
+            assert all(m.target in starts or m.target in waits for m in nodes[at[wait] + 1:at[first_use]]), \
+                f"{wait.name} waits before {nodes[at[wait] + 1].name}, not at the first use of its result"
+            hidden += any(m.op == "call_function" and m.target not in starts and m.target not in waits
+                          for m in nodes[at[n] + 1:at[wait]])
     return hidden
 
 
@@ -94,21 +96,25 @@ def _reduce_scatters_waited_after_compute(pm, ids, labels):
 
 def _waited_after_compute(pm, ids, labels, issues):
     """Backward's collectives issued by one of the ops ``issues``, each as the number of ATen ops (not
-    views) autograd ran between its issue and its wait; every issued one must be waited by the end of
+    views, nor the new tensor on an issued result's storage: runtime/collectives.py ``_released``)
+    autograd ran between its issue and its wait; every issued one must be waited by the end of
     backward."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     c10d = torch.ops._c10d_functional
+    aten = torch.ops.aten
     events = []
 
     class Log(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
+            # A wait finds its collective by the result's storage.
             if func in issues:
-                events.append(("issue", out))
+                events.append(("issue", out.untyped_storage().data_ptr()))
             elif func is c10d.wait_tensor.default:
-                events.append(("wait", args[0]))
-            elif func.namespace == "aten" and not func.is_view:
+                events.append(("wait", args[0].untyped_storage().data_ptr()))
+            elif func.namespace == "aten" and not func.is_view and func not in (aten.new_empty.default,
+                                                                                 aten.set_.source_Tensor):
                 events.append(("compute", None))
             return out
 
@@ -118,11 +124,23 @@ def _waited_after_compute(pm, ids, labels, issues):
     between = []
     for i, (what, issued) in enumerate(events):
         if what == "issue":
-            waited = next((j for j in range(i + 1, len(events)) if events[j][0] == "wait" and events[j][1] is issued), None)
+            waited = next((j for j in range(i + 1, len(events)) if events[j][0] == "wait" and events[j][1] == issued), None)
             assert waited is not None, f"a collective issued in backward (event {i}) was never waited"
             between.append(sum(e[0] == "compute" for e in events[i + 1:waited]))
     pm.zero_grad()
     return between
+
+
+def _same_as_overlap_off(plain, pm, ids, labels):
+    """``pm`` gives the numbers of ``plain``, its plan compiled with overlap off, bitwise: loss and every
+    local gradient."""
+    for m in (plain, pm):
+        m.zero_grad()
+        m.loss = m(ids, labels=labels).loss
+        m.loss.backward()
+    assert torch.equal(plain.loss, pm.loss)
+    for (name, a), (_, b) in zip(plain.named_parameters(), pm.named_parameters()):
+        assert torch.equal(a.grad, b.grad), name
 
 
 def _collectives_match(rank, world, model_name, mesh, pins, options):
@@ -146,14 +164,7 @@ def _collectives_match(rank, world, model_name, mesh, pins, options):
         plain = autopar.compile(model, autopar.ClusterSpec.local_cpu(world), (ids,), {"labels": labels},
                                 plan=pm.plan, overlap=False, **options)
         assert "_start(" not in plain.code and "_wait(" not in plain.code
-        # The same numbers with overlap off, bitwise: loss and every local gradient.
-        for m in (plain, pm):
-            m.zero_grad()
-            m.loss = m(ids, labels=labels).loss
-            m.loss.backward()
-        assert torch.equal(plain.loss, pm.loss)
-        for (name, a), (_, b) in zip(plain.named_parameters(), pm.named_parameters()):
-            assert torch.equal(a.grad, b.grad), name
+        _same_as_overlap_off(plain, pm, ids, labels)
 
 
 def _replicated_weights_read_in_chunks(rank, world, recompute):
@@ -479,6 +490,49 @@ def _recomputed_gradients_bucketed(rank, world):
     assert launched == [len(reduced)], launched
     for (name, a), (_, b) in zip(pm.named_parameters(), plain.named_parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _recomputed_layers_overlap(rank, world, kind):
+    import autopar
+    from autopar.runtime.recompute import checkpointed
+
+    torch.manual_seed(0)
+    model = build("gpt2")
+    ids, labels = batch()
+    options, outputs = {"recompute": {"*": "all"}}, {}
+    if kind == "megatron":
+        pins = {k: [v] for k, v in MEGATRON["gpt2"].items()}
+    elif kind == "zero3":
+        pins = {"*.weight": ["S(0)"], "input_ids": ["S(0)"], "labels": ["S(0)"], "mm_default*": ["S(0)"]}
+    else:
+        pins = {k: [v] for k, v in {**MEGATRON["gpt2"], **VOCAB_PARALLEL["gpt2"]}.items()} | VOCAB_PARALLEL_NODES
+        options, outputs = {}, {"sharded_outputs": True}
+    cluster = autopar.ClusterSpec.local_cpu(world)
+    pm = autopar.compile(model, cluster, (ids,), {"labels": labels}, mesh_shape=(world,), pins=pins, **options,
+                         **outputs)
+    plain = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=pm.plan, overlap=False, **outputs)
+    bodies = [getattr(pm.local_program, n.args[0].target).graph for n in pm.local_program.graph.nodes
+              if n.target is checkpointed]
+    assert bool(bodies) == (kind != "vocab") and all("_start(" in str(b.python_code("self").src) for b in bodies)
+    hidden = _issue_before_wait(pm, bodies) if bodies else _issue_before_wait(pm)
+    c10d = torch.ops._c10d_functional
+    if kind == "zero3":
+        # Each layer's weights are gathered while the layer's compute before their first use runs, in
+        # forward and again in the layer's run again in backward; with overlap off, each waits at once.
+        assert hidden >= 2 * len(bodies), pm.code
+        again = _waited_after_compute(pm, ids, labels, (c10d.all_gather_into_tensor.default,))
+        assert sum(n > 0 for n in again) >= hidden, (again, hidden)
+        assert not any(_waited_after_compute(plain, ids, labels, (c10d.all_gather_into_tensor.default,)))
+    _same_as_overlap_off(plain, pm, ids, labels)
+
+
+@pytest.mark.parametrize("kind", ["megatron", "zero3", "vocab"])
+def test_recomputed_layers_and_sharded_ops_issue_before_they_wait_and_match_overlap_off(kind):
+    """Inside a recomputed layer, each collective is issued early and waited at the first use of its
+    result, in forward and in the layer's run again in backward (codegen/overlap.py); Megatron's and
+    ZeRO-3's recomputed layers and the vocabulary-parallel embedding and loss give the numbers of
+    ``compile(overlap=False)`` bitwise."""
+    run_distributed(_recomputed_layers_overlap, 2, kind, timeout=300)
 
 
 def test_recomputed_layers_reduce_their_gradients_in_buckets():

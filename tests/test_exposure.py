@@ -70,12 +70,24 @@ def test_forward_collective_hides_behind_the_compute_between_issue_and_first_use
     assert ex.hidden == pytest.approx(4.0)
 
 
-def test_collectives_inside_recomputed_layers_wait_at_once():
-    gm, strategy = _chain(3)
-    cm = _Clock({"op0": 1.0, "op1": 1.0, "op2": 1.0})
-    colls = [_coll("all_gather", "forward", "x", "op2", 1.5)]
-    assert exposure(gm, strategy, colls, cm, ["dp"], {"op2"}).exposed == [1.5]
-    assert exposure(gm, strategy, colls, cm, ["dp"], set()).exposed == [0.0]
+def test_collectives_inside_a_recomputed_layer_hide_within_it_in_forward_and_in_its_run_again():
+    """A recomputed layer is one call of its body (codegen/overlap.py): its collectives are issued once
+    it starts, and a collective around it once it has ended; its run again in backward repeats its
+    forward schedule."""
+    gm, strategy = _chain(5)
+    cm = _Clock({f"op{i}": 1.0 for i in range(5)})
+    layer = {"op2": "L", "op3": "L"}
+    inside = _coll("all_gather", "forward", "x", "op3", 1.5)
+    after = _coll("all_gather", "forward", "x", "op4", 1.0)
+    rerun = dataclasses.replace(inside, phase="backward", recompute=True)
+    ex = exposure(gm, strategy, [inside, after, rerun], cm, ["dp"], {"op2", "op3"}, regions=layer)
+    # Issued as the layer starts (2 s), not at x, it hides behind op2 (1 s): 0.5 s exposed, and so in the
+    # run again. The one after the layer is issued when it ends (4.5 s), just before op4 reads it.
+    assert ex.exposed == [0.5, 1.0, 0.5]
+    # As one program with no layer call, both would hide whole behind the compute before their reader.
+    assert exposure(gm, strategy, [inside, after], cm, ["dp"], set()).exposed == [0.0, 0.0]
+    # A layer with no split collective holds nothing back.
+    assert exposure(gm, strategy, [after], cm, ["dp"], {"op2", "op3"}, regions=layer).exposed == [0.0]
 
 
 def test_bucketed_gradients_hide_behind_the_rest_of_backward():
@@ -182,6 +194,26 @@ def test_plan_reports_exposed_and_hidden_communication():
     zero3 = autopar.plan(model, cluster, args, kwargs, progress=False, **options("gpt", "zero3", 2, model))
     gathers = [c for c in zero3.collectives if c["phase"] == "forward" and c["kind"] == "all_gather"]
     assert gathers and sum(c["seconds"] - c["exposed"] for c in gathers) > 0
+
+
+def test_a_zero_3_plans_recomputed_layers_hide_their_gathers_in_forward_and_in_their_run_again():
+    from tests.hf_models import batch, build
+
+    ids, labels = batch()
+    # The projections split the batch, so their sharded weights are gathered whole (FSDP's pattern).
+    pins = {"*.weight": ["S(0)"], "input_ids": ["S(0)"], "labels": ["S(0)"], "mm_default*": ["S(0)"]}
+    plan = autopar.plan(build("gpt2"), autopar.ClusterSpec.local_cpu(2), (ids,), {"labels": labels},
+                        progress=False, mesh_shape=(2,), pins=pins, recompute={"*": "all"})
+    assert plan.recompute["layers"]
+    again = [c for c in plan.collectives if c.recompute]
+    key = lambda c: (c.node, c.value, c.kind, c.step)      # noqa: E731
+    rerun = {key(c) for c in again}
+    inside = [c for c in plan.collectives if c.phase == "forward" and c.kind == "all_gather" and key(c) in rerun]
+    # Each layer's weights are gathered behind the layer's compute before their reader, and its run
+    # again in backward repeats that schedule.
+    assert inside and sum(c.seconds - c.exposed for c in inside) > 0
+    twin = {key(c): c.exposed for c in plan.collectives if c.phase == "forward"}
+    assert all(c.exposed == twin[key(c)] for c in again)
 
 
 def test_hidden_communication_costs_the_devices_contention_share():
