@@ -521,6 +521,7 @@ class StepMemory:
         self._runs: list[range] = []      # the points of a layer's forward, and of a recomputed one's run again
         self._values: dict = {}
         self._reads: dict = {}
+        self._steps: dict = {}   # (source layout, read layout, reduced axes, shape, dtype) -> bytes of its steps
         self._copies: dict = {}
         self._moved: dict = {}   # an instance whose saved activations go to host -> (decision, indicator)
         self._recomputed: dict = {}   # a region that runs its forward again -> (decision, indicator)
@@ -641,8 +642,6 @@ class StepMemory:
             cpu = self.cm.cluster.device_type != "cuda"
             grad = requires_grad(v.node)
             ca, cb = self._choice(v.node), self._choice(node)
-            # Readers' options ask for few distinct requests and producers make few distinct layouts:
-            # the steps are found once per distinct pair.
             requests, made = [], {}
             for j in self._options(cb):
                 s = self._strategy(node, j)
@@ -650,7 +649,9 @@ class StepMemory:
                 request = (dst, grad_partial_axes(dst, s.splits_work, grad))
                 requests.append(request)
                 made.setdefault(request, s)
-            found = {}
+            # Readers' options ask for few distinct requests and producers make few distinct layouts, and
+            # values of one shape and dtype (a layer's every instance) share their steps: each is found once.
+            found = self._steps
             per_request = {}
             for (dst, partial), s in made.items():
                 size = info.nbytes * local_fraction(dst, mesh)
@@ -659,15 +660,16 @@ class StepMemory:
                     src = self._strategy(v.node, i)
                     pair = (dst, dst, partial) if src is None else (
                         tuple(src.outputs[v.index]), dst, src.readers_grad_partial(partial))
-                    if pair not in found:
+                    fk = (*pair, info.shape, info.dtype)
+                    if fk not in found:
                         steps = self.cm.transition(v, *pair) or []
                         # A local chunk's backward all-gathers the gradient; along a dim with larger
                         # dims before it, the gathered blocks stand beside their contiguous copy.
                         gathered = max((info.dtype.itemsize * prod(st.in_shape) for st in steps if st.op == "local_chunk"
                                         and st.dim and prod(st.in_shape[:st.dim]) > 1), default=0.0)
-                        found[pair] = (size if any(st.makes_storage for st in steps) else 0.0,
-                                       size if steps else 0.0, float(gathered), _staging(steps, info, size, cpu))
-                    rows.append(found[pair])
+                        found[fk] = (size if any(st.makes_storage for st in steps) else 0.0,
+                                     size if steps else 0.0, float(gathered), _staging(steps, info, size, cpu))
+                    rows.append(found[fk])
                 per_request[(dst, partial)] = rows
             self._reads[key] = (ca, cb, tuple(requests), per_request)
         return self._reads[key]
@@ -1038,6 +1040,13 @@ class StepMemory:
                 gather_sources.append(_one(c, [vb.at({c: i}) * (1.0 if cp.at({c: i}) else 0.0)
                                                for i in self._options(c)]))
         grouped, copies_before = self._shared_copies(calls, pos, input_values, inst_of, frees, copy_views)
+        @functools.lru_cache(maxsize=None)      # a layer's every instance asks the same of its position
+        def kept_unless_copied(ca, cb, vb, keeps, cp):
+            """Storage ``vb`` (decision ``ca``) where reader option ``j`` (decision ``cb``) keeps it (``keeps``)
+            and reads no copy ``cp`` (None: reads it in place)."""
+            return _pair(ca, cb, [[vb.at({ca: i}) * keeps[j] * (0.0 if cp and cp.at({ca: i, cb: j}) else 1.0)
+                                   for j in self._options(cb)] for i in self._options(ca)])
+
         holders = {}          # storage -> [(saving node, None or Bytes kept only where no copy is read)]
         kept = {}             # node -> [Bytes] allocated in its forward, freed after its backward
         held_copy = {}        # (node, input position) whose copy backward keeps -> the part it does not keep
@@ -1087,9 +1096,7 @@ class StepMemory:
                         cond = _pair(ca, cv, [[0.0 if vc.at({ca: i, cv: j}) else vb.at({ca: i})
                                                for j in self._options(cv)] for i in self._options(ca)])
                 elif n not in inst_of and (not everywhere or (cp is not None and exact)):
-                    cond = _pair(ca, cb, [[vb.at({ca: i}) * keeps[j] *
-                                           (0.0 if exact and cp and cp.at({ca: i, cb: j}) else 1.0)
-                                           for j in self._options(cb)] for i in self._options(ca)])
+                    cond = kept_unless_copied(ca, cb, vb, tuple(keeps), cp if exact else None)
                 holders.setdefault(b, []).append((n, cond))
             outs = output_values(n)
             flags = [s.held or _held_by_bytes(s.outputs, outs) for s in per_option]
@@ -1101,10 +1108,11 @@ class StepMemory:
                     holders.setdefault(b, []).append((n, cond))
             if outs:      # output bytes a rule declares (for a GPU kernel) beyond whole outputs
                 vb, extra = self.value(outs[0]), []
+                sizes = [value_info_nbytes(x) for x in outs]
                 for o, (s, f) in enumerate(zip(per_option, flags)):
-                    covered = sum(value_info_nbytes(x) for x, kf in zip(outs, f) if kf)
+                    covered = sum(size for size, kf in zip(sizes, f) if kf)
                     more = 0.0 if s.held or s.outputs <= covered else s.outputs - covered
-                    extra.append(vb.at({cb: o}) * more / max(value_info_nbytes(outs[0]), 1))
+                    extra.append(vb.at({cb: o}) * more / max(sizes[0], 1))
                 if any(extra):
                     kept.setdefault(n, []).append(_one(cb, extra))
             internal = _one(cb, [s.internal / self.cm.work_split(self._strategy(n, o)) if s.internal else 0.0
@@ -1169,6 +1177,8 @@ class StepMemory:
             frees.setdefault(("B", first), []).append((_A, -1, q))
 
         def workspace(n) -> Bytes:
+            if not rule_for(n).workspace:       # most ops hold none: not asked once per option
+                return Bytes(None, None, 0.0)
             c = self._choice(n)
             return _one(c, [self.cm.workspace_bytes(n, self._strategy(n, o)) for o in self._options(c)])
 
@@ -1437,6 +1447,7 @@ class StepMemory:
         from autopar.passes.strategies import Value, requires_grad
 
         launched = {}
+        reduces = {}      # fold key of (gradient carrier, reader, input) -> per option pair, whether it reduces
         for p, grad in grads_of.items():
             # A weight read only through its bfloat16 copy is bucketed by its copy's readers, in the
             # copy's dtype, where its optimizer state is not sharded (bucketed_value).
@@ -1449,16 +1460,15 @@ class StepMemory:
             first = min((m for m, _ in uses), key=pos.__getitem__)
             for m, k in uses:
                 cb = self._choice(m)
-                table = []
-                for i in self._options(ca):
-                    own, src, row = self._strategy(p, i), self._strategy(v, i), []
-                    for j in self._options(cb):
-                        dst = self._strategy(m, j)
-                        reduced = None not in (own, src, dst) and bucketed_value(p, own) is v and \
-                            src.read_grad_partial(Value(v), dst.inputs[k], dst)
-                        row.append(grad.at({ca: i}) * narrow / len(uses) if reduced else 0.0)
-                    table.append(row)
-                q = _pair(ca, cb, table)
+                key = self._fold_key(Value(v), m, k)
+                if key not in reduces:
+                    reduces[key] = [[None not in (own, src, dst) and bucketed_value(p, own) is v and
+                                     src.read_grad_partial(Value(v), dst.inputs[k], dst)
+                                     for dst in (self._strategy(m, j) for j in self._options(cb))]
+                                    for own, src in ((self._strategy(p, i), self._strategy(v, i))
+                                                     for i in self._options(ca))]
+                q = _pair(ca, cb, [[grad.at({ca: i}) * narrow / len(uses) if r else 0.0 for r in row]
+                                   for i, row in enumerate(reduces[key])])
                 if not q.zero():
                     launched.setdefault(first, []).append(q)
         return launched
