@@ -215,7 +215,7 @@ class PlanZero(_Record):
     """A parameter replicated along ``axis`` whose optimizer state (ZeRO-1), and gradient too (ZeRO-2),
     are sharded along that axis, split on its dim ``dim`` (docs/cost-model.md). ``sharded_master``: its
     float32 master weight is sharded too, and each rank keeps whole only the bfloat16 copy the program
-    reads (bf16-mixed ZeRO-1, Megatron-LM's distributed optimizer; runtime/zero.py)."""
+    reads (bf16-mixed ZeRO-1/2, Megatron-LM's distributed optimizer; runtime/zero.py)."""
 
     OMITTED_AT_DEFAULT: ClassVar[frozenset] = frozenset({"bucket", "sharded_master"})
 
@@ -318,21 +318,25 @@ class PlanPipeline(_Record):
 
 
 def pack_buckets(items, nbytes, bucket_bytes: float, key=None) -> list[list]:
-    """``items``, in order, packed into buckets as DDP packs gradients: a bucket closes once it holds
-    ``bucket_bytes`` or more, or when the next item's ``key`` (its group and dtype) differs from the
-    bucket's. One rule for the runtime's gradient buckets (runtime/grad_buckets.py), the replay that
-    prices them and the solver's hiding windows (passes/exposure.py), and the ZeRO gather buckets the
-    plan names (passes/memory.py)."""
-    buckets: list[list] = []
-    size, last_key = 0.0, None
-    for item in items:
+    """``items``, in order, packed into buckets as DDP packs gradients: one bucket open per ``key`` (an
+    item's group and dtype), closed once it holds ``bucket_bytes`` or more, so that items of
+    another key between them (bf16-mixed's float32 norms among its bfloat16-reduced weights) do not cut
+    a bucket short. The buckets come in the order their last items do: the order in which they fill
+    when the items become ready in order. One rule for the runtime's gradient buckets
+    (runtime/grad_buckets.py), the replay that prices them and the solver's hiding windows
+    (passes/exposure.py), and the ZeRO gather buckets the plan names (passes/memory.py)."""
+    done: list[tuple[int, list]] = []     # (index of its last item, bucket)
+    filling: dict = {}                     # key -> (bucket, bytes, index of its last item)
+    for i, item in enumerate(items):
         k = key(item) if key is not None else None
-        if not buckets or size >= bucket_bytes or k != last_key:
-            buckets.append([])
-            size, last_key = 0.0, k
-        buckets[-1].append(item)
-        size += nbytes(item)
-    return buckets
+        if k in filling and filling[k][1] >= bucket_bytes:
+            bucket, _, last = filling.pop(k)
+            done.append((last, bucket))
+        bucket, size, _ = filling.get(k, ([], 0.0, i))
+        bucket.append(item)
+        filling[k] = (bucket, size + nbytes(item), i)
+    done += [(last, bucket) for bucket, _, last in filling.values()]
+    return [bucket for _, bucket in sorted(done, key=lambda e: e[0])]
 
 
 @dataclass
@@ -750,8 +754,8 @@ def _validate(d: Any) -> None:
         if d.get("pipeline") is not None and z["stage"] != 1:
             _fail(f"zero.{fqn}", f"ZeRO-{z['stage']}: pipeline plans shard optimizer states (ZeRO-1) only, their "
                                  f"gradients accumulate whole over the microbatches")
-        if z.get("sharded_master") and (z["stage"] != 1 or d.get("pipeline") is not None):
-            _fail(f"zero.{fqn}", "sharded_master: only a ZeRO-1 parameter of a plan without a pipeline shards its "
+        if z.get("sharded_master") and d.get("pipeline") is not None:
+            _fail(f"zero.{fqn}", "sharded_master: only a ZeRO-1/2 parameter of a plan without a pipeline shards its "
                                  "float32 master")
     for fqn in d.get("offload") or {}:
         if fqn not in d["params"]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib
 import operator
+from dataclasses import replace
 
 import torch
 import torch.fx as fx
@@ -19,7 +20,7 @@ from autopar.errors import PlanFormatError, ShardingError
 from autopar.layout import format_layout, local_shape, parse_layout
 from autopar.passes.normalize import BIASED_MATMULS, folded_matmul
 from autopar.passes.reshard_plan import gathered_output, plan_reshards
-from autopar.passes.precision import cast_source
+from autopar.passes.precision import cast_source, gradient_carrier, reads_through_copy
 from autopar.passes.meta import meta_of, op_name, set_meta, set_program_meta
 from autopar.passes.rules import context_for, rule_for
 from autopar.passes.runner import requires
@@ -115,6 +116,12 @@ def strategies_from_plan(gm: fx.GraphModule, plan: Plan) -> dict:
                                       f"shape {None if shape is None else list(shape)} on mesh {list(plan.mesh_shape)}; "
                                       f"the plan was edited or made by another version: plan this model again")
             out[node] = s
+    # A ZeRO-2 weight read through its copy: the copy carries the weight's state, so that its readers
+    # leave its gradient to the reduce-scatter (passes.strategies._try_follow).
+    for node, s in list(out.items()):
+        if node.op == "placeholder" and s.grad_scatter_axis is not None and reads_through_copy(node):
+            copy = gradient_carrier(node)
+            out[copy] = replace(out[copy], zero=s.zero)
     return out
 
 

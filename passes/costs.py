@@ -29,6 +29,7 @@ from autopar.cluster import ClusterSpec
 from autopar.layout import local_fraction, local_shape
 from autopar.plan import AlternativeCollective, PlanCollective
 from autopar.passes.meta import is_param, meta_of, set_meta
+from autopar.passes.precision import reads_through_copy
 from autopar.passes.resharding import Step, collective_seconds, transition
 from autopar.passes.rules import context_for, rule_for, tensor_inputs
 from autopar.passes.runner import requires
@@ -300,15 +301,16 @@ class CostModel:
         """What a ZeRO-1/2 parameter's state costs in communication beyond plain data parallelism's:
         ZeRO-2 reduce-scatters the gradient (in place of the all-reduce along its axis, which its
         readers then leave out) and both all-gather the updated shards after the optimizer step, in
-        ``whole_dtype`` where a sharded float32 master updates a whole copy in it (``param_bytes``)."""
+        ``whole_dtype`` where a sharded float32 master updates a whole copy in it (``param_bytes``),
+        whose gradient, the copy's, ZeRO-2 reduce-scatters in that dtype too."""
         if zero is None:
             return []
         p = self.param_bytes(node, layout)[0]
         gathered = p if whole_dtype is None else p / node.meta["val"].dtype.itemsize * whole_dtype.itemsize
         out = []
-        if zero.scatters_grad:
-            out.append(Collective("reduce_scatter", zero.axis, "backward", p,
-                                  self.collective_seconds("reduce_scatter", p, zero.axis)))
+        if zero.scatters_grad:       # a sharded master's: its copy's gradient, in the copy's dtype
+            out.append(Collective("reduce_scatter", zero.axis, "backward", gathered,
+                                  self.collective_seconds("reduce_scatter", gathered, zero.axis)))
         out.append(Collective("all_gather", zero.axis, "optimizer", gathered,
                               self.collective_seconds("all_gather", gathered, zero.axis)))
         return out
@@ -329,7 +331,10 @@ class CostModel:
         gradient reduction the runtime runs in a bucket (``bucketed_gradient``) is priced without the peer
         wait: the bucket pays it once for the many parameters it reduces (the replay prices the bucket)."""
         axis = src.grad_scatter_axis
-        if axis is not None and not (dst_layout[axis].is_replicate and axis in partial_axes):
+        # A weight read through its bfloat16 copy leaves the reduce-scatter to the copy's readers'
+        # gradient (the copy's strategy carries the ZeroState: passes.strategies._try_follow).
+        if axis is not None and not (dst_layout[axis].is_replicate and axis in partial_axes) \
+                and not (is_param(value.node) and reads_through_copy(value.node)):
             return None
         src_layout, partial = src.outputs[value.index], src.readers_grad_partial(partial_axes)
         phases = self.transition_phase_seconds(value, src_layout, dst_layout, partial)

@@ -12,8 +12,9 @@ streams, compute and communication, the way the generated program runs them:
   each of its collectives is exposed there as much as in forward. Collectives inside sharded ops (the
   vocab-parallel loss, ring attention, priced with their own overlap) wait where they are issued.
 - **backward**: a parameter whose every use reduces its gradient over one mesh axis (plain data
-  parallelism; codegen/grad_buckets.py) has that reduction done once, on its accumulated gradient, in
-  DDP-style buckets of ``bucket_bytes`` (runtime/grad_buckets.py): a bucket's all-reduce starts when
+  parallelism; codegen/grad_buckets.py), or whose bfloat16 copy's every use does (bf16-mixed), has
+  that reduction done once, on its accumulated gradient, in DDP-style buckets of ``bucket_bytes``
+  (runtime/grad_buckets.py): a bucket's all-reduce starts when
   its last gradient is accumulated (the backward of the parameter's first reader) and the previous
   bucket has started, and runs on the communication stream while the rest of backward computes.
   A sharded parameter's gradient reduce-scatter (the backward of its split forward all-gather,
@@ -37,6 +38,7 @@ from dataclasses import dataclass, replace
 import torch.fx as fx
 
 from autopar.passes.meta import is_param, meta_of
+from autopar.passes.precision import bucketed_value
 from autopar.passes.strategies import requires_grad
 from autopar.plan import PlanCollective, pack_buckets
 
@@ -56,29 +58,31 @@ class Exposure:
 
 
 def bucketed_params(gm: fx.GraphModule, colls: list[PlanCollective], strategy: dict,
-                    resharded_for: dict[str, set[str]] | None = None) -> dict[str, str]:
-    """Parameter name -> mesh axis, for the parameters whose gradient the runtime reduces in buckets:
-    every use of it reads it through a backward all-reduce alone, on one axis (a ZeRO-2 parameter's
-    gradient is reduce-scattered instead, an offloaded one copied to the host). ``resharded_for``:
-    value name -> the consumers that read it through a resharding (a resharding several consumers
-    share is listed once in ``colls``, at its first); without it, those of ``colls``."""
+                    resharded_for: dict[str, set[str]] | None = None) -> dict[str, tuple[str, object]]:
+    """Value name -> (mesh axis, dtype), for the values whose gradient the runtime reduces in buckets
+    (codegen/grad_buckets.py): a parameter, or its lower-precision copy where that copy is its only
+    reader (bf16-mixed's weights, whose reduction then moves the copy's dtype), as
+    ``passes.precision.bucketed_value`` says, when every use of it reads it through a backward
+    all-reduce alone, on one axis. ``resharded_for``: value name -> the consumers that read it through
+    a resharding (a resharding several consumers share is listed once in ``colls``, at its first);
+    without it, those of ``colls``."""
     by_value: dict[str, list[PlanCollective]] = {}
     for c in colls:
         by_value.setdefault(c.value, []).append(c)
     out = {}
     for n in gm.graph.nodes:
-        if n.op != "placeholder" or n.name not in by_value or n not in strategy:
+        if n.op != "placeholder" or n not in strategy:
             continue
-        s = strategy[n]
-        if s.grad_scatter_axis is not None or s.offload:
+        v = bucketed_value(n, strategy[n])
+        if v is None or v.name not in by_value:
             continue
-        own = by_value[n.name]
+        own = by_value[v.name]
         axes = {c.axis for c in own}
-        readers = resharded_for.get(n.name, set()) if resharded_for is not None else {c.node for c in own}
+        readers = resharded_for.get(v.name, set()) if resharded_for is not None else {c.node for c in own}
         if (len(axes) == 1 and all(c.kind == "all_reduce" and c.phase == "backward" and not c.recompute
                                    and c.node != c.value for c in own)
-                and readers >= {u.name for u in n.users}):
-            out[n.name] = axes.pop()
+                and readers >= {u.name for u in v.users}):
+            out[v.name] = (axes.pop(), getattr(v.meta.get("val"), "dtype", None))
     return out
 
 
@@ -210,7 +214,7 @@ def exposure(gm: fx.GraphModule, strategy: dict, colls: list[PlanCollective], cm
                 bucket = last_of[p]
                 start = max(clock, stream_free)
                 stream_free = start + cm.collective_seconds("all_reduce", sum(grad_bytes[q] for q in bucket),
-                                                            axis_names.index(buckets[bucket[0]]))
+                                                            axis_names.index(buckets[bucket[0]][0]))
                 runs.append((bucket, start, stream_free))
     wait_in_flight()
     for params, start, finish in runs:

@@ -16,7 +16,7 @@ from autopar.layout import Placement, R
 from autopar.passes.costs import INFEASIBLE, CostModel
 from autopar.passes.exposure import HidingWindows
 from autopar.passes.meta import is_param, meta_of
-from autopar.passes.precision import reads_through_copy, sharded_master_option
+from autopar.passes.precision import sharded_master_option
 from autopar.passes.strategies import MeshStrategies, Value, input_values, requires_grad, strategies_on
 from autopar.solver import Choice, Edge, Problem, SharedEdge
 
@@ -121,13 +121,10 @@ def _pinned_options(rep: fx.Node, opts, pins: dict, mesh_axes: int):
                                 f"{f' with layout {out}' if out else ''}{f' and ZeRO-{zero}' if zero else ''}, which "
                                 f"it cannot take: only a trained parameter offloads, and not with ZeRO-1/2")
         if not allowed and zero:
-            copy = (" (a weight read only through its bfloat16 copy stops at ZeRO-1: the copy's cast cannot leave "
-                    "its gradient partial for ZeRO-2's reduce-scatter; pin zero 1, whose float32 master is sharded "
-                    "too, or ZeRO-3, a sharded layout)") if zero == 2 and is_param(rep) and reads_through_copy(rep) else ""
             raise ShardingError(f"pin {pattern!r} asks {name} for ZeRO-{zero}{f' with layout {out}' if out else ''}, "
                                 f"which it cannot take here: a ZeRO-1/2 state is sharded along a mesh axis the "
                                 f"parameter is replicated on, along a dim no other axis shards and that divides "
-                                f"by that axis's size{copy}")
+                                f"by that axis's size")
         refused = "".join(f"; refused: {r}" for r in meta_of(rep).refused[:8])
         if not allowed and any(Placement.parse(p).is_strided for p in out or ()):
             refused += ("; a strided layout S(d,k) is offered only where dim d is split or chunked into k "
@@ -186,7 +183,7 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_budget: float | None
     communication hides; ``idx.credit`` holds the credits alone, so that ``objective + credit`` is the
     serial step time. Without it the objective is the serial step time. The strategies are those
     ``strategies_pass`` made for the cost model's mesh. With ``sharded_masters`` (not a pipeline's
-    stages) a ZeRO-1 weight read through its bfloat16 copy shards its float32 master: its copy is
+    stages) a ZeRO-1/2 weight read through its bfloat16 copy shards its float32 master: its copy is
     gathered in bfloat16 and its cast does not run (``passes.precision.sharded_master_copy``)."""
     strategies = strategies_on(gm, cm.mesh_shape)
     nodes = list(strategies)

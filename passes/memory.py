@@ -576,7 +576,7 @@ class StepMemory:
 
         self.cm, self.idx, self.num_options = cm, idx, tuple(num_options)
         self.sharded_outputs, self.overlap = sharded_outputs, overlap
-        # Whether a ZeRO-1 weight read through its bfloat16 copy has its float32 master sharded
+        # Whether a ZeRO-1/2 weight read through its bfloat16 copy has its float32 master sharded
         # (``passes.precision.sharded_master_copy``; not in a pipeline's stages): the program reads the
         # whole copy, held all step, in place of the cast.
         self.sharded_masters = sharded_masters
@@ -1045,6 +1045,15 @@ class StepMemory:
 
                     block, whole = [k[1] for k in kept], [f[1] for f in full]
                     output = [f if cpu else k for f, k in zip(whole, block)]
+                    # A sharded master's (ZeRO-2 read through its copy, runtime/zero.py): the copy's
+                    # gradient, in its dtype, is what the collective holds, the master's block counted
+                    # from the copy's backward on (grads_of); the walk frees the copy's gradient there,
+                    # so it is counted again, with the output, until the wait.
+                    for i, w in enumerate(copy_dtype):
+                        if w is not None:
+                            narrow = w.itemsize / val.dtype.itemsize
+                            output[i] = (whole[i] + (whole[i] if cpu else block[i])) * narrow
+                            block[i] = whole[i] = 0.0
                     scatter[n] = _MovedGradient(
                         where(at_once, block), where(at_once, whole),
                         where(waited, output),
@@ -1495,26 +1504,35 @@ class StepMemory:
         whose reader reduces the gradient counts its share of that buffer at the backward of the
         parameter's first reader and at each copy after it; a bucket launches when its last gradient is
         ready, and a parameter some reader does not reduce is reduced in the program instead (all the
-        safe side)."""
+        safe side). A gradient reduced in its bfloat16 copy's dtype has a buffer of that dtype; its
+        float32 gradient is let go at the copy and made again from the buffer at backward's end, one
+        bucket at a time: counted held throughout (the safe side, by the buffer's bytes, in between),
+        and the widening's buffer is within the last copy's count."""
+        from autopar.passes.precision import bucketed_value, gradient_carrier
         from autopar.passes.strategies import Value, requires_grad
 
         launched = {}
-        reduces = {}      # fold key of (parameter, reader, input) -> per option pair, whether the reader reduces
+        reduces = {}      # fold key of (gradient carrier, reader, input) -> per option pair, whether it reduces
         for p, grad in grads_of.items():
-            uses = [(m, k) for m in p.users if m in pos for k, v in enumerate(input_values(m)) if v.node is p]
+            # A weight read only through its bfloat16 copy is bucketed by its copy's readers, in the
+            # copy's dtype, where its optimizer state is not sharded (bucketed_value).
+            v = gradient_carrier(p)
+            narrow = v.meta["val"].dtype.itemsize / p.meta["val"].dtype.itemsize
+            uses = [(m, k) for m in v.users if m in pos for k, x in enumerate(input_values(m)) if x.node is v]
             if not uses or not requires_grad(p):
                 continue
             ca = self._choice(p)
             first = min((m for m, _ in uses), key=pos.__getitem__)
             for m, k in uses:
                 cb = self._choice(m)
-                key = self._fold_key(Value(p), m, k)
+                key = self._fold_key(Value(v), m, k)
                 if key not in reduces:
-                    reduces[key] = [[src is not None and dst is not None and not src.offload and
-                                     src.read_grad_partial(Value(p), dst.inputs[k], dst)
+                    reduces[key] = [[None not in (own, src, dst) and bucketed_value(p, own) is v and
+                                     src.read_grad_partial(Value(v), dst.inputs[k], dst)
                                      for dst in (self._strategy(m, j) for j in self._options(cb))]
-                                    for src in (self._strategy(p, i) for i in self._options(ca))]
-                q = _pair(ca, cb, [[grad.at({ca: i}) / len(uses) if r else 0.0 for r in row]
+                                    for own, src in ((self._strategy(p, i), self._strategy(v, i))
+                                                     for i in self._options(ca))]
+                q = _pair(ca, cb, [[grad.at({ca: i}) * narrow / len(uses) if r else 0.0 for r in row]
                                    for i, row in enumerate(reduces[key])])
                 if not q.zero():
                     launched.setdefault(first, []).append(q)

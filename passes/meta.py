@@ -83,9 +83,10 @@ class ProgramMeta:
     placeholders: tuple = ()              # (kind, target) per placeholder, in call order
     output_layouts: tuple = ()            # per returned tensor: its layout (all-R unless kept sharded)
     kernels: tuple[tuple[str, str], ...] = ()   # (name, source) of every generated kernel it calls
-    grad_reductions: tuple = ()           # (parameter, group name, uses) whose gradient the runtime
-                                          # reduces in buckets (codegen/grad_buckets.py), in backward
-                                          # order, in place of one reduction per use
+    grad_reductions: tuple = ()           # (parameter, group name, uses, reduce dtype or None for its
+                                          # own) whose gradient the runtime reduces in buckets
+                                          # (codegen/grad_buckets.py), in backward order, in place of
+                                          # one reduction per use
     sharded_states: tuple = ()            # (parameter, ZeRO stage, group name, dim, gather bucket, the whole
                                           # copy's dtype where the float32 master is sharded too, else None) of
                                           # every parameter whose optimizer state the runtime shards

@@ -179,6 +179,17 @@ def gradient_carrier(param: fx.Node) -> fx.Node:
     return users[0] if len(users) == 1 and cast_source(users[0]) is param else param
 
 
+def bucketed_value(param: fx.Node, s) -> fx.Node | None:
+    """The value whose readers' gradient all-reduces the runtime's buckets take over for a parameter
+    under its Strategy ``s`` (codegen/grad_buckets.py), or None: its ``gradient_carrier``, unless its
+    gradient is reduce-scattered (ZeRO-2) or copied to the host (offload), or the carrier is a copy
+    whose master is sharded (ZeRO-1 reads the copy whole, its reductions left in the program)."""
+    if s.grad_scatter_axis is not None or s.offload:
+        return None
+    carrier = gradient_carrier(param)
+    return None if carrier is not param and s.zero is not None else carrier
+
+
 def reads_through_copy(param: fx.Node) -> bool:
     """Whether a parameter's only reader is its cast to a narrower dtype (bf16-mixed's bfloat16 weight).
     That cast follows the parameter's layout (passes/strategies.py): the copy is made where the weight
@@ -188,15 +199,17 @@ def reads_through_copy(param: fx.Node) -> bool:
 
 
 def sharded_master_copy(param: fx.Node, strategy: dict) -> fx.Node | None:
-    """The lower-precision copy a ZeRO-1 parameter is read through where its float32 master is sharded
-    too (Megatron-LM's distributed optimizer), else None: under ``strategy`` (node -> Strategy) the
-    parameter's optimizer state is ZeRO-1 sharded, its only reader is its cast (bf16-mixed's bfloat16
-    weight), and the cast reads it at its own layout. Each rank then keeps that copy whole, which the
-    program reads in place of the cast, and the master at the state's block; the updated blocks are
-    all-gathered in the copy's dtype (runtime/zero.py). Pipeline plans read their ZeRO-1 parameters
-    directly (codegen/stages.py) and keep the master whole."""
+    """The lower-precision copy a ZeRO-1/2 parameter is read through where its float32 master is
+    sharded too (Megatron-LM's distributed optimizer), else None: under ``strategy`` (node -> Strategy)
+    the parameter's optimizer state is ZeRO-1/2 sharded, its only reader is its cast (bf16-mixed's
+    bfloat16 weight), and the cast reads it at its own layout. Each rank then keeps that copy whole,
+    which the program reads in place of the cast, and the master at the state's block; the copy's
+    gradient, summed over its readers, is all-reduced in the program (ZeRO-1) or reduce-scattered into
+    the block (ZeRO-2), in the copy's dtype, and the updated blocks are all-gathered in it
+    (runtime/zero.py). Pipeline plans read their ZeRO-1 parameters directly (codegen/stages.py) and
+    keep the master whole; they offer no ZeRO-2."""
     s = strategy.get(param)
-    if s is None or s.zero is None or s.zero.stage != 1 or not reads_through_copy(param):
+    if s is None or s.zero is None or not reads_through_copy(param):
         return None
     carrier = gradient_carrier(param)
     return carrier if tuple(strategy[carrier].inputs[0]) == tuple(s.outputs[0]) else None

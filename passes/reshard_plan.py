@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from autopar.layout import R
 from autopar.plan import PlanCollective
-from autopar.passes.meta import op_name
+from autopar.passes.meta import is_param, op_name
 from autopar.passes.resharding import global_transition
 from autopar.passes.strategies import Strategy, Value, input_values, requires_grad, value_info
 
@@ -82,7 +82,7 @@ def _reshard(low: ReshardPlan, mesh_shape, v: Value, dst, s: Strategy | None, co
 
 def collectives(low: ReshardPlan, cm, axis_names, sharded_masters=None) -> list[PlanCollective]:
     """The plan's collectives under ``low``, priced by ``cm`` (a passes.costs.CostModel).
-    ``sharded_masters``: ZeRO-1 parameter -> the copy it is read through where its master is sharded
+    ``sharded_masters``: ZeRO-1/2 parameter -> the copy it is read through where its master is sharded
     (``passes.precision.sharded_master_copy``), whose dtype its post-step all-gather moves."""
     sharded_masters = sharded_masters or {}
     out = []
@@ -93,7 +93,7 @@ def collectives(low: ReshardPlan, cm, axis_names, sharded_masters=None) -> list[
     for node, s in low.strategy.items():
         out += [c.record(axis_names, node=node.name, value=node.name, step=op_name(node))
                 for c in cm.priced_op_collectives(node, s)]
-        if s.zero is not None:
+        if s.zero is not None and is_param(node):     # not a ZeRO-2 weight's copy, which carries its state
             out += [c.record(axis_names, node=node.name, value=node.name, step=f"zero{s.zero.stage}")
                     for c in cm.zero_collectives(node, s.outputs[0], s.zero, _dtype_of(sharded_masters.get(node)))]
     return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
@@ -41,8 +41,9 @@ class ZeroState:
     @property
     def scatters_grad(self) -> bool:
         """ZeRO-2: the runtime reduce-scatters the accumulated gradient into the state's shard, once for
-        all the parameter's readers (which then leave it out of their reductions, ``readers_grad_partial``)
-        and in place of a bucketed all-reduce."""
+        all the parameter's readers (which then leave it out of their reductions, ``readers_grad_partial``;
+        for a weight read through its bfloat16 copy, the copy's readers: ``_try_follow``) and in place of
+        a bucketed all-reduce."""
         return self.stage >= 2
 
     def state_layout(self, layout: Layout) -> Layout:
@@ -253,11 +254,8 @@ def _placeholder_strategies(node: fx.Node, mesh_shape, zero: int = 0, offload: b
             out.append(Strategy((), (tuple(combo),), (False,) * len(mesh_shape)))
             trained = role is not None and role.kind == "param" and requires_grad(node)
             if zero and trained:
-                # A weight read through its bfloat16 copy cannot be ZeRO-2: the copy's cast does not
-                # split its work, so the weight's gradient is not left partial for its reduce-scatter.
-                top = min(zero, 1) if reads_through_copy(node) else zero
                 out += [Strategy((), (tuple(combo),), (False,) * len(mesh_shape), z)
-                        for z in zero_variants(shape, combo, mesh_shape, top)]
+                        for z in zero_variants(shape, combo, mesh_shape, zero)]
             if offload and trained:
                 # The local tensor's optimizer state in host memory (with its own layout: ZeRO-3 offloads
                 # this rank's shard); not combined with ZeRO-1/2.
@@ -376,12 +374,21 @@ def _getitem_strategies(node: fx.Node, producer: StrategySet) -> StrategySet:
 
 
 def _try_follow(node: fx.Node, own: list[Strategy], producer_set: StrategySet, v: Value):
-    follow = []
+    """A weight read through its bfloat16 copy under ZeRO-2 has the copy's gradient reduce-scattered,
+    once summed over the copy's readers, into the block of its float32 master
+    (``passes.precision.sharded_master_copy``): the copy's strategy carries the weight's ZeroState, so
+    that its readers leave its gradient partial along that axis (``Strategy.readers_grad_partial``)."""
+    own, follow = list(own), []
     for s in producer_set:
         lay = s.outputs[v.index] if s.outputs else None
         match = next((j for j, t in enumerate(own) if t.inputs[0] == lay), None)
         if match is None:
             return None
+        if s.grad_scatter_axis is not None and is_param(v.node):
+            scattered = replace(own[match], zero=s.zero)
+            if scattered not in own:
+                own.append(scattered)
+            match = own.index(scattered)
         follow.append(match)
     return StrategySet(tuple(own), v.node, tuple(follow))
 

@@ -388,10 +388,11 @@ _deferred = _DeferredGradients()
 
 
 def defer_reduce_scatter(param: torch.Tensor, grad: torch.Tensor, dim: int, group_name: str) -> None:
-    """Issue the sum reduce-scatter of ``grad`` along ``dim`` and add this rank's block to
-    ``param.grad`` when it is waited: at the next such issue or when backward ends. Called in backward."""
+    """Issue the sum reduce-scatter of ``grad`` along ``dim`` and add this rank's block, in ``param``'s
+    dtype (a sharded float32 master's gradient is reduced in its bfloat16 copy's), to ``param.grad``
+    when it is waited: at the next such issue or when backward ends. Called in backward."""
     _deferred.issue(param, _start_reduce_scatter(grad, dim, _group(group_name)[1], group_name),
-                    lambda y: _scattered(y).squeeze(0))
+                    lambda y: _scattered(y).squeeze(0).to(param.dtype))
 
 
 def defer_gather(param: torch.Tensor, grad: torch.Tensor, dim: int, group_name: str, groups: int = 1) -> None:

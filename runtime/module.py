@@ -68,7 +68,8 @@ class ParallelModule(nn.Module):
         if program.grad_reductions:
             from autopar.runtime.grad_buckets import GradBuckets
 
-            self._grad_buckets = GradBuckets([(self.local_tensor(t), g) for t, g, _ in program.grad_reductions],
+            self._grad_buckets = GradBuckets([(self.local_tensor(t), g, dtype)
+                                              for t, g, _, dtype in program.grad_reductions],
                                              program.bucket_bytes)
         self._sharded_states = None
         if self._zero_of:

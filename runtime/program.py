@@ -24,7 +24,7 @@ class Program:
     input_shapes: tuple           # shapes of the flattened inputs the program was made for
     constants: dict[str, torch.Tensor]
     kernels: dict[str, str]       # generated kernel name -> source (empty with ATen kernels)
-    grad_reductions: tuple = ()   # (parameter, group name, uses) per gradient to all-reduce in buckets
+    grad_reductions: tuple = ()   # (parameter, group name, uses, reduce dtype) per gradient to all-reduce in buckets
                                   # during backward, in the order the gradients become ready
     bucket_bytes: int = 25 * 2**20  # bucket size of those reductions (DDP's default)
     overlap: bool = True          # ZeRO-2 gradients reduce-scattered during backward, waited later

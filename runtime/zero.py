@@ -21,12 +21,14 @@ updates the block in place, inside the whole tensor.
   program first uses the parameter runs its backward as soon as the gradient is complete; one made
   before the program starts would hold every whole gradient to the end of backward.
 
-Under bf16-mixed a ZeRO-1 parameter read only through its bfloat16 copy may have its float32 master
+Under bf16-mixed a ZeRO-1/2 parameter read only through its bfloat16 copy may have its float32 master
 sharded too (``plan.zero[fqn]["sharded_master"]``, Megatron-LM's distributed optimizer): the whole local
 tensor is then that copy, which the program reads in place of the cast, and the parameter the
-optimizer steps is a float32 tensor of its own, this rank's block of the master (``_MasterRead``). The
-gradient of the copy, reduced in the program, gives the block's gradient in float32; the gather below
-moves the updated blocks in the copy's dtype.
+optimizer steps is a float32 tensor of its own, this rank's block of the master. Under ZeRO-1 the
+gradient of the copy, reduced in the program, gives the block's gradient in float32 (``_MasterRead``);
+under ZeRO-2 the program leaves it partial and the read's backward reduce-scatters it, in the copy's
+dtype, into the block's, widened to float32 (``_WholeOf``, as for any ZeRO-2 parameter). The gather
+below moves the updated blocks in the copy's dtype.
 
 After the optimizer steps (a global optimizer step hook, and before any forward whose parameters
 changed since the last gather), every rank's updated blocks are all-gathered into the whole tensors,
@@ -98,7 +100,8 @@ def split(full: torch.Tensor, group: str, dim: int, requires_grad: bool,
 
 
 class _WholeOf(torch.autograd.Function):
-    """A ZeRO-2 parameter's whole local tensor, read by the program, as a function of this rank's block."""
+    """A ZeRO-2 parameter's whole local tensor, read by the program, as a function of this rank's block
+    (for a sharded master, the whole copy: its reduced block is widened to the master's dtype)."""
 
     @staticmethod
     def forward(ctx, shard, states, s):
@@ -111,7 +114,7 @@ class _WholeOf(torch.autograd.Function):
         if ctx.states.defer and C.deferrable(s.shard):
             C.defer_reduce_scatter(s.shard, g, s.dim, s.group)
             return None, None, None
-        return C._reduce_scatter(g, s.dim, C._group(s.group)[1], s.group), None, None
+        return C._reduce_scatter(g, s.dim, C._group(s.group)[1], s.group).to(s.shard.dtype), None, None
 
 
 class _ZeroOneRead(torch.autograd.Function):
@@ -169,7 +172,7 @@ class ShardedStates:
         self._ids = {id(s.shard) for s in states}
         self._seen: dict = {}
         for s in states:
-            if s.sharded_master:
+            if s.sharded_master and s.stage == 1:
                 s.full._autopar_whole_of = functools.partial(_MasterRead.apply, s.shard, s)
                 continue
             if s.stage == 1 and s.full.requires_grad:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 ARCHS = ("gpt2", "llama", "bert", "gpt", "gpt-probe", "gpt-vocab", "gpt-long", "llama-long", "qwen2")
-KINDS = ("auto", "dp", "megatron", "zero3", "zero1-bf16", "zero2-recompute", "vocab", "vocab-sharded-outputs", "vocab-sliced",
+KINDS = ("auto", "dp", "dp-bf16", "megatron", "zero3", "zero1-bf16", "zero2-bf16", "zero2-recompute", "vocab",
+         "vocab-sharded-outputs", "vocab-sliced",
          "recompute", "sharded-outputs", "2d", "ring", "heads")
 # (tokens, batch) of the long-sequence architectures, whatever the caller asks: one sequence long
 # enough, over a small vocabulary, that attention's buffers are most of the peak.
@@ -81,6 +82,12 @@ def options(arch: str, kind: str, ranks: int, model) -> dict | None:
         return {}
     if kind == "dp":
         return {"mesh_shape": (ranks,), "pins": params_r, "recompute": False}
+    if kind == "dp-bf16":     # the batch split under bf16-mixed: the weights' gradients reduced in bf16 buckets
+        if key not in ("gpt", "llama"):
+            return None
+        pins = {**{name: {"output": ["R"], "zero": 0} for name, _ in model.named_parameters()},
+                "input_ids": ["S(0)"], "labels": ["S(0)"], "linear*": ["S(0)"]}
+        return {"mesh_shape": (ranks,), "pins": pins, "recompute": False, "precision": "bf16-mixed"}
     if kind == "megatron":
         return {"mesh_shape": (ranks,), "pins": {k: [v] for k, v in MEGATRON[key].items()}, "recompute": False}
     if kind == "zero3":
@@ -89,6 +96,13 @@ def options(arch: str, kind: str, ranks: int, model) -> dict | None:
     if kind == "zero1-bf16":   # ZeRO-1 everywhere under bf16-mixed: the float32 masters of the weights read
         #                        only through their bfloat16 copies are sharded
         pins = {name: {"output": ["R"], "zero": 1} for name, _ in model.named_parameters()}
+        return {"mesh_shape": (ranks,), "pins": pins, "recompute": False, "precision": "bf16-mixed"}
+    if kind == "zero2-bf16":   # ZeRO-2 layer matrices under bf16-mixed: each copy's gradient reduce-scattered in
+        #                        bf16 into its sharded float32 master's block; embeddings, biases, norms replicated
+        if key not in ("gpt", "llama"):
+            return None
+        pins = {name: {"output": ["R"], "zero": 2 if p.dim() > 1 and "emb" not in name else 0}
+                for name, p in model.named_parameters()}
         return {"mesh_shape": (ranks,), "pins": pins, "recompute": False, "precision": "bf16-mixed"}
     if kind == "zero2-recompute":     # ZeRO-2 matrices, replicated biases and norms, every layer recomputed
         pins = {name: {"output": ["R"], "zero": 2 if p.dim() > 1 else 0} for name, p in model.named_parameters()}

@@ -213,7 +213,7 @@ def check_collectives(pm, ids, labels):
     # Data-parallel gradients reduced in buckets (codegen/grad_buckets.py): one all-reduce per bucket
     # in place of one per use of each parameter.
     axis_of = {pm.mesh.get_group(a).group_name: a for a in pm.plan.axis_names}
-    for _, group, uses in pm._program.grad_reductions:
+    for _, group, uses, _ in pm._program.grad_reductions:
         planned[("all_reduce", axis_of[group], "backward")] -= uses
     if pm._grad_buckets is not None:
         for group in pm._grad_buckets.groups:
@@ -348,20 +348,21 @@ def test_outputs_can_stay_sharded_as_dtensors():
     run_distributed(_sharded_outputs, 2, timeout=300)
 
 
-def _data_parallel_gpt2(world):
-    """GPT-2, its batch, a cluster whose links are fast enough that splitting the batch pays, and pins
-    that replicate every weight without ZeRO: data-parallel gradients."""
+def _data_parallel_gpt2(world, model_name="gpt2", **node_pins):
+    """GPT-2 (or ``model_name``), its batch, a cluster whose links are fast enough that splitting the
+    batch pays, and pins that replicate every weight without ZeRO (and pin ``node_pins``): data-parallel
+    gradients."""
     import dataclasses
 
     import autopar
 
     torch.manual_seed(0)
-    model = build("gpt2")
+    model = build(model_name)
     ids, labels = batch()
     cluster = dataclasses.replace(autopar.ClusterSpec.local_cpu(world), intra_node_bandwidth=1e13,
                                   intra_node_latency=1e-9)
     plain_dp = {"output": ["R"], "zero": 0}
-    pins = {"*.weight": plain_dp, "*.bias": plain_dp, "input_ids": ["S(0)"], "labels": ["S(0)"]}
+    pins = {"*.weight": plain_dp, "*.bias": plain_dp, "input_ids": ["S(0)"], "labels": ["S(0)"], **node_pins}
     return model, ids, labels, cluster, pins
 
 
@@ -374,8 +375,8 @@ def _bucketed_gradients(rank, world):
     plain = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=one.plan, overlap=False)
     reduced = one._program.grad_reductions
     assert len(reduced) >= 10, reduced
-    assert all(f"grad_all_reduce(p_{t.replace('.', '_')}," not in one.code for t, _, _ in reduced)
-    assert all(f"grad_all_reduce(p_{t.replace('.', '_')}," in plain.code for t, _, _ in reduced)
+    assert all(f"grad_all_reduce(p_{t.replace('.', '_')}," not in one.code for t, *_ in reduced)
+    assert all(f"grad_all_reduce(p_{t.replace('.', '_')}," in plain.code for t, *_ in reduced)
     assert len(one._grad_buckets.buckets) == 1 and len(each._grad_buckets.buckets) == len(reduced)
 
     # A Conv1D's bias split off by normalize_pass is added in the matmul again where nothing comes
@@ -397,7 +398,7 @@ def _bucketed_gradients(rank, world):
             m(ids, labels=labels).loss.backward()
         assert launched[-1] == len(reduced), launched
         # The reduced gradients are views into their bucket's buffer (summed there, not copied back).
-        storages = {one.local_parameter(t).grad.untyped_storage().data_ptr() for t, _, _ in reduced}
+        storages = {one.local_parameter(t).grad.untyped_storage().data_ptr() for t, *_ in reduced}
         assert len(storages) == 1, f"step {step}: one bucket's gradients in {len(storages)} storages"
         for (name, a), (_, b), (_, c) in zip(one.named_parameters(), each.named_parameters(),
                                              plain.named_parameters()):
@@ -409,6 +410,55 @@ def test_bucketed_reductions_match_unbucketed_bitwise():
     run_distributed(_bucketed_gradients, 2, timeout=300)
 
 
+def _bucketed_bf16_gradients(rank, world):
+    """bf16-mixed data parallelism: each weight read only through its bfloat16 copy has its gradient
+    reduced once, in bfloat16, in the runtime's buckets, in place of the reduction of its copy's
+    gradient in the program."""
+    import autopar
+    from autopar.runtime import collectives as C
+
+    batch_split = {"linear*": ["S(0)"], "layer_norm*": ["S(0)"]}
+    model, ids, labels, cluster, pins = _data_parallel_gpt2(world, "gpt", **batch_split)
+    one = autopar.compile(model, cluster, (ids,), {"labels": labels}, pins=pins, precision="bf16-mixed",
+                          kernels="aten", recompute=False)
+    each = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=one.plan, bucket_mb=0, kernels="aten")
+    plain = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=one.plan, overlap=False, kernels="aten")
+    narrowed = [t for t, _, _, dtype in one._program.grad_reductions if dtype == torch.bfloat16]
+    assert len(narrowed) >= 8 and all(t.endswith(".weight") for t in narrowed), one._program.grad_reductions
+
+    def copies_reduced(m):
+        """The parameters whose bfloat16 copy the program all-reduces the gradient of."""
+        return {n.args[0].args[0].name for n in m.local_program.graph.nodes
+                if n.target is C.grad_all_reduce and n.args[0].target is torch.ops.aten._to_copy.default}
+
+    names = {"p_" + t.replace(".", "_") for t in narrowed}
+    assert names <= copies_reduced(plain), copies_reduced(plain)
+    assert not names & copies_reduced(one), one.code
+    # Both dtypes in buckets of their own, each bucket launched before backward ends.
+    assert {one._grad_buckets.dtypes[i] for i in range(len(one._grad_buckets.buckets))} == \
+        {torch.float32, torch.bfloat16}
+    assert len(each._grad_buckets.buckets) == len(one._program.grad_reductions)
+    last = each.local_parameter(narrowed[-1])
+    launched = []
+    last.register_post_accumulate_grad_hook(lambda p: launched.append(len(each._grad_buckets.works)))
+    for step in range(2):            # the second backward accumulates onto the first one's gradients
+        for m in (one, each, plain):
+            m(ids, labels=labels).loss.backward()
+        assert launched[-1] >= 1 and launched[-1] < len(each._grad_buckets.buckets), launched
+        for (name, a), (_, b), (_, c) in zip(one.named_parameters(), each.named_parameters(),
+                                             plain.named_parameters()):
+            assert a.grad.dtype == torch.float32, name
+            assert torch.equal(a.grad, b.grad), f"step {step}: {name} differs between bucket sizes"
+            if name in narrowed:       # each copy has one reader: the same bfloat16 sums
+                assert torch.equal(a.grad, c.grad), f"step {step}: {name} differs from one reduction per copy"
+            else:
+                torch.testing.assert_close(a.grad, c.grad, rtol=1e-5, atol=1e-7, msg=f"step {step}: {name}")
+
+
+def test_bf16_mixed_weights_reduce_in_bf16_buckets_bitwise_as_unbucketed():
+    run_distributed(_bucketed_bf16_gradients, 2, timeout=300)
+
+
 def _recomputed_gradients_bucketed(rank, world):
     import autopar
     from autopar.runtime import collectives as C
@@ -418,7 +468,7 @@ def _recomputed_gradients_bucketed(rank, world):
                          bucket_mb=0)
     plain = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=pm.plan, overlap=False)
     assert pm.plan.recompute["layers"]
-    reduced = [t for t, _, _ in pm._program.grad_reductions]
+    reduced = [t for t, *_ in pm._program.grad_reductions]
 
     def reduced_in_layers(m):
         """The parameters ``m`` reduces on each use inside its recomputed layers."""

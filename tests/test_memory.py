@@ -125,22 +125,31 @@ def test_bf16_mixed_and_the_vocab_parallel_loss_predicted_peaks_match_measured_o
     (their all-gather, issued when they are computed, holds its input until its wait, where the
     contiguous copy is made), or made whole and sliced to the loss (the slice's backward gathers their
     gradient along the vocabulary). The loss reads a copy of its logits (a reshape of the shifted rows,
-    and under bf16-mixed the fp32 upcast of it) and keeps that copy, no log-softmax, for backward."""
+    and under bf16-mixed the fp32 upcast of it) and keeps that copy, no log-softmax, for backward.
+    Data parallel over a split batch ("dp-bf16"): the weights' bfloat16 gradients in the runtime's
+    buckets, each float32 gradient let go while its bucket is in flight."""
     run_distributed(_measure, 2, [("gpt2", "dp", None, "bf16-mixed"), ("llama", "megatron", None, "bf16-mixed"),
+                                  ("gpt", "dp-bf16", None, {"strict": True}),
+                                  ("llama", "dp-bf16", None, {"strict": True}),
                                   ("gpt", "zero3", 1.05, "bf16-mixed"), ("gpt-vocab", "vocab-sharded-outputs", None),
                                   ("gpt-vocab", "vocab-sharded-outputs", None, "bf16-mixed"),
                                   ("gpt-vocab", "vocab", None, "bf16-mixed"), ("gpt-vocab", "vocab-sliced", None)],
                     timeout=600)
 
 
-def test_bf16_mixed_zero1_with_sharded_masters_predicted_peaks_match_measured_on_two_ranks():
+def test_bf16_mixed_zero1_and_zero2_with_sharded_masters_predicted_peaks_match_measured_on_two_ranks():
     """bf16-mixed ZeRO-1 whose weights are read only through their bfloat16 copies: each rank holds the
     copies whole and the float32 masters, Adam's states and the gradients at half (2 + 12/N + 4/N bytes
     per parameter); a model that held the masters whole (4 + 4 + 8/N, and the copies beside them in the
-    step) predicts a peak about 1.3x the measured one."""
+    step) predicts a peak about 1.3x the measured one. ZeRO-2 holds the same, and reduce-scatters each
+    copy's bfloat16 gradient in backward (held, with the collective's output, until the next one's
+    issue)."""
     run_distributed(_measure, 2, [("gpt", "zero1-bf16", None, {"strict": True}),
                                   ("llama", "zero1-bf16", None, {"strict": True}),
-                                  ("gpt2", "zero1-bf16", 1.05, {"fits": True})], timeout=600)
+                                  ("gpt2", "zero1-bf16", 1.05, {"fits": True}),
+                                  ("gpt", "zero2-bf16", None, {"strict": True, "zero": 2}),
+                                  ("llama", "zero2-bf16", None, {"tokens": (128, 8), "strict": True, "zero": 2})],
+                    timeout=600)
 
 
 def _ring_working_sets(rank, world, cases):

@@ -4,6 +4,7 @@ memory and cost models' view of each copy; bad names."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -125,50 +126,66 @@ def test_the_models_count_the_master_and_the_bf16_copy():
     assert mm and all(x["compute_seconds"] < ref[x["name"]]["compute_seconds"] for x in mm)
 
 
+def _llama_sharded_masters(stage: int):
+    """Offline, LLaMA on 8xH100 under bf16-mixed with every parameter ZeRO-``stage``: (the plan, the
+    parameters' sizes, those whose float32 master it shards, their elements, the others' elements)."""
+    model = build("llama")
+    ids, labels = batch()
+    pins = {name: {"output": ["R"], "zero": stage} for name, _ in model.named_parameters()}
+    plan = autopar.plan(model, autopar.ClusterSpec.preset("8xH100"), (ids,), {"labels": labels}, mesh_shape=(8,),
+                        pins=pins, progress=False, recompute=False, precision="bf16-mixed")
+    sizes = dict((name, p.numel()) for name, p in model.named_parameters())
+    assert {z.stage for z in plan.zero.values()} == {stage}
+    sharded = {f for f, z in plan.zero.items() if z.sharded_master}
+    assert {f for f in sizes if f.endswith(("proj.weight", "lm_head.weight"))} <= sharded
+    assert not any("norm" in f for f in sharded)
+    for f in sharded:
+        assert plan.memory["by_param"][f] == (2 + 12 / 8 + 4 / 8) * sizes[f], f
+    n_s = sum(sizes[f] for f in sharded)
+    return plan, sizes, sharded, n_s, sum(sizes.values()) - n_s
+
+
 def test_zero1_shards_the_float32_master_of_each_weight_read_through_its_copy():
     """Offline, LLaMA on 8xH100 under bf16-mixed ZeRO-1: a weight read only through its bfloat16 copy
     holds that copy whole and its float32 master, Adam's states and its gradient at 1/8 (2 + 12/N bytes
     per parameter with the master among ZeRO's K = 12, and a 4/N float32 gradient block), and its updated
     blocks are all-gathered in bfloat16; the norms, read in float32 on a GPU, keep their weight whole
     (4 + 4 + 8/N). The plan's memory model counts every rank's bytes so."""
-    model = build("llama")
-    ids, labels = batch()
-    pins = {name: {"output": ["R"], "zero": 1} for name, _ in model.named_parameters()}
-    plan = autopar.plan(model, autopar.ClusterSpec.preset("8xH100"), (ids,), {"labels": labels}, mesh_shape=(8,),
-                        pins=pins, progress=False, recompute=False, precision="bf16-mixed")
-    sizes = dict((name, p.numel()) for name, p in model.named_parameters())
-    sharded = {f for f, z in plan.zero.items() if z.sharded_master}
-    assert {f for f in sizes if f.endswith(("proj.weight", "lm_head.weight"))} <= sharded
-    assert not any("norm" in f for f in sharded)
-    n_s = sum(sizes[f] for f in sharded)
-    n_w = sum(sizes.values()) - n_s
+    plan, sizes, sharded, n_s, n_w = _llama_sharded_masters(1)
     assert (plan.memory["params"], plan.memory["grads"], plan.memory["optimizer"]) == \
         (2 * n_s + 4 * n_s / 8 + 4 * n_w, 4 * n_s / 8 + 4 * n_w, 8 * (n_s + n_w) / 8)
-    for f in sharded:
-        assert plan.memory["by_param"][f] == (2 + 12 / 8 + 4 / 8) * sizes[f], f
     gathered = sum(c["bytes"] for c in plan.collectives if c["step"] == "zero1")
     assert gathered == 2 * n_s + 4 * n_w
 
 
-def test_zero2_is_refused_for_a_weight_read_through_its_bf16_copy():
-    """Under bf16-mixed a weight read only through its bfloat16 copy stops at ZeRO-1 (the cast cannot
-    leave its gradient partial for ZeRO-2's reduce-scatter): a pin asking for ZeRO-2 says so."""
-    from autopar.errors import ShardingError
-
-    model = build("llama")
-    ids, labels = batch()
-    with pytest.raises(ShardingError, match=r"ZeRO-2.*stops at ZeRO-1"):
-        autopar.plan(model, autopar.ClusterSpec.local_cpu(2), (ids,), {"labels": labels}, mesh_shape=(2,),
-                     pins={"model.layers.0.mlp.up_proj.weight": {"output": ["R"], "zero": 2}},
-                     precision="bf16-mixed", progress=False)
+def test_zero2_reduce_scatters_the_bf16_gradient_of_each_weight_read_through_its_copy():
+    """Offline, LLaMA on 8xH100 under bf16-mixed ZeRO-2 (Megatron-LM's distributed optimizer with its
+    gradients reduce-scattered): a weight read only through its bfloat16 copy holds what it holds under
+    ZeRO-1 (2 + 12/N + 4/N bytes per parameter); its copy's gradient is reduce-scattered in bfloat16
+    (half the bytes of the float32 master's), in place of any all-reduce, and the updated blocks
+    all-gathered in bfloat16. The norms, read in float32 on a GPU, are ZeRO-2 over their float32
+    weight, held whole (4 + 4/N + 8/N bytes), and reduce-scatter its float32 gradient."""
+    plan, sizes, sharded, n_s, n_w = _llama_sharded_masters(2)
+    assert (plan.memory["params"], plan.memory["grads"], plan.memory["optimizer"]) == \
+        (2 * n_s + 4 * n_s / 8 + 4 * n_w, 4 * (n_s + n_w) / 8, 8 * (n_s + n_w) / 8)
+    scattered = {c["value"]: c["bytes"] for c in plan.collectives
+                 if c["step"] == "zero2" and c["kind"] == "reduce_scatter"}
+    for f in sizes:
+        assert scattered["p_" + f.replace(".", "_")] == (2 if f in sharded else 4) * sizes[f], f
+    assert not [c for c in plan.collectives if c["kind"] == "all_reduce" and c["phase"] == "backward"]
+    gathered = sum(c["bytes"] for c in plan.collectives if c["step"] == "zero2" and c["kind"] == "all_gather")
+    assert gathered == 2 * n_s + 4 * n_w
 
 
 def _train(rank, world, cases):
     import autopar
     from torch.distributed.tensor import DTensor
 
-    cluster = autopar.ClusterSpec.local_cpu(world)
     for model_name, kind, mesh in cases:
+        cluster = autopar.ClusterSpec.local_cpu(world)
+        if kind in ("dp buckets", "megatron x dp"):
+            # Links fast enough that splitting the batch pays: every weight's gradient is synced.
+            cluster = dataclasses.replace(cluster, intra_node_bandwidth=1e13, intra_node_latency=1e-9)
         torch.manual_seed(0)
         model = build(model_name)
         ref = copy.deepcopy(model)
@@ -176,11 +193,25 @@ def _train(rank, world, cases):
         params = dict(model.named_parameters())
         pins = {"dp": {n: ["R"] * len(mesh) for n in params},
                 "megatron": {k: [v] for k, v in MEGATRON[model_name].items()},
+                # Megatron's layout on the second axis, the batch split on the first: the weights'
+                # gradients are reduced over dp, in bfloat16, in the runtime's buckets.
+                "megatron x dp": {**{k: {"output": ["R", v], "zero": 0} for k, v in MEGATRON[model_name].items()},
+                                  "input_ids": ["S(0)", "R"], "labels": ["S(0)", "R"]},
                 "zero3": {n: ["S(0)"] if p.shape[0] % world == 0 else ["R"] for n, p in params.items()},
                 # ZeRO-1 everywhere: the float32 masters of the weights read only through their
                 # bfloat16 copy are sharded (Megatron's distributed optimizer).
                 "zero1": {n: {"output": ["R"] * len(mesh), "zero": 1} for n in params},
+                # ZeRO-2 layer matrices: the bfloat16 gradient of each copy is reduce-scattered into the
+                # block of its float32 master; the embeddings (read by a lookup whose work is not split
+                # on the batch), biases and norms plain data parallel.
+                "zero2": {n: {"output": ["R"] * len(mesh), "zero": 2 if p.dim() > 1 and "emb" not in n else 0}
+                          for n, p in params.items()},
                 "auto": {},
+                # Plain data parallelism, the batch split: each weight read through its bfloat16 copy
+                # has its gradient reduced once, in bfloat16, in the runtime's buckets.
+                "dp buckets": {"*.weight": {"output": ["R"], "zero": 0}, "*.bias": {"output": ["R"], "zero": 0},
+                               "input_ids": ["S(0)"], "labels": ["S(0)"], "linear*": ["S(0)"],
+                               "layer_norm*": ["S(0)"]},
                 # Replicated weights, the batch split on dp: every gradient is synced over dp.
                 "pp x dp": {"*.weight": ["R", "R"], "input_ids": ["R", "S(0)"], "labels": ["R", "S(0)"],
                             "embedding": ["R", "S(0)"], "linear*": ["R", "S(0)"]}}[kind]
@@ -193,8 +224,12 @@ def _train(rank, world, cases):
         else:
             assert "torch.bfloat16" in pm.code, where
         assert all(p.dtype == torch.float32 for p in pm.parameters()), f"{where}: master weights are fp32"
-        if kind == "zero1":
+        if kind in ("zero1", "zero2"):
             _check_sharded_masters(pm, world, where)
+        if kind in ("dp buckets", "megatron x dp"):
+            narrowed = [t for t, _, _, dtype in pm._program.grad_reductions if dtype == torch.bfloat16]
+            mlp = ".mlp.up_proj.weight" if model_name == "llama" else ".mlp.fc1.weight"
+            assert any(t.endswith(mlp) for t in narrowed), f"{where}: {pm._program.grad_reductions}"
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
         for step in range(STEPS):
@@ -259,14 +294,21 @@ def _check_gradient_sync_once_per_step(pm, where):
 
 
 def test_bf16_mixed_trains_like_eager_autocast_on_two_ranks():
-    run_distributed(_train, 2, [("gpt", "dp", (2,)), ("llama", "megatron", (2,)), ("gpt2", "zero3", (2,))],
-                    timeout=600)
+    run_distributed(_train, 2, [("gpt", "dp", (2,)), ("gpt", "dp buckets", (2,)), ("llama", "megatron", (2,)),
+                                ("gpt2", "zero3", (2,))], timeout=600)
 
 
-def test_bf16_mixed_zero1_shards_the_master_weights_and_trains_like_eager_autocast_on_two_ranks():
-    run_distributed(_train, 2, [("gpt", "zero1", (2,))], timeout=600)
+def test_bf16_mixed_zero1_and_zero2_shard_the_master_weights_and_train_like_eager_autocast_on_two_ranks():
+    run_distributed(_train, 2, [("gpt", "zero1", (2,)), ("gpt", "zero2", (2,))], timeout=600)
 
 
 def test_bf16_mixed_trains_like_eager_autocast_on_four_ranks():
     run_distributed(_train, 4, [("llama", "auto", (2, 2)), ("llama", "pp x dp", (2, 2)), ("gpt", "zero1", (4,))],
                     timeout=600)
+
+
+def test_bf16_mixed_bucketed_zero2_and_megatron_x_dp_train_like_eager_autocast_on_four_ranks():
+    """Data parallelism with the weights' bfloat16 gradients in the runtime's buckets, ZeRO-2 over
+    sharded float32 masters, and Megatron's layout beside data parallelism on a 2 x 2 mesh."""
+    run_distributed(_train, 4, [("gpt", "dp buckets", (4,)), ("gpt", "zero2", (4,)),
+                                ("llama", "megatron x dp", (2, 2))], timeout=600)
