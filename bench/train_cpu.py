@@ -4,7 +4,7 @@ parallel (parallelize_module), on one GPT-2-shaped model; plus a 1-rank autopar 
 
     OMP_NUM_THREADS=1 python bench/train_cpu.py [--model gpt|hf-gpt2] [--rounds 3] [--steps 4]
                                                 [--layers N] [--d-model N] [--vocab N] [--batch N]
-                                                [--budget fsdp2|BYTES|FACTORx]
+                                                [--budget fsdp2|BYTES|FACTORx] [--bucket-mb 25]
 
 autopar plans on the profiled cluster (``ClusterSpec.profile()``; ``--no-profile`` keeps local_cpu's
 rough figures) with ``sharded_outputs=True``: each rank keeps the logits in the layout they are
@@ -165,7 +165,7 @@ def systems(args, rank, world, predicted: dict):
     predicted.update({name: p.step_time for name, p in like.items()})
     budget = memory_budget(args.budget, like["FSDP2"].memory.peak)
     pm = autopar.compile(copy.deepcopy(base), cluster, (ids,), {"labels": labels}, sharded_outputs=True,
-                         memory_budget=budget)
+                         memory_budget=budget, bucket_mb=args.bucket_mb)
     if rank == 0:
         print(f"cluster: {cluster}")
         summary = pm.plan.summary().splitlines()
@@ -182,7 +182,7 @@ def systems(args, rank, world, predicted: dict):
     out.append(("autopar", pm, opt, trainer(pm, opt, lambda: pm(ids, labels=labels).loss)))
     # DDP's layout run by autopar's runtime: what the generated program costs against DDP's on one layout.
     dp = autopar.compile(copy.deepcopy(base), cluster, (ids,), {"labels": labels},
-                         pins=like_pins(base, world, False)["DDP"], sharded_outputs=True)
+                         pins=like_pins(base, world, False)["DDP"], sharded_outputs=True, bucket_mb=args.bucket_mb)
     predicted["autopar DP"] = dp.plan.step_time
     opt = torch.optim.AdamW(dp.parameters(), lr=1e-4)
     out.append(("autopar DP", dp, opt, trainer(dp, opt, lambda: dp(ids, labels=labels).loss)))
@@ -299,6 +299,9 @@ def main():
     ap.add_argument("--budget", help="plan autopar under a memory budget per rank: 'fsdp2' (the peak the step "
                     "memory model predicts for FSDP2's layout, below the DDP layout's on both models), "
                     "'0.9x' (a factor of that peak) or a number of bytes; default: no budget")
+    ap.add_argument("--bucket-mb", type=float, default=25,
+                    help="autopar's gradient bucket size in MiB (compile(bucket_mb=); default DDP's 25); the plan is "
+                    "priced with 25 MiB buckets whatever this is")
     ap.add_argument("--no-one-rank", action="store_true", help="skip the 1-rank comparison with eager")
     args = ap.parse_args()
     for key, value in DEFAULTS[args.model].items():
