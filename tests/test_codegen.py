@@ -306,6 +306,10 @@ def _meta_model_and_checkpoint(rank, world, ckpt_dir):
     pm.load_state_dict({**full, **buffers})
     ref = autopar.compile(real, cluster, (ids,), {"labels": labels}, plan=pm.plan)
     assert torch.equal(pm.train_step(ids, labels=labels), ref.train_step(ids, labels=labels))
+    # The gradient buckets reduce the parameters made on loading.
+    assert pm._program.grad_reductions
+    for (name, a), (_, b) in zip(pm.named_parameters(), ref.named_parameters()):
+        assert torch.equal(a.grad, b.grad), name
 
     state = pm.state_dict()
     assert all(type(v).__name__ == "DTensor" for v in state.values())
