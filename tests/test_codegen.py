@@ -306,9 +306,15 @@ def _meta_model_and_checkpoint(rank, world, ckpt_dir):
     pm.load_state_dict({**full, **buffers})
     ref = autopar.compile(real, cluster, (ids,), {"labels": labels}, plan=pm.plan)
     assert torch.equal(pm.train_step(ids, labels=labels), ref.train_step(ids, labels=labels))
-    # The gradient buckets reduce the parameters made on loading.
-    assert pm._program.grad_reductions
-    for (name, a), (_, b) in zip(pm.named_parameters(), ref.named_parameters()):
+    # Data parallel: the gradient buckets reduce the parameters made on loading.
+    dp = {"*.weight": {"output": ["R"], "zero": 0}, "input_ids": ["S(0)"], "labels": ["S(0)"], "linear*": ["S(0)"]}
+    dp_meta = autopar.compile(meta, cluster, (ids,), {"labels": labels}, pins=dp)
+    dp_meta.load_state_dict({**full, **buffers})
+    dp_real = autopar.compile(real, cluster, (ids,), {"labels": labels}, plan=dp_meta.plan)
+    assert dp_meta._program.grad_reductions
+    for m in (dp_meta, dp_real):
+        m.train_step(ids, labels=labels)
+    for (name, a), (_, b) in zip(dp_meta.named_parameters(), dp_real.named_parameters()):
         assert torch.equal(a.grad, b.grad), name
 
     state = pm.state_dict()
