@@ -28,7 +28,10 @@ What the script reports, so that one run's ranking can be judged:
 The model is one of tests/memory_cases.py's (default ``gpt-probe``: the built-in GPT, 4 layers, d_model
 256, vocab 2048), and the plan kinds are that file's, plus one that keeps the whole batch on every rank
 (no parallelism: twice the compute), data parallel with half the layers recomputed, and Megatron with
-every layer recomputed.
+every layer recomputed. Two more kinds, asked for by name (``--kinds zero1,zero1-unbucketed``), time
+ZeRO-1's gradients reduced in the runtime's buckets against the same plan's program without
+``grad_buckets_pass`` (one all-reduce per use, as before ZeRO-1 gradients were bucketed), round by
+round in one run.
 """
 from __future__ import annotations
 
@@ -80,6 +83,8 @@ def plan_options(kind: str, world: int, model) -> dict:
         return {**options("gpt", "dp", world, model), "recompute": {"*": len(model.blocks) // 2}}
     if kind == "megatron-recompute":
         return {**options("gpt", "megatron", world, model), "recompute": {"*": "all"}}
+    if kind == "zero1-unbucketed":
+        return {**options("gpt", "zero1", world, model), "skip_passes": ("grad_buckets_pass",)}
     return options("gpt", kind, world, model)
 
 
@@ -108,7 +113,7 @@ def _run(rank, world, args):
         with warnings.catch_warnings():       # the replicated plan's idle axis is the point of it
             warnings.simplefilter("ignore", autopar.AutoparWarning)
             pm = autopar.compile(model, cluster, (ids,), {"labels": labels}, **opts)
-        key = layout_key(pm.plan)
+        key = (layout_key(pm.plan), opts.get("skip_passes"))        # the same plan, another program
         if key in seen:
             if rank == 0:
                 print(f"{kind}: the same plan as {seen[key]}, measured once", flush=True)

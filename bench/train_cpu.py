@@ -4,7 +4,7 @@ parallel (parallelize_module), on one GPT-2-shaped model; plus a 1-rank autopar 
 
     OMP_NUM_THREADS=1 python bench/train_cpu.py [--model gpt|hf-gpt2] [--rounds 3] [--steps 4]
                                                 [--layers N] [--d-model N] [--vocab N] [--batch N]
-                                                [--budget fsdp2|BYTES|FACTORx]
+                                                [--budget fsdp2|BYTES|FACTORx] [--bucket-mb 25]
 
 autopar plans on the profiled cluster (``ClusterSpec.profile()``; ``--no-profile`` keeps local_cpu's
 rough figures) with ``sharded_outputs=True``: each rank keeps the logits in the layout they are
@@ -13,7 +13,9 @@ is work the others do not do). The table prints, beside each system's measured s
 autopar's cost model predicts for that system's layout (forced through pins: DDP's replicated
 parameters and split batch, FSDP2's parameters sharded on dim 0, Megatron's column/row split).
 "autopar DP" is autopar's plan on DDP's pins (activations left to the solver), run by its runtime.
-Systems are timed in rounds, in turn, and each keeps its fastest round.
+Systems are timed in rounds, in turn, each round starting one system later than the last, and each
+keeps its fastest round; the script also prints autopar against each other system paired by round
+(the median over the rounds of the two systems' ratio in the same round).
 
 ``--budget`` plans autopar's own layout under a memory budget per device instead of none: ``fsdp2`` is
 the peak autopar's step memory model predicts for FSDP2's layout (the FSDP2 pins), the memory FSDP2
@@ -163,7 +165,7 @@ def systems(args, rank, world, predicted: dict):
     predicted.update({name: p.step_time for name, p in like.items()})
     budget = memory_budget(args.budget, like["FSDP2"].memory.peak)
     pm = autopar.compile(copy.deepcopy(base), cluster, (ids,), {"labels": labels}, sharded_outputs=True,
-                         memory_budget=budget)
+                         memory_budget=budget, bucket_mb=args.bucket_mb)
     if rank == 0:
         print(f"cluster: {cluster}")
         summary = pm.plan.summary().splitlines()
@@ -171,16 +173,16 @@ def systems(args, rank, world, predicted: dict):
         if budget is not None:
             print(f"memory budget {budget / 2**20:.1f} MiB per rank ({args.budget}; FSDP2's layout predicted "
                   f"{like['FSDP2'].memory.peak / 2**20:.1f} MiB, DDP's {like['DDP'].memory.peak / 2**20:.1f} MiB)")
-            # The summary's parameter block: which parameters are sharded and how, to the predicted step.
-            first = next(i for i, line in enumerate(summary) if line.startswith("parameters:"))
-            last = next(i for i, line in enumerate(summary) if line.startswith("step time:"))
-            print("\n".join(summary[first:last + 1]))
+        # The summary's parameter block: which parameters are sharded and how, and the predicted peak.
+        first = next(i for i, line in enumerate(summary) if line.startswith("parameters:"))
+        last = next(i for i, line in enumerate(summary) if line.startswith("step time:"))
+        print("\n".join(summary[first:last]))
     predicted["autopar"] = pm.plan.step_time
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
     out.append(("autopar", pm, opt, trainer(pm, opt, lambda: pm(ids, labels=labels).loss)))
     # DDP's layout run by autopar's runtime: what the generated program costs against DDP's on one layout.
     dp = autopar.compile(copy.deepcopy(base), cluster, (ids,), {"labels": labels},
-                         pins=like_pins(base, world, False)["DDP"], sharded_outputs=True)
+                         pins=like_pins(base, world, False)["DDP"], sharded_outputs=True, bucket_mb=args.bucket_mb)
     predicted["autopar DP"] = dp.plan.step_time
     opt = torch.optim.AdamW(dp.parameters(), lr=1e-4)
     out.append(("autopar DP", dp, opt, trainer(dp, opt, lambda: dp(ids, labels=labels).loss)))
@@ -221,15 +223,22 @@ def two_ranks(rank, world, args):
         peak = torch.tensor([peak_memory(module, opt, step)], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)       # the fullest rank
         results[name] = [peak.item()]
-    # Rounds over the systems in turn, so that drift in the machine's load falls on all alike; a
-    # system's figure is its fastest round (the median step of the round, the slower rank's).
+    # Rounds over the systems in turn, so that drift in the machine's load falls on all alike; each
+    # round starts one system later than the one before, so that no system always follows the same
+    # one (the allocator and caches it leaves) or always opens the round. A system's figure is its
+    # fastest round (the median step of the round, the slower rank's).
     cpu = {name: [] for name in results}
-    for _ in range(args.rounds):
-        for name, _, _, step in built:
+    for r in range(args.rounds):
+        for name, _, _, step in built[r % len(built):] + built[:r % len(built)]:
             t = torch.tensor(measure(step, args.steps, warmup=1), dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             results[name].append(t[0].item())
             cpu[name].append((t[1].item(), t[2].item()))
+    # autopar against each other system round by round, the median over rounds: a round's systems run
+    # back to back, so a pair shares most of the drift that moves the fastest rounds apart.
+    paired = {name: (statistics.median(a / b for a, b in zip(results["autopar"][1:], r[1:])),
+                     statistics.median(a[0] / b[0] for a, b in zip(cpu["autopar"], cpu[name])))
+              for name, r in results.items()}
     results = {name: (min(r[1:]), r[0]) for name, r in results.items()}
     cpu, comm_cpu = {name: min(c)[0] for name, c in cpu.items()}, {name: min(c)[1] for name, c in cpu.items()}
     if rank == 0:
@@ -243,6 +252,8 @@ def two_ranks(rank, world, args):
                   f"{m / a_mem:>10.2f}x {predicted[name] * 1e3:>15.1f} {s / predicted[name]:>19.2f}")
         print("gloo CPU: the CPU time of the threads other than the training loop's (gloo's, moving the "
               "collectives' bytes), in the round of the least CPU time")
+        print("autopar / system, paired by round (median over the rounds): " + ", ".join(
+            f"{name} {w:.3f}x wall ({c:.3f}x CPU)" for name, (w, c) in paired.items() if name != "autopar"))
         if args.budget is not None:
             print(f"autopar under the budget ({args.budget}): CPU time {cpu['autopar'] / cpu['FSDP2']:.3f}x "
                   f"FSDP2's, {cpu['autopar'] / cpu['DDP']:.3f}x DDP's; wall time {a_time / results['FSDP2'][0]:.3f}x "
@@ -288,6 +299,9 @@ def main():
     ap.add_argument("--budget", help="plan autopar under a memory budget per rank: 'fsdp2' (the peak the step "
                     "memory model predicts for FSDP2's layout, below the DDP layout's on both models), "
                     "'0.9x' (a factor of that peak) or a number of bytes; default: no budget")
+    ap.add_argument("--bucket-mb", type=float, default=25,
+                    help="autopar's gradient bucket size in MiB (compile(bucket_mb=); default DDP's 25); the plan is "
+                    "priced with 25 MiB buckets whatever this is")
     ap.add_argument("--no-one-rank", action="store_true", help="skip the 1-rank comparison with eager")
     args = ap.parse_args()
     for key, value in DEFAULTS[args.model].items():

@@ -15,13 +15,18 @@ has its reductions on the uses of the copy, in the copy's dtype. The copy's grad
 uses, is the weight's whole gradient (the cast's backward only widens it), so the weight is bucketed
 the same way, its accumulated gradient reduced in the copy's dtype, as Megatron-LM's buckets reduce
 the bfloat16 gradients of its float32 masters.
+
+A ZeRO-1 parameter is read through ``runtime.zero.whole_of``, whose reductions are those of its uses:
+the read's gradient, summed over them, is the whole local tensor's, which the runtime's buckets reduce as
+a replicated parameter's (each rank's optimizer then reads its block of it). Which parameters are
+bucketed is ``passes.precision.reduced_in_buckets``, which the cost and memory models share.
 """
 from __future__ import annotations
 
 import torch.fx as fx
 
 from autopar.passes.meta import program_meta, set_program_meta
-from autopar.passes.precision import gradient_carrier
+from autopar.passes.precision import gradient_carrier, reduced_in_buckets
 from autopar.passes.runner import requires
 from autopar.runtime import collectives as C
 
@@ -32,14 +37,18 @@ def grad_buckets_pass(gm: fx.GraphModule) -> fx.GraphModule:
     position = {n: i for i, n in enumerate(graph.nodes)}
     found = []
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    # A ZeRO-2 gradient is reduce-scattered by the runtime once accumulated, an offloaded one copied to
-    # host memory: its reductions stay in the program, so that it is complete by then.
-    scattered = {fqn for fqn, stage, *_ in program_meta(gm).sharded_states if stage >= 2}
-    scattered |= set(program_meta(gm).offloaded)
-    for p, (kind, target) in zip(placeholders, program_meta(gm).placeholders):
-        if kind != "param" or not p.users or target in scattered:
+    meta = program_meta(gm)
+    zero = {fqn: (stage, copy_dtype) for fqn, stage, _, _, _, copy_dtype in meta.sharded_states}
+    offloaded = set(meta.offloaded)
+    for p, (kind, target) in zip(placeholders, meta.placeholders):
+        if kind != "param" or not p.users:
             continue
-        carrier = gradient_carrier(p)
+        stage, copy_dtype = zero.get(target, (None, None))
+        # A ZeRO-1/2 parameter's one reader is its read (``whole_of``); a sharded master's read is its copy.
+        read = next(iter(p.users)) if stage is not None else p
+        carrier = gradient_carrier(read)
+        if not reduced_in_buckets(stage, target in offloaded, carrier is not read or copy_dtype is not None):
+            continue
         users = list(carrier.users)
         groups = {u.args[1] if len(u.args) > 1 else u.kwargs.get("group_name") for u in users
                   if u.op == "call_function" and u.target is C.grad_all_reduce}
@@ -49,7 +58,7 @@ def grad_buckets_pass(gm: fx.GraphModule) -> fx.GraphModule:
         for u in users:
             u.replace_all_uses_with(carrier)
             graph.erase_node(u)
-        found.append((first_use, target, groups.pop(), len(users), None if carrier is p else carrier.kwargs["dtype"]))
+        found.append((first_use, target, groups.pop(), len(users), None if carrier is read else carrier.kwargs["dtype"]))
     ready_order = tuple(f[1:] for f in sorted(found, key=lambda f: -f[0]))
     set_program_meta(gm, grad_reductions=ready_order)
     graph.lint()

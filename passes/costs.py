@@ -29,7 +29,7 @@ from autopar.cluster import ClusterSpec
 from autopar.layout import local_fraction, local_shape
 from autopar.plan import AlternativeCollective, PlanCollective
 from autopar.passes.meta import is_param, meta_of, set_meta
-from autopar.passes.precision import reads_through_copy
+from autopar.passes.precision import reads_through_copy, reduced_in_buckets
 from autopar.passes.resharding import Step, collective_seconds, transition
 from autopar.passes.rules import context_for, rule_for, tensor_inputs
 from autopar.passes.runner import requires
@@ -350,8 +350,9 @@ class CostModel:
     def bucketed_gradient(src: Strategy, forward_seconds: float) -> bool:
         """Whether a parameter read under ``src`` through a resharding of ``forward_seconds`` has its
         gradient reduced in the runtime's buckets (passes.exposure.bucketed_params): read as it is, its
-        gradient all-reduced alone; not a ZeRO-2 one (reduce-scattered), nor an offloaded one."""
-        return forward_seconds == 0.0 and not src.offload and src.grad_scatter_axis is None
+        gradient all-reduced alone, where ``passes.precision.reduced_in_buckets`` says so."""
+        stage = None if src.zero is None else src.zero.stage
+        return forward_seconds == 0.0 and reduced_in_buckets(stage, src.offload, through_copy=False)
 
     def activation_bytes(self, node: fx.Node, s: Strategy) -> float:
         """Bytes ``node`` keeps for backward under ``s``, per device.

@@ -1320,12 +1320,15 @@ class StepMemory:
                         remat.setdefault(inst, []).append((t, q))
 
         self._runs += [range(ks[0], ks[-1] + 1) for ks in layer_points.values() if ks[-1] - ks[0] + 1 == len(ks)]
-        for q in gather_sources:        # the waits drop them, before the copies below
+        # Split collectives' waits drop the sources before the copies below; a gather that waits where it
+        # is issued (compile(overlap=False)) holds its source through its copy.
+        sources_held = [] if self.overlap else gather_sources
+        for q in gather_sources if self.overlap else ():
             add((_T, -1, q))
         for cp in output_copies:
             add((_T, 1, cp))
         self.points.append((len(self.events), "forward", "outputs"))
-        for cp in output_copies:        # the gathered blocks, once made contiguous
+        for cp in [*output_copies, *sources_held]:      # the gathered blocks, once made contiguous
             add((_T, -1, cp))
 
         def replay(inst):

@@ -179,15 +179,26 @@ def gradient_carrier(param: fx.Node) -> fx.Node:
     return users[0] if len(users) == 1 and cast_source(users[0]) is param else param
 
 
+def reduced_in_buckets(zero_stage: int | None, offloaded: bool, through_copy: bool) -> bool:
+    """Whether the runtime's buckets take over the reductions of a parameter's gradient (where every
+    reader of its ``gradient_carrier`` all-reduces it over one group): the one predicate of code
+    generation (codegen/grad_buckets.py) and of the models that price and count it (``bucketed_value``,
+    ``CostModel.bucketed_gradient``). Not where the gradient is reduce-scattered (ZeRO-2: ``zero_stage``
+    2) or copied to the host (``offloaded``), nor where a ZeRO-1 parameter is read through a copy
+    (``through_copy``: its float32 master sharded, the copy no leaf whose accumulated gradient a bucket
+    could take; its reductions stay in the program). A ZeRO-1 parameter read as it is is bucketed as a
+    replicated one: the gradient of its read (runtime/zero.py ``whole_of``), summed over the read's
+    uses, is the whole tensor's."""
+    return not offloaded and (zero_stage is None or (zero_stage < 2 and not through_copy))
+
+
 def bucketed_value(param: fx.Node, s) -> fx.Node | None:
     """The value whose readers' gradient all-reduces the runtime's buckets take over for a parameter
-    under its Strategy ``s`` (codegen/grad_buckets.py), or None: its ``gradient_carrier``, unless its
-    gradient is reduce-scattered (ZeRO-2) or copied to the host (offload), or the carrier is a copy
-    whose master is sharded (ZeRO-1 reads the copy whole, its reductions left in the program)."""
-    if s.grad_scatter_axis is not None or s.offload:
-        return None
+    under its Strategy ``s`` (codegen/grad_buckets.py), or None where ``reduced_in_buckets`` says not:
+    its ``gradient_carrier``."""
     carrier = gradient_carrier(param)
-    return None if carrier is not param and s.zero is not None else carrier
+    stage = None if s.zero is None else s.zero.stage
+    return carrier if reduced_in_buckets(stage, s.offload, carrier is not param) else None
 
 
 def reads_through_copy(param: fx.Node) -> bool:

@@ -33,9 +33,12 @@ from autopar.runtime import collectives as C
 
 
 class GradBuckets:
-    def __init__(self, params: list, bucket_bytes: int):
+    def __init__(self, params: list, bucket_bytes: int, reduced=None):
         """``params``: (parameter, group name, the dtype its gradient is reduced in, None for its own) in
-        the order their gradients become ready."""
+        the order their gradients become ready. ``reduced``: called once a backward's buckets are reduced
+        and the gradients set aside added back (a ZeRO-1 block's gradient is then a view of its whole
+        tensor's: runtime/zero.py)."""
+        self.reduced = reduced
         entries = [(p, group, dtype or p.dtype) for p, group, dtype in params if p.requires_grad]
         packed = pack_buckets(entries, lambda e: e[0].numel() * e[2].itemsize, bucket_bytes,
                               key=lambda e: (e[1], e[2]))
@@ -117,6 +120,8 @@ class GradBuckets:
             self._wait(*works.pop())
         self._reset()
         self.restore()
+        if self.reduced is not None:
+            self.reduced()
 
     def _wait(self, i, issued):
         """Wait for bucket ``i``'s all-reduce, summed in place into its gradients' views; a narrowed

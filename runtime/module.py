@@ -66,11 +66,7 @@ class ParallelModule(nn.Module):
         self.local_program = program.gm       # registered as a submodule: its attributes move with .to()
         self._grad_buckets = None
         if program.grad_reductions:
-            from autopar.runtime.grad_buckets import GradBuckets
-
-            self._grad_buckets = GradBuckets([(self.local_tensor(t), g, dtype)
-                                              for t, g, _, dtype in program.grad_reductions],
-                                             program.bucket_bytes)
+            self._make_grad_buckets()
         self._sharded_states = None
         if self._zero_of:
             self._make_sharded_states()
@@ -92,13 +88,25 @@ class ParallelModule(nn.Module):
         else:
             self.shards[key] = nn.Parameter(local.detach().clone(), requires_grad=requires_grad)
 
+    def _make_grad_buckets(self) -> None:
+        from autopar.runtime.grad_buckets import GradBuckets
+
+        self._grad_buckets = GradBuckets([(self.local_tensor(t), g, dtype)
+                                          for t, g, _, dtype in self._program.grad_reductions],
+                                         self._program.bucket_bytes, reduced=self._expose_zero_one_grads)
+
+    def _expose_zero_one_grads(self) -> None:
+        if self._sharded_states is not None:
+            self._sharded_states.expose_grads()
+
     def _make_sharded_states(self) -> None:
         from autopar.runtime.zero import ShardedState, ShardedStates
 
+        bucketed = frozenset(t for t, *_ in self._program.grad_reductions)
         self._sharded_states = ShardedStates([ShardedState(fqn, self._whole[fqn], self.local_parameter(fqn), stage,
                                                            group, dim, bucket)
                                               for fqn, (stage, group, dim, bucket, _) in self._zero_of.items()],
-                                             defer=self._program.overlap)
+                                             defer=self._program.overlap, bucketed=bucketed)
 
     def _make_host_states(self) -> None:
         from autopar.runtime.offload import HostState, HostStates
@@ -319,7 +327,12 @@ class ParallelModule(nn.Module):
                 param.detach().copy_(state.block(local))
 
     def _after_load(self) -> None:
-        """ZeRO-1/2 and offloaded parameters after new weights were copied into the whole local tensors."""
+        """ZeRO-1/2 and offloaded parameters after new weights were copied into the whole local tensors;
+        the gradient buckets' hooks on the tensors made on loading a meta model's weights."""
+        if self._grad_buckets is not None and any(
+                p not in self._grad_buckets.bucket_of for p in (self.local_tensor(t) for t, *_ in
+                                                                self._program.grad_reductions) if p.requires_grad):
+            self._make_grad_buckets()
         if self._sharded_states is not None:
             if any(self.local_parameter(st.fqn) is not st.shard for st in self._sharded_states.states):
                 self._make_sharded_states()        # parameters made on loading a meta model's weights

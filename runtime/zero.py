@@ -7,12 +7,15 @@ module exposes, as the ``nn.Parameter`` the optimizer sees, a view of this rank'
 the state's dim. Any torch optimizer then keeps its states (Adam's moments) at the block's size and
 updates the block in place, inside the whole tensor.
 
-- ZeRO-1: the gradient is reduced as in plain data parallelism (all-reduced, in the program's
-  buckets); the parameter's ``.grad`` is the view of its block of the reduced gradient. The program
-  reads the whole tensor through ``whole_of`` too (``_ZeroOneRead``), an autograd function of both
-  tensors, only so that ``torch.autograd.grad`` over the block reaches autopar's error, which names the
-  parameter, rather than torch's "not used in the graph": the reduction happens where backward
-  accumulates the whole tensor's gradient, which ``torch.autograd.grad`` does not do.
+- ZeRO-1: the gradient is reduced as in plain data parallelism: the whole tensor's accumulated
+  gradient all-reduced in the runtime's buckets (codegen/grad_buckets.py), or, where the program keeps
+  the reductions (compile(overlap=False)), each use's; the parameter's ``.grad`` is the view of its
+  block of the reduced gradient, made once the buckets are reduced (``expose_grads``), or, unbucketed,
+  once backward accumulates it. The program reads the whole tensor through ``whole_of`` too
+  (``_ZeroOneRead``), an autograd function of both tensors, only so that ``torch.autograd.grad`` over
+  the block reaches autopar's error, which names the parameter, rather than torch's "not used in the
+  graph": the reduction happens where backward accumulates the whole tensor's gradient, which
+  ``torch.autograd.grad`` does not do.
 - ZeRO-2: the program reads the whole tensor through ``whole_of``, just before its first use, as an
   autograd function of the block (``_WholeOf``): its backward, once autograd has summed the gradients
   of every read, reduce-scatters the whole gradient along the axis into the block's gradient, so that
@@ -164,9 +167,12 @@ def whole_of(full: torch.Tensor) -> torch.Tensor:
 
 
 class ShardedStates:
-    def __init__(self, states: list[ShardedState], defer: bool = False):
+    def __init__(self, states: list[ShardedState], defer: bool = False, bucketed: frozenset = frozenset()):
         """``defer``: a ZeRO-2 gradient's reduce-scatter is waited at the next one's issue or when
-        backward ends (runtime/collectives.py's ``defer_reduce_scatter``), not at once."""
+        backward ends (runtime/collectives.py's ``defer_reduce_scatter``), not at once. ``bucketed``: the
+        ZeRO-1 parameters whose whole gradient the runtime's buckets reduce, whose blocks' gradients
+        ``expose_grads`` gives once they are reduced (a view made before would hold the unreduced
+        gradient, which the bucket's copy frees)."""
         self.states = states
         self.defer = defer
         self._ids = {id(s.shard) for s in states}
@@ -176,7 +182,8 @@ class ShardedStates:
                 s.full._autopar_whole_of = functools.partial(_MasterRead.apply, s.shard, s)
                 continue
             if s.stage == 1 and s.full.requires_grad:
-                s.full.register_post_accumulate_grad_hook(self._ready_hook(s))
+                if s.fqn not in bucketed:
+                    s.full.register_post_accumulate_grad_hook(self._ready_hook(s))
                 s.full._autopar_whole_of = functools.partial(_ZeroOneRead.apply, s.shard, s.full, s)
             if s.stage == 2:
                 s.full._autopar_whole_of = functools.partial(_WholeOf.apply, s.shard, self, s)
@@ -185,19 +192,21 @@ class ShardedStates:
 
     def _ready_hook(self, s: ShardedState):
         def ready(full):
-            # A ZeRO-1 gradient is reduced in place (the program's buckets) before the optimizer runs.
+            # The program's own reductions have summed this gradient.
             if full.grad is not None:
                 self._expose(s)
         return ready
 
     def _expose(self, s: ShardedState) -> None:
-        """A ZeRO-1 parameter's gradient: the view of its block of the whole tensor's gradient."""
-        if s.shard.grad is None and s.full.grad is not None:
+        """A ZeRO-1 parameter's gradient: the view of its block of the whole tensor's gradient (again
+        where that gradient is a new tensor: a bucket's, made at each backward)."""
+        if s.full.grad is not None:
             s.shard.grad = s.block(s.full.grad)
 
     def expose_grads(self) -> None:
-        """Give every ZeRO-1 parameter its gradient's block, where no accumulation hook did: a pipeline's
-        zero-bubble schedules assign the weights' gradients rather than accumulate them."""
+        """Give every ZeRO-1 parameter its gradient's block, where no accumulation hook did: the
+        runtime's buckets reduce it after accumulation, and a pipeline's zero-bubble schedules assign the
+        weights' gradients rather than accumulate them."""
         for s in self.states:
             if s.stage == 1:
                 self._expose(s)

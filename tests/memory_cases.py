@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 ARCHS = ("gpt2", "llama", "bert", "gpt", "gpt-probe", "gpt-vocab", "gpt-long", "llama-long", "qwen2")
-KINDS = ("auto", "dp", "dp-bf16", "megatron", "zero3", "zero1-bf16", "zero2-bf16", "zero2-recompute", "vocab",
+KINDS = ("auto", "dp", "dp-bf16", "megatron", "zero3", "zero1", "zero1-bf16", "zero2-bf16", "zero2-recompute", "vocab",
          "vocab-sharded-outputs", "vocab-sliced",
          "recompute", "sharded-outputs", "2d", "ring", "heads")
 # (tokens, batch) of the long-sequence architectures, whatever the caller asks: one sequence long
@@ -92,6 +92,9 @@ def options(arch: str, kind: str, ranks: int, model) -> dict | None:
         return {"mesh_shape": (ranks,), "pins": {k: [v] for k, v in MEGATRON[key].items()}, "recompute": False}
     if kind == "zero3":
         pins = {name: ["S(0)"] if p.shape[0] % ranks == 0 else ["R"] for name, p in model.named_parameters()}
+        return {"mesh_shape": (ranks,), "pins": pins, "recompute": False}
+    if kind == "zero1":        # ZeRO-1 everywhere: each whole gradient all-reduced in the runtime's buckets
+        pins = {name: {"output": ["R"], "zero": 1} for name, _ in model.named_parameters()}
         return {"mesh_shape": (ranks,), "pins": pins, "recompute": False}
     if kind == "zero1-bf16":   # ZeRO-1 everywhere under bf16-mixed: the float32 masters of the weights read
         #                        only through their bfloat16 copies are sharded

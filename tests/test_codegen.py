@@ -306,6 +306,16 @@ def _meta_model_and_checkpoint(rank, world, ckpt_dir):
     pm.load_state_dict({**full, **buffers})
     ref = autopar.compile(real, cluster, (ids,), {"labels": labels}, plan=pm.plan)
     assert torch.equal(pm.train_step(ids, labels=labels), ref.train_step(ids, labels=labels))
+    # Data parallel: the gradient buckets reduce the parameters made on loading.
+    dp = {"*.weight": {"output": ["R"], "zero": 0}, "input_ids": ["S(0)"], "labels": ["S(0)"], "linear*": ["S(0)"]}
+    dp_meta = autopar.compile(meta, cluster, (ids,), {"labels": labels}, pins=dp)
+    dp_meta.load_state_dict({**full, **buffers})
+    dp_real = autopar.compile(real, cluster, (ids,), {"labels": labels}, plan=dp_meta.plan)
+    assert dp_meta._program.grad_reductions
+    for m in (dp_meta, dp_real):
+        m.train_step(ids, labels=labels)
+    for (name, a), (_, b) in zip(dp_meta.named_parameters(), dp_real.named_parameters()):
+        assert torch.equal(a.grad, b.grad), name
 
     state = pm.state_dict()
     assert all(type(v).__name__ == "DTensor" for v in state.values())
@@ -348,10 +358,10 @@ def test_outputs_can_stay_sharded_as_dtensors():
     run_distributed(_sharded_outputs, 2, timeout=300)
 
 
-def _data_parallel_gpt2(world, model_name="gpt2", **node_pins):
+def _data_parallel_gpt2(world, model_name="gpt2", zero=0, **node_pins):
     """GPT-2 (or ``model_name``), its batch, a cluster whose links are fast enough that splitting the
-    batch pays, and pins that replicate every weight without ZeRO (and pin ``node_pins``): data-parallel
-    gradients."""
+    batch pays, and pins that replicate every weight, its optimizer state at ZeRO stage ``zero`` (and
+    pin ``node_pins``): data-parallel gradients."""
     import dataclasses
 
     import autopar
@@ -361,7 +371,7 @@ def _data_parallel_gpt2(world, model_name="gpt2", **node_pins):
     ids, labels = batch()
     cluster = dataclasses.replace(autopar.ClusterSpec.local_cpu(world), intra_node_bandwidth=1e13,
                                   intra_node_latency=1e-9)
-    plain_dp = {"output": ["R"], "zero": 0}
+    plain_dp = {"output": ["R"], "zero": zero}
     pins = {"*.weight": plain_dp, "*.bias": plain_dp, "input_ids": ["S(0)"], "labels": ["S(0)"], **node_pins}
     return model, ids, labels, cluster, pins
 
@@ -408,6 +418,58 @@ def _bucketed_gradients(rank, world):
 
 def test_bucketed_reductions_match_unbucketed_bitwise():
     run_distributed(_bucketed_gradients, 2, timeout=300)
+
+
+def _bucketed_zero_one_gradients(rank, world):
+    """ZeRO-1: each parameter's whole gradient (its read's, summed over the read's uses) is reduced in
+    the runtime's buckets, not on each use in the program; its block's ``.grad`` is a view of the
+    reduced gradient. Training is bitwise the same whatever the bucket size, and the same as one
+    reduction per use where a parameter has one use."""
+    import autopar
+    from autopar.runtime import collectives as C
+    from autopar.runtime import zero as Z
+
+    model, ids, labels, cluster, pins = _data_parallel_gpt2(world, zero=1)
+    one = autopar.compile(model, cluster, (ids,), {"labels": labels}, pins=pins)              # 25 MiB buckets
+    each = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=one.plan, bucket_mb=0)
+    plain = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=one.plan, overlap=False)
+    assert {stage for stage, _ in one.plan.zero_stages().values()} == {1}
+
+    def reduced_reads(m, every: bool):
+        """The parameters whose ZeRO-1 read's gradient the program all-reduces on every use (on any use)."""
+        each = all if every else any
+        return {n.args[0].name for n in m.local_program.graph.nodes if n.target is Z.whole_of and n.users
+                and each(u.target is C.grad_all_reduce for u in n.users)}
+
+    uses = {t: n for t, _, n, _ in one._program.grad_reductions}
+    assert len(uses) >= 10 and {"p_" + t.replace(".", "_") for t in uses} == reduced_reads(plain, True), one.code
+    # A parameter also read in chunks (GPT-2's tied embedding) keeps its reductions in the program.
+    assert reduced_reads(one, False) == reduced_reads(plain, False) - reduced_reads(plain, True), one.code
+    zero_one = set(uses)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (one, each, plain)]
+    for step in range(2):
+        for _ in range(2):           # the second backward accumulates onto the first one's gradients
+            for m in (one, each, plain):
+                m(ids, labels=labels).loss.backward()
+        for t in zero_one:           # the optimizer's block reads the bucket's reduced gradient in place
+            assert one.local_parameter(t).grad.untyped_storage().data_ptr() == \
+                one.local_tensor(t).grad.untyped_storage().data_ptr(), t
+        for (name, a), (_, b), (_, c) in zip(one.named_parameters(), each.named_parameters(),
+                                             plain.named_parameters()):
+            assert torch.equal(a.grad, b.grad), f"step {step}: {name} differs between bucket sizes"
+            if uses.get(name) == 1:
+                assert torch.equal(a.grad, c.grad), f"step {step}: {name} differs from its use's reduction"
+            else:
+                torch.testing.assert_close(a.grad, c.grad, rtol=1e-5, atol=1e-7, msg=f"step {step}: {name}")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        for (name, a), (_, b) in zip(one.named_parameters(), each.named_parameters()):
+            assert torch.equal(a, b), f"step {step}: {name} updated differently between bucket sizes"
+
+
+def test_zero_one_gradients_reduce_in_buckets_bitwise_as_unbucketed():
+    run_distributed(_bucketed_zero_one_gradients, 2, timeout=300)
 
 
 def _bucketed_bf16_gradients(rank, world):

@@ -42,14 +42,21 @@ def _plans(model_name, model, mesh_axes):
 
 
 def _tight_budget(model, cluster, ids, labels):
-    """A budget just above the smallest feasible one: forces parameters to be sharded."""
+    """A budget just above the smallest feasible one: forces parameters to be sharded. Rank 0 finds it
+    (compile plans there too) and the others receive it, rather than each solving the same min-max model."""
     import autopar
+    import torch.distributed as dist
 
-    try:
-        autopar.plan(model, cluster, (ids,), {"labels": labels}, memory_budget=1.0, progress=False)
-    except autopar.InfeasiblePlanError as e:
-        return e.min_feasible_budget * 1.02
-    raise AssertionError("a 1-byte budget was feasible")
+    budget = [None]
+    if dist.get_rank() == 0:
+        try:
+            autopar.plan(model, cluster, (ids,), {"labels": labels}, memory_budget=1.0, progress=False)
+        except autopar.InfeasiblePlanError as e:
+            budget = [e.min_feasible_budget * 1.02]
+        else:
+            raise AssertionError("a 1-byte budget was feasible")
+    dist.broadcast_object_list(budget, src=0)
+    return budget[0]
 
 
 def _check_model(rank, world, model_name, mesh):
