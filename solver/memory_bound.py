@@ -26,7 +26,7 @@ MINIMUM_NODE_LIMIT = 100
 # Where the min-max stops short of its least t, the least budget is proven within PROOF_GAP of the best
 # layout's peak by asking whether any layout fits that much below it (``fits_within``, from
 # passes.memory.minimum_budget): a question of feasibility alone, which closes sooner than the min-max
-# where its relaxation is near (the 2 x 2 test's model with its min-max stopped at the root, 1.4% apart:
+# where its relaxation is near (the 2 x 2 test's model with its min-max stopped at the root, 1.5-3% apart:
 # 1% proven in 29 s at load 9). It is asked only where the min-max left at most PROOF_REACH: on LLaMA's
 # 2 x 2 case (11% apart) one question ran FIT_NODE_LIMIT nodes in 234 s, and 400 s unlimited, unsettled.
 PROOF_GAP = 0.01
