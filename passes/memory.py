@@ -1889,8 +1889,9 @@ def minimum_budget(problem, sm: StepMemory, *, time_limit: float = math.inf,
     highest point of each stretch over that minimum, and start the next round from the best
     assignment walked. Each round's proven minimum (its ``lower``) bounds the answer from below, as its
     points are some of the step's: with ``above``, None as soon as one proves that no assignment peaks
-    below it."""
-    from autopar.solver import minimum_feasible_budget
+    below it. Where the rounds leave more than ``solver.memory_bound.PROOF_GAP`` between the two (and
+    at most its ``PROOF_REACH``), ``_narrow`` closes it to that."""
+    from autopar.solver import memory_bound, minimum_feasible_budget
 
     have = set(_initial_points(sm, problem))
     problem.memory = sm.constraints(sorted(have))
@@ -1910,4 +1911,38 @@ def minimum_budget(problem, sm: StepMemory, *, time_limit: float = math.inf,
             break
         have.update(add)
         problem.memory.extend(sm.constraints(add))
+    ceiling = best[0] if above is None else min(best[0], above)
+    if lower >= ceiling * (1 - memory_bound.PROOF_REACH):
+        best, lower = _narrow(problem, sm, have, best, lower, ceiling, time_limit)
     return best[0], best[1], min(lower, best[0])
+
+
+def _narrow(problem, sm: StepMemory, have: set, best: tuple, lower: float, ceiling: float, time_limit: float):
+    """(best, lower) with lower within ``solver.memory_bound.PROOF_GAP`` of the least of ``best``'s peak
+    and ``ceiling``, or as close as ``fits_within``'s limits allow: ask whether any assignment fits that
+    much below it. None fits over the points held, so none over all of them: that budget is proven.
+    One that fits is walked: under the budget it is the new best, and the question is asked again below
+    its peak; over it, the points it breaks join (as in ``solve_under_budget``) and the question is
+    asked again."""
+    from autopar.solver import fits_within, memory_bound
+
+    for _ in range(_MAX_ROUNDS):
+        target = min(best[0], ceiling) * (1 - memory_bound.PROOF_GAP)
+        if lower >= target:
+            break
+        status, a = fits_within(problem, target, time_limit=time_limit)
+        if status == "none":
+            lower = target
+        if status != "fits":
+            break
+        walk = sm.walk(a)
+        k = max(range(len(walk)), key=lambda i: walk[i].total)
+        if walk[k].total < best[0]:
+            best = (walk[k].total, a)
+        if walk[k].total > target * (1 + 1e-9):
+            add = _over_budget(sm, walk, target, have)
+            if not add:
+                break
+            have.update(add)
+            problem.memory.extend(sm.constraints(add))
+    return best, lower

@@ -2,8 +2,9 @@
 from .brute_force import brute_force
 from .greedy import greedy
 from .ilp import GAP, solve
-from .memory_bound import GUARD_SECONDS, NODE_LIMIT, MinimumBudget, minimum_feasible_budget
+from .memory_bound import GUARD_SECONDS, NODE_LIMIT, Fit, MinimumBudget, fits_within, minimum_feasible_budget
 from .problem import Choice, Edge, MemoryConstraint, Problem, SharedBytes, SharedEdge, Solution
 
 __all__ = ["GAP", "Problem", "Choice", "Edge", "SharedEdge", "SharedBytes", "MemoryConstraint", "Solution", "solve", "greedy", "brute_force",
-           "minimum_feasible_budget", "MinimumBudget", "NODE_LIMIT", "GUARD_SECONDS"]
+           "minimum_feasible_budget", "MinimumBudget", "fits_within", "Fit", "NODE_LIMIT",
+           "GUARD_SECONDS"]

@@ -23,6 +23,15 @@ GUARD_SECONDS = 600.0
 # solve stopped here returns its best layout with the bound it proved (``MinimumBudget.lower``), and the
 # infeasible-budget error states both; the test and zoo models close long before it.
 MINIMUM_NODE_LIMIT = 100
+# Where the min-max stops short of its least t, the least budget is proven within PROOF_GAP of the best
+# layout's peak by asking whether any layout fits that much below it (``fits_within``, from
+# passes.memory.minimum_budget): a question of feasibility alone, which closes sooner than the min-max
+# where its relaxation is near (the 2 x 2 test's model with its min-max stopped at the root, 1.4% apart:
+# 1% proven in 29 s at load 9). It is asked only where the min-max left at most PROOF_REACH: on LLaMA's
+# 2 x 2 case (11% apart) one question ran FIT_NODE_LIMIT nodes in 234 s, and 400 s unlimited, unsettled.
+PROOF_GAP = 0.01
+PROOF_REACH = 0.05
+FIT_NODE_LIMIT = 200
 # The constraints the min-max model starts with, the highest under the starting layout; the rest join
 # when a layout breaks them. Every constraint is a dense row (a point of the step, ~2700 nonzeros on the
 # zoo's GPT on a 4 x 2 mesh), and a few of them bind: with all 230 of that model's points HiGHS spent
@@ -35,6 +44,11 @@ FIRST_ROWS = 8
 _ANSWERS: OrderedDict = OrderedDict()
 _ANSWERS_KEPT = 64
 _answers_lock = threading.Lock()
+
+
+class Fit(NamedTuple):
+    status: str | None                  # "fits", "none" (proven), None (stopped at a limit)
+    assignment: tuple[int, ...] | None  # the assignment that fits
 
 
 class MinimumBudget(NamedTuple):
@@ -61,15 +75,37 @@ def minimum_feasible_budget(problem: Problem, *, time_limit: float = math.inf, b
     returns (inf, the start, cutoff).
     """
     problem.validate()
+    what = ("minimum", None if start is None else tuple(start), cutoff, MINIMUM_NODE_LIMIT, FIRST_ROWS)
+    return _kept(what, problem, backend, time_limit, lambda: _minimum(problem, time_limit, backend, start, cutoff))
+
+
+def fits_within(problem: Problem, budget: float, *, time_limit: float = math.inf,
+                backend: str = "auto") -> Fit:
+    """Whether a valid assignment (no forbidden option or pair) keeps every memory constraint within
+    ``budget`` bytes: ("fits", that assignment), ("none", None) proven, or (None, None) where
+    ``FIT_NODE_LIMIT`` or the time limit stopped the solver first. ``problem.memory_budget`` is ignored.
+
+    The min-max model at a fixed t, with no objective: the solver stops at the first assignment that
+    fits, and has only the infeasibility of the rest to prove, which can close where the least t does
+    not (docs/solver.md). A problem with fewer constraints than
+    another is no harder to fit, so "none" over some of a step's points holds for all of them.
+    """
+    problem.validate()
+    return _kept(("fits", budget, FIT_NODE_LIMIT), problem, backend, time_limit,
+                 lambda: _fits(problem, budget, time_limit, backend))
+
+
+def _kept(what: tuple, problem: Problem, backend: str, time_limit: float, compute):
+    """``compute()``, or its answer kept from an earlier call with the same inputs (``_ANSWERS``)."""
     if math.isfinite(time_limit):
-        return _minimum(problem, time_limit, backend, start, cutoff)
-    key = (tuple(problem.choices), tuple(problem.edges), tuple(problem.shared), tuple(problem.memory),
-           None if start is None else tuple(start), cutoff, resolve_backend(backend), MINIMUM_NODE_LIMIT, FIRST_ROWS)
+        return compute()
+    key = (what, tuple(problem.choices), tuple(problem.edges), tuple(problem.shared), tuple(problem.memory),
+           resolve_backend(backend))
     with _answers_lock:
         if key in _ANSWERS:
             _ANSWERS.move_to_end(key)
             return _ANSWERS[key]
-    out = _minimum(problem, time_limit, backend, start, cutoff)
+    out = compute()
     with _answers_lock:
         _ANSWERS[key] = out
         while len(_ANSWERS) > _ANSWERS_KEPT:
@@ -111,12 +147,9 @@ def _minimum(problem: Problem, time_limit: float, backend: str, start: Sequence[
     return MinimumBudget(least, best, min(lower, least))
 
 
-def _min_max(problem: Problem, start: tuple[int, ...], time_limit: float, backend: str, cutoff: float | None):
-    """One solve of min t over ``problem``'s memory constraints: (status, its layout or None, its proven
-    least t); status "cut off" where HiGHS proves that no t is below ``cutoff``."""
-    def peak(a: Sequence[int]) -> float:
-        return max(problem.memory_usage(a).values())
-
+def _memory_model(problem: Problem):
+    """(formulation, memory rows, scale): the one-hot model of the valid assignments and its memory
+    constraints as rows (constant bytes, bytes per column), with the bytes' scale."""
     f = Formulation(problem)
     # Only layouts that can run: a resharding that cannot happen is no plan at any budget, nor a shared
     # value's request that cannot be served (seconds play no part here: no columns for them).
@@ -126,9 +159,19 @@ def _min_max(problem: Problem, start: tuple[int, ...], time_limit: float, backen
     # fewer columns (tests/memory_cases.py's LLaMA on a 2 x 2 mesh, four points: 41977 columns, 12940).
     f.group(memory_pair_matrices(problem.memory, f.x))
     rows = f.memory_rows()
-    m = f.model
-    # Bytes are ~1e10: scale to O(1) for the solvers' tolerances; the answer is recomputed exactly below.
+    # Bytes are ~1e10: scale to O(1) for the solvers' tolerances; answers are recomputed exactly.
     scale = max((abs(b) for c, coef in rows for b in (c, *coef.values())), default=0.0) or 1.0
+    return f, rows, scale
+
+
+def _min_max(problem: Problem, start: tuple[int, ...], time_limit: float, backend: str, cutoff: float | None):
+    """One solve of min t over ``problem``'s memory constraints: (status, its layout or None, its proven
+    least t); status "cut off" where HiGHS proves that no t is below ``cutoff``."""
+    def peak(a: Sequence[int]) -> float:
+        return max(problem.memory_usage(a).values())
+
+    f, rows, scale = _memory_model(problem)
+    m = f.model
     t = m.col(lo=-INF)
     m.cost[t] = 1.0
     for constant, coef in rows:
@@ -144,3 +187,20 @@ def _min_max(problem: Problem, start: tuple[int, ...], time_limit: float, backen
     # HiGHS's dual bound; CBC reports none
     proved = peak(found) if res.status == "optimal" else 0.0 if res.bound is None else res.bound * scale
     return res.status, found, proved
+
+
+def _fits(problem: Problem, budget: float, time_limit: float, backend: str) -> Fit:
+    """``fits_within`` solved, not looked up."""
+    if not problem.memory:
+        return Fit("fits", greedy(problem))
+    f, rows, scale = _memory_model(problem)
+    m = f.model
+    for constant, coef in rows:
+        if not coef and constant > budget:
+            return Fit("none", None)
+        m.row(list(coef), [b / scale for b in coef.values()], hi=(budget - constant) / scale)
+    res = run(m, resolve_backend(backend), time_limit=time_limit, gap=_GAP, presolve=True,
+              node_limit=FIT_NODE_LIMIT)
+    if res.status == "infeasible":
+        return Fit("none", None)
+    return Fit("fits", f.assignment(res.values)) if res.values is not None else Fit(None, None)

@@ -1,11 +1,13 @@
 import itertools
+import math
 from unittest import mock
 
 import pytest
 from hypothesis import given, settings
 from solver_strategies import MB, problems
 
-from autopar.solver import Choice, MemoryConstraint, Problem, greedy, memory_bound, minimum_feasible_budget, solve
+from autopar.solver import (Choice, MemoryConstraint, Problem, fits_within, greedy, memory_bound,
+                            minimum_feasible_budget, solve)
 
 
 def brute_force_budget(p: Problem) -> float:
@@ -26,6 +28,17 @@ def test_matches_brute_force(backend, p):
     p.memory_budget = budget - MB / 2
     assert solve(p, backend=backend).status == "infeasible"
 
+
+@pytest.mark.parametrize("backend", ["cbc", "highs"])
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(p=problems(memory=True))
+def test_fits_within_matches_brute_force(backend, p):
+    # The feasibility question that proves a smallest budget: at the least peak an assignment fits (and is
+    # one that does), half a unit below it none does, proven.
+    least = brute_force_budget(p)
+    status, a = fits_within(p, least, backend=backend)
+    assert status == "fits" and max(p.memory_usage(a).values()) <= least + MB * 1e-6 and math.isfinite(p.objective(a))
+    assert fits_within(p, least - MB / 2, backend=backend) == ("none", None)
 
 
 @pytest.mark.parametrize("backend", ["cbc", "highs"])
