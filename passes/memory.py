@@ -1311,11 +1311,12 @@ class StepMemory:
             for inst in inst_of.get(n, ()):
                 # A recomputed op drops what it keeps until its instance's backward starts. A kept
                 # resharded copy depends on two layouts already: it stays (the safe side), as the
-                # product with the recompute count would depend on three decisions.
+                # product with the recompute count would depend on three decisions, unless every
+                # option of the count recomputes the instance (recompute pinned on).
                 ri, ind, _ = instances[inst]
                 for q in kept.get(n, ()):
-                    if q.b is None:
-                        q = _times(q, ri, ind)
+                    if q.b is None or all(ind):
+                        q = q if q.b is not None else _times(q, ri, ind)
                         add((_A, -1, q))
                         remat.setdefault(inst, []).append((t, q))
 
