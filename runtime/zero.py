@@ -175,6 +175,7 @@ class ShardedStates:
         gradient, which the bucket's copy frees)."""
         self.states = states
         self.defer = defer
+        self.bucketed = bucketed
         self._ids = {id(s.shard) for s in states}
         self._seen: dict = {}
         for s in states:
@@ -198,9 +199,10 @@ class ShardedStates:
         return ready
 
     def _expose(self, s: ShardedState) -> None:
-        """A ZeRO-1 parameter's gradient: the view of its block of the whole tensor's gradient (again
-        where that gradient is a new tensor: a bucket's, made at each backward)."""
-        if s.full.grad is not None:
+        """A ZeRO-1 parameter's gradient: the view of its block of the whole tensor's gradient, made again
+        for a bucketed one (its whole gradient is a new tensor at each backward: the bucket's). Any other
+        keeps the gradient it was given: a pipeline's reduce-scattered block is not a view of the whole."""
+        if s.full.grad is not None and (s.shard.grad is None or s.fqn in self.bucketed):
             s.shard.grad = s.block(s.full.grad)
 
     def expose_grads(self) -> None:
