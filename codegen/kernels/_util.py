@@ -33,8 +33,56 @@ def _squeeze_interpreter_index() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-if interpreting():
-    _squeeze_interpreter_index()
+def _pass_cpu_arguments_as_they_are() -> None:
+    """Lets a kernel's CPU tensor arguments be freed when their last user drops them, as on a GPU.
+
+    Before each launch the interpreter copies every tensor argument's storage to the host and after
+    it copies them back, through nested functions that call themselves (`_to_cpu`, `_from_cpu`): each
+    is a reference cycle with its closure, which holds the argument storages until Python's cyclic
+    collector runs, often many launches later. A step then keeps every tensor a kernel ever read
+    (measured: the logits and their gradient of the library's loss live on through the backward of
+    the layers before it). On CPU the host copy is the argument's own storage (`UntypedStorage.cpu()`
+    returns it), so handing the arguments over as they are launches the same kernel on the same
+    memory, with no cycle and no copy back onto itself."""
+    try:
+        from triton.runtime.interpreter import GridExecutor
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return
+    init, restore = GridExecutor._init_args_hst, GridExecutor._restore_args_dev
+    if getattr(init, "_autopar_in_place", False):
+        return
+
+    def as_they_are(values) -> bool:
+        # A CPU tensor (a parameter too), or what the interpreter hands over unchanged: no tuple, no tensor
+        # descriptor, nothing with a data_ptr (a tensor on another device, a reinterpreted one).
+        return all((isinstance(v, torch.Tensor) and v.device.type == "cpu")
+                   or not (isinstance(v, (tuple, TensorDescriptor)) or hasattr(v, "data_ptr"))
+                   for v in values)
+
+    def init_args(self, args_dev, kwargs):
+        if as_they_are(args_dev) and as_they_are(kwargs.values()):
+            return list(args_dev), dict(kwargs)
+        return init(self, args_dev, kwargs)
+
+    def restore_args(self, args_dev, args_hst, kwargs, kwargs_hst):
+        if all(h is d for h, d in zip(args_hst, args_dev)) and all(kwargs_hst[k] is v for k, v in kwargs.items()):
+            return
+        restore(self, args_dev, args_hst, kwargs, kwargs_hst)
+
+    init_args._autopar_in_place = True
+    GridExecutor._init_args_hst, GridExecutor._restore_args_dev = init_args, restore_args
+
+
+def patch_interpreter() -> None:
+    """The interpreter's fixes above, once, when kernels run under it (generated kernels call this
+    before their first launch; the library's modules import this one)."""
+    if interpreting():
+        _squeeze_interpreter_index()
+        _pass_cpu_arguments_as_they_are()
+
+
+patch_interpreter()
 
 
 def persistent_programs(device: torch.device, work: int, per_sm: int = 4) -> int:

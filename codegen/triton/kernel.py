@@ -58,6 +58,9 @@ class FusedKernel:
     inputs and returns its output (a tuple when there are several)."""
 
     def __init__(self, spec: RegionSpec):
+        from autopar.codegen.kernels._util import patch_interpreter
+
+        patch_interpreter()
         self.spec = spec
         self.name = kernel_name(spec)
         self.source: KernelSource = generate(spec, self.name)
