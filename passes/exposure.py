@@ -22,9 +22,11 @@ streams, compute and communication, the way the generated program runs them:
   backward of its first reader), and so is the all-gather of a replicated parameter's gradient where
   the program reads the parameter in chunks (a feature split over replicated weights); each is waited
   when the next one is issued or when backward ends (runtime/collectives.py, FSDP2's scheme). The
-  communication stream runs these and the buckets in issue order. Every other backward collective
-  (Megatron's "f", sequence parallelism's pairs) waits where it is issued: autograd runs the reader of
-  its result next, so there is no compute to hide it behind.
+  communication stream runs these and the buckets in issue order. Megatron's "f" before linear layers
+  (``hides_behind_weight_grads``) is issued once the input's gradient is summed over its readers and
+  waited after their weight gradients (their forward's compute), on the same stream. Every other
+  backward collective (an "f" before other readers, sequence parallelism's pairs) waits where it is
+  issued: autograd runs the reader of its result next, so there is no compute to hide it behind.
 - the optimizer step's collectives (ZeRO-1/2 gathers) wait where they are issued.
 
 ``exposure`` returns, per collective, the seconds it runs for (a bucketed reduction: its share of its

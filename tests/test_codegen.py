@@ -143,6 +143,18 @@ def _same_as_overlap_off(plain, pm, ids, labels):
         assert torch.equal(a.grad, b.grad), name
 
 
+def _same_over_two_backwards(plain, pm, ids):
+    """``pm`` gives the numbers of ``plain``, its plan compiled with overlap off, bitwise over two
+    backwards that accumulate (the model's labels are its inputs)."""
+    for m in (plain, pm):
+        for _ in range(2):
+            m.loss = m(ids, labels=ids).loss
+            m.loss.backward()
+    assert torch.equal(plain.loss, pm.loss)
+    for (name, a), (_, b) in zip(plain.named_parameters(), pm.named_parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
 def _collectives_match(rank, world, model_name, mesh, pins, options):
     import autopar
 
@@ -190,14 +202,7 @@ def _replicated_weights_read_in_chunks(rank, world, recompute):
     # backward of the layers before them run in between; with overlap off, each waits at once.
     assert sum(n > 0 for n in _waited_after_compute(pm, ids, ids, gathers)) >= 1
     assert not any(_waited_after_compute(plain, ids, ids, gathers))
-    # The same numbers with overlap off, bitwise, over two backwards that accumulate.
-    for m in (plain, pm):
-        for _ in range(2):
-            m.loss = m(ids, labels=ids).loss
-            m.loss.backward()
-    assert torch.equal(plain.loss, pm.loss)
-    for (name, a), (_, b) in zip(plain.named_parameters(), pm.named_parameters()):
-        assert torch.equal(a.grad, b.grad), name
+    _same_over_two_backwards(plain, pm, ids)
 
 
 @pytest.mark.parametrize("recompute", [False, {"*": "all"}], ids=["top-level", "recomputed"])
@@ -659,15 +664,7 @@ def _column_linears(rank, world):
     between = _waited_after_compute(pm, ids, ids, reduce)
     assert len(between) == 4 and all(n > 0 for n in between), between
     assert not any(_waited_after_compute(plain, ids, ids, reduce))
-    # The numbers of overlap off, bitwise, over two backwards that accumulate.
-    for m in (plain, pm):
-        m.zero_grad()
-        for _ in range(2):
-            m.loss = m(ids, labels=ids).loss
-            m.loss.backward()
-    assert torch.equal(plain.loss, pm.loss)
-    for (name, a), (_, b) in zip(plain.named_parameters(), pm.named_parameters()):
-        assert torch.equal(a.grad, b.grad), name
+    _same_over_two_backwards(plain, pm, ids)
 
 
 def test_column_parallel_input_gradients_reduce_behind_weight_gradients():
