@@ -54,6 +54,19 @@ def test_constraints_joining_from_one_find_the_same_least_budget(backend, p):
     assert budget == max(p.memory_usage(a).values())
 
 
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(p=problems(memory=True))
+def test_a_solve_stopped_at_its_node_limit_brackets_the_least_budget(p):
+    # What the infeasible-budget error states where the min-max stops early: the budget is a layout's own
+    # peak (a plan fits it) and the bound it proved is at most the least peak, so the gap between them
+    # never hides a smaller budget.
+    least = brute_force_budget(p)
+    with mock.patch.object(memory_bound, "MINIMUM_NODE_LIMIT", 1):
+        budget, a, lower = minimum_feasible_budget(p, backend="highs")
+    assert budget == max(p.memory_usage(a).values()) and math.isfinite(p.objective(a))
+    assert lower <= least * (1 + 1e-9) and least <= budget * (1 + 1e-9)
+
+
 def test_the_same_problem_is_solved_once():
     # Planning again under another budget too small repeats the error's min-max solves: the second time the
     # answer is looked up, and a problem that differs in one byte is solved for its own answer.
