@@ -1883,6 +1883,14 @@ def _over_budget(sm: StepMemory, walk, memory_budget: float, have: set) -> list[
     return sorted({sm.bound_by[k] for k in out} - have)
 
 
+def _walk_over(sm: StepMemory, assignment, cap: float, have: set) -> tuple[int, float, list[int]]:
+    """(the highest point of the step under ``assignment``, its bytes, the points to add to the solver's
+    constraints where the step goes over ``cap``: ``_over_budget``, empty where it fits)."""
+    walk = sm.walk(assignment)
+    k = max(range(len(walk)), key=lambda i: walk[i].total)
+    return k, walk[k].total, _over_budget(sm, walk, cap, have)
+
+
 def solve_under_budget(problem, sm: StepMemory, memory_budget: float, *, time_limit: float | None = None, bound=None,
                        node_limit: int | None = None):
     """The fastest assignment whose step peak (``sm.peak``) fits ``budget``: solve with the memory
@@ -1912,16 +1920,14 @@ def solve_under_budget(problem, sm: StepMemory, memory_budget: float, *, time_li
         sol = solve(problem, time_limit=time_limit, bound=bound, node_limit=node_limit)
         if sol.status in ("infeasible", "bounded"):
             return sol
-        walk = sm.walk(sol.assignment)
-        k = max(range(len(walk)), key=lambda i: walk[i].total)
-        if walk[k].total <= memory_budget * (1 + 1e-9):
+        k, peak, add = _walk_over(sm, sol.assignment, memory_budget, have)
+        if peak <= memory_budget * (1 + 1e-9):
             return sol
-        add = _over_budget(sm, walk, memory_budget, have)
         if sm.bound_by[k] in have or not add:
             raise AutoparError(f"memory point {sm.points[k][1]} {sm.points[k][2]!r} is over the budget although "
-                               f"the solver was held to it ({walk[k].total:.0f} > {memory_budget:.0f} bytes); please "
+                               f"the solver was held to it ({peak:.0f} > {memory_budget:.0f} bytes); please "
                                f"report this")
-        log.debug("step peak %.0f over the budget %.0f: memory points %s join", walk[k].total, memory_budget, add)
+        log.debug("step peak %.0f over the budget %.0f: memory points %s join", peak, memory_budget, add)
         have.update(add)
         problem.memory.extend(sm.constraints(add))
     raise AutoparError(f"no layout within {memory_budget:.0f} bytes was proven after {_MAX_ROUNDS} rounds of memory "
@@ -1948,12 +1954,10 @@ def minimum_budget(problem, sm: StepMemory, *, time_limit: float = math.inf,
         lower = max(lower, proved)
         if above is not None and lower >= above:
             return None
-        walk = sm.walk(a)
-        k = max(range(len(walk)), key=lambda i: walk[i].total)
-        if best is None or walk[k].total < best[0]:
-            best = (walk[k].total, a)
-        add = _over_budget(sm, walk, bound, have)
-        if walk[k].total <= bound * (1 + 1e-9) or not add:
+        _, peak, add = _walk_over(sm, a, bound, have)
+        if best is None or peak < best[0]:
+            best = (peak, a)
+        if not add:
             break
         have.update(add)
         problem.memory.extend(sm.constraints(add))
@@ -1981,12 +1985,10 @@ def _narrow(problem, sm: StepMemory, have: set, best: tuple, lower: float, ceili
             lower = target
         if status != "fits":
             break
-        walk = sm.walk(a)
-        k = max(range(len(walk)), key=lambda i: walk[i].total)
-        if walk[k].total < best[0]:
-            best = (walk[k].total, a)
-        if walk[k].total > target * (1 + 1e-9):
-            add = _over_budget(sm, walk, target, have)
+        _, peak, add = _walk_over(sm, a, target, have)
+        if peak < best[0]:
+            best = (peak, a)
+        if peak > target * (1 + 1e-9):
             if not add:
                 break
             have.update(add)
