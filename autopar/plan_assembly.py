@@ -16,7 +16,7 @@ from autopar.passes.layers import layer_counts, layer_instances
 from autopar.passes.memory import StepMemory
 from autopar.passes.meta import is_param, meta_of, op_name
 from autopar.passes.precision import sharded_master_copy
-from autopar.passes.reshard_plan import collectives, plan_reshards
+from autopar.passes.reshard_plan import behind_weight_grads, collectives, plan_reshards
 from autopar.plan import MemoryPoint, Plan, PlanMemory, PlanNode, PlanZero
 
 if TYPE_CHECKING:
@@ -83,7 +83,8 @@ def assemble_plan(prep: Prepared, mesh: SolvedMesh, assignment, cluster: Cluster
     regions |= {n.name: inst for n, inst in instance_of.items()}
     regions |= {name: core for core, names in recompute.get("attention", {}).get("regions", {}).items()
                 for name in names}
-    ex = exposure(gm, chosen, colls, cm, axis_names, recomputed_nodes, resharded_for=resharded_for, regions=regions)
+    ex = exposure(gm, chosen, colls, cm, axis_names, recomputed_nodes, resharded_for=resharded_for, regions=regions,
+                  behind_weight_grads=behind_weight_grads(gm, low))
     colls = [replace(c, seconds=seconds, exposed=exposed) for c, seconds, exposed in zip(colls, ex.seconds, ex.exposed)]
     # Offloaded layers' saved activations go to host memory in forward and come back in backward.
     offload_seconds = 0.0

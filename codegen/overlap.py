@@ -27,8 +27,11 @@ Collectives inside sharded ops (runtime/sharded_ops.py) still wait at once.
 """
 from __future__ import annotations
 
+import operator
+
 import torch.fx as fx
 
+from autopar.passes.exposure import hides_behind_weight_grads
 from autopar.passes.meta import program_meta
 from autopar.passes.runner import requires
 from autopar.runtime import collectives as C
@@ -52,6 +55,7 @@ def overlap_pass(gm: fx.GraphModule) -> fx.GraphModule:
                 barriers.add(node)
             body.graph.lint()
             body.recompile()
+    _reduce_input_gradients_behind_weight_gradients(graph)
     _split_collectives(graph, barriers)
     graph.lint()
     gm.recompile()
@@ -87,6 +91,33 @@ def _split_collectives(graph: fx.Graph, barriers: set) -> bool:
         previous_wait = wait
         split = True
     return split
+
+
+def _reduce_input_gradients_behind_weight_gradients(graph: fx.Graph) -> None:
+    """Make each ``grad_all_reduce`` read by linear layers alone, with their weights computed before the
+    first (``passes.exposure.hides_behind_weight_grads``), one ``column_linears`` call of them all at the
+    first: its backward issues the all-reduce of the input's gradient, computes the weights' gradients,
+    then waits."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    for reduce in [n for n in graph.nodes if n.op == "call_function" and n.target is C.grad_all_reduce]:
+        readers = sorted(reduce.users, key=position.__getitem__)
+        reads = [(r, k) for r in readers for k, a in enumerate(r.args) if a is reduce]
+        first = position[readers[0]] if readers else 0
+        if reduce.kwargs or not hides_behind_weight_grads(
+                reads, lambda r: all(position[a] < first for a in r.args[1:] if isinstance(a, fx.Node))):
+            continue
+        weights = [a for r in readers for a in (r.args[1], r.args[2] if len(r.args) > 2 else None)]
+        with graph.inserting_before(readers[0]):
+            call = graph.call_function(C.column_linears, (reduce.args[0], reduce.args[1], *weights))
+            call.meta.update(reduce.meta)
+        for k, r in enumerate(readers):
+            with graph.inserting_before(r):
+                out = graph.call_function(operator.getitem, (call, k))
+            out.meta.update(r.meta)
+            r.replace_all_uses_with(out)
+            graph.erase_node(r)
+        graph.erase_node(reduce)
+        position = {n: i for i, n in enumerate(graph.nodes)}
 
 
 def _read_params_in_chunks(gm: fx.GraphModule, params: set) -> None:

@@ -22,9 +22,11 @@ streams, compute and communication, the way the generated program runs them:
   backward of its first reader), and so is the all-gather of a replicated parameter's gradient where
   the program reads the parameter in chunks (a feature split over replicated weights); each is waited
   when the next one is issued or when backward ends (runtime/collectives.py, FSDP2's scheme). The
-  communication stream runs these and the buckets in issue order. Every other backward collective
-  (Megatron's "f", sequence parallelism's pairs) waits where it is issued: autograd runs the reader of
-  its result next, so there is no compute to hide it behind.
+  communication stream runs these and the buckets in issue order. Megatron's "f" before linear layers
+  (``hides_behind_weight_grads``) is issued once the input's gradient is summed over its readers and
+  waited after their weight gradients (their forward's compute), on the same stream. Every other
+  backward collective (an "f" before other readers, sequence parallelism's pairs) waits where it is
+  issued: autograd runs the reader of its result next, so there is no compute to hide it behind.
 - the optimizer step's collectives (ZeRO-1/2 gathers) wait where they are issued.
 
 ``exposure`` returns, per collective, the seconds it runs for (a bucketed reduction: its share of its
@@ -35,6 +37,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, replace
 
+import torch
 import torch.fx as fx
 
 from autopar.passes.meta import is_param, meta_of
@@ -86,14 +89,27 @@ def bucketed_params(gm: fx.GraphModule, colls: list[PlanCollective], strategy: d
     return out
 
 
+def hides_behind_weight_grads(reads: list[tuple[fx.Node, int]], weights_ready) -> bool:
+    """Whether the backward all-reduce of a value's gradient (Megatron's "f" before column-parallel
+    layers) runs while its readers' weight gradients are computed (runtime/collectives.py
+    ``column_linears``, placed by codegen/overlap.py): every read is a linear layer's input (its first
+    argument), and ``weights_ready(reader)`` says the reader's weight and bias are computed before the
+    first reader, where codegen makes one call of them all. ``reads``: (reader, argument position) of
+    every read of the value through that all-reduce."""
+    return bool(reads) and all(r.op == "call_function" and r.target is torch.ops.aten.linear.default and k == 0
+                               and not r.kwargs and weights_ready(r) for r, k in reads)
+
+
 def exposure(gm: fx.GraphModule, strategy: dict, colls: list[PlanCollective], cm, axis_names, recomputed: set[str],
              bucket_bytes: int = GRAD_BUCKET_BYTES, resharded_for: dict[str, set[str]] | None = None,
-             regions: dict[str, str] | None = None) -> Exposure:
+             regions: dict[str, str] | None = None,
+             behind_weight_grads: dict[tuple[str, str], list[str]] | None = None) -> Exposure:
     """Replay the step on a compute and a communication stream (module docstring). ``strategy``: node ->
     Strategy; ``colls``: the plan's collective entries; ``cm``: the CostModel; ``recomputed``: names of
     the nodes inside recomputed layers or attention cores; ``resharded_for``: as ``bucketed_params``;
     ``regions``: node name -> the recomputed or offloaded region (layer instance or attention core)
-    that codegen makes one call of, for the nodes inside one."""
+    that codegen makes one call of, for the nodes inside one; ``behind_weight_grads``: (value, first
+    consumer) -> its readers, for each backward all-reduce that ``hides_behind_weight_grads``."""
     order = [n for n in gm.graph.nodes if n.op in ("placeholder", "call_function", "output")]
     position = {n.name: i for i, n in enumerate(order)}
     ops = [n for n in order if n.op == "call_function" and n in strategy]
@@ -179,11 +195,19 @@ def exposure(gm: fx.GraphModule, strategy: dict, colls: list[PlanCollective], cm
             members.setdefault(c.value, []).append(i)
     at_node: dict[str, list[int]] = {}
     deferred_at: dict[str, list[int]] = {}
+    # The weight gradients' compute an input gradient's all-reduce runs behind, at its first reader,
+    # whose backward autograd runs last of its readers'.
+    behind = {i: sum(forward[r] for r in readers) for i, c in enumerate(colls)
+              if c.phase == "backward" and not c.recompute and c.node not in regions
+              and (readers := (behind_weight_grads or {}).get((c.value, c.node)))}
     for i, c in enumerate(colls):
         if i in deferred:
             deferred_at.setdefault(deferred[i], []).append(i)
-        elif c.phase == "backward" and c.value not in buckets:
+        elif c.phase == "backward" and c.value not in buckets and i not in behind:
             at_node.setdefault(c.node, []).append(i)
+    behind_at: dict[str, list[int]] = {}
+    for i in behind:
+        behind_at.setdefault(colls[i].node, []).append(i)
     ready_at: dict[str, list[str]] = {}
     for p, reader in first_reader.items():
         ready_at.setdefault(reader, []).append(p)
@@ -205,6 +229,10 @@ def exposure(gm: fx.GraphModule, strategy: dict, colls: list[PlanCollective], cm
 
     for n in reversed(order):
         clock += backward[n.name] + sum(exposed[i] for i in at_node.get(n.name, ()))
+        for i in behind_at.get(n.name, ()):
+            stream_free = max(clock - behind[i], stream_free) + seconds[i]
+            exposed[i] = max(0.0, stream_free - clock)
+            clock += exposed[i]
         for i in deferred_at.get(n.name, ()):
             wait_in_flight()
             stream_free = max(clock, stream_free) + seconds[i]

@@ -512,6 +512,12 @@ def _below(q: Bytes) -> Bytes:
     return _one(q.a, rows) if sum(rows) / len(rows) >= sum(cols) / len(cols) else _one(q.b, cols)
 
 
+def _always_recomputed(insts, instances) -> str | None:
+    """The one of recomputed regions ``insts`` that every option of its decision recomputes (recompute
+    pinned on), if any: what it keeps is dropped through forward and made again whatever the layouts."""
+    return next((inst for inst in insts if all(instances[inst][1])), None)
+
+
 def _times(q: Bytes, r: int, ind: Sequence[float]) -> Bytes:
     """``q`` (bytes of at most one decision) times an indicator over the options of decision ``r``."""
     if q.a is None:
@@ -855,7 +861,7 @@ class StepMemory:
             table.append(own if own is not None else measured / self.cm.work_split(s))
         return _one(c, table)
 
-    def _shared_copies(self, calls, pos, input_values, inst_of, frees, copy_views):
+    def _shared_copies(self, calls, pos, input_values, inst_of, frees, copy_views, instances, remat):
         """The copies of values that several ops read through a resharding: one tensor per distinct
         request (codegen reshards once per request and shares the copy), held from the first reader's
         forward until the last reader that keeps it runs its backward. Returns the (reader, input
@@ -869,7 +875,9 @@ class StepMemory:
         accumulated from the first reader whose backward makes it until the last (the resharding's
         backward then converts it), beside each reader's own gradient (counted with its backward). A
         reader inside a recomputed region whose kept copy recompute drops keeps its own copy, and so
-        does a copy view (its copy is its output's storage)."""
+        does a copy view (its copy is its output's storage). Readers all inside one instance that every
+        option recomputes drop what they keep after the last one's forward; the run again makes it at
+        the first one (``remat``), as a kept copy of two layouts is."""
         from autopar.passes.strategies import Value, requires_grad
 
         readers = {}          # value -> [(reader, input position, its decision, request per option, keeps)]
@@ -916,6 +924,10 @@ class StepMemory:
             for i in range(last + 1):
                 move(("F", t[i]), _T, live[i], None)
                 move(("F", t[i]), _A if i == last else _T, None, live[i + 1])
+            always = _always_recomputed(set.intersection(*(set(inst_of.get(m[0], ())) for m in members)), instances)
+            if always is not None and live[last + 1] is not None:
+                move(("F", t[last]), _A, live[last + 1], None)
+                remat.setdefault(always, []).append((t[0], live[last + 1]))
             # Backward, in reverse: the i-th reader releases what it keeps, and its gradient joins the
             # accumulated one of its request, which the resharding's backward converts after the first.
             grads = {i for i, (n, *_) in enumerate(members) if requires_grad(n)} if requires_grad(v.node) else set()
@@ -1104,7 +1116,10 @@ class StepMemory:
                 frees.setdefault(("F", last_use.get(base(Value(a)), pos.get(a, 0))), []).append((_T, 1, vb))
                 gather_sources.append(_one(c, [vb.at({c: i}) * (1.0 if cp.at({c: i}) else 0.0)
                                                for i in self._options(c)]))
-        grouped, copies_before = self._shared_copies(calls, pos, input_values, inst_of, frees, copy_views)
+        remat = {}            # instance -> [(position of the op that makes it, Bytes)] re-materialized
+        #                       when its backward starts
+        grouped, copies_before = self._shared_copies(calls, pos, input_values, inst_of, frees, copy_views,
+                                                     instances, remat)
         @functools.lru_cache(maxsize=None)      # a layer's every instance asks the same of its position
         def kept_unless_copied(ca, cb, vb, keeps, cp):
             """Storage ``vb`` (decision ``ca``) where reader option ``j`` (decision ``cb``) keeps it (``keeps``)
@@ -1160,7 +1175,8 @@ class StepMemory:
                     elif len(views) == 1 and cp is None and {vc.a, vc.b} - {None} <= {ca, cv}:
                         cond = _pair(ca, cv, [[0.0 if vc.at({ca: i, cv: j}) else vb.at({ca: i})
                                                for j in self._options(cv)] for i in self._options(ca)])
-                elif n not in inst_of and (not everywhere or (cp is not None and exact)):
+                elif (n not in inst_of or _always_recomputed(set(inst_of[n]) & set(inst_of.get(b.node, ())), instances)) \
+                        and (not everywhere or (cp is not None and exact)):
                     cond = kept_unless_copied(ca, cb, vb, tuple(keeps), cp if exact else None)
                 holders.setdefault(b, []).append((n, cond))
             outs = output_values(n)
@@ -1186,8 +1202,6 @@ class StepMemory:
                 kept.setdefault(n, []).append(internal)
 
         held = set()          # storages a backward keeps whatever the layouts
-        remat = {}            # instance -> [(position of the op that makes it, Bytes)] re-materialized
-        #                       when its backward starts
         for s, hs in holders.items():
             if s in to_end or s.node.op != "call_function":     # inputs and buffers live all step
                 continue
@@ -1213,7 +1227,13 @@ class StepMemory:
                         remat.setdefault(inst, []).append((pos[s.node], _times(vb, ri, moved)))
             else:
                 cond = next(c for h, c in hs if h is h0)
-                frees.setdefault(("F", t), []).extend([(_T, -1, vb), (_A, 1, cond)])
+                frees.setdefault(("F", t), []).append((_T, -1, vb))
+                # Made again after its last reader where every holder's instance always recomputes.
+                inst = _always_recomputed(inst_of.get(s.node, ()), instances)
+                if inst is not None and all(inst in inst_of.get(h, ()) for h, _ in hs):
+                    remat.setdefault(inst, []).append((t + 1, cond))
+                else:
+                    frees[("F", t)].append((_A, 1, cond))
                 frees.setdefault(("B", pos[h0]), []).append((_A, -1, cond))
         for s, t in last_use.items():
             if s not in held and s not in holders and s not in to_end and s.node.op == "call_function":
@@ -1362,6 +1382,18 @@ class StepMemory:
                 add((_T, -1, q))
 
         # Backward, seeded by the gradient of the scalar outputs (the loss).
+        # A parameter several ops read through one shared copy: its gradient accumulates at the copy's
+        # layout (``_shared_copies``), made its own by the first reader's backward, the last to run.
+        # With two readers (a tied embedding and head), exact: (first, later reader), then the bytes the
+        # later one's backward makes its own (where it reads in place) and those the first one's makes;
+        # with more, from the backward of the last of them (the safe side).
+        tied = {}
+        for n, k in sorted(grouped, key=lambda m: pos[m[0]]):
+            v = input_values(n)[k]
+            if is_param(v.node) and v.node not in tied:
+                readers = [(m, j) for m in calls for j, u in enumerate(input_values(m)) if u.node is v.node]
+                if len(readers) == 2 and all(r in grouped for r in readers):
+                    tied[v.node] = readers
         grads = {_canonical(Value(a)): self.value(Value(a)) for a in outputs
                  if requires_grad(a) and a.meta["val"].dim() == 0}
         # A parameter's gradient is complete (and a ZeRO-2 one reduce-scattered) after the backward of
@@ -1402,6 +1434,20 @@ class StepMemory:
                             after.append((_T, q))
                     key = _canonical(v)
                     q, cat = (grads_of[v.node], _G) if is_param(v.node) else (self.value(key), _T)
+                    if v.node in tied:
+                        # Its gradient is its own from the later reader's backward where that one reads
+                        # it in place, else from the first one's (which converts the shared copy's).
+                        later = tied[v.node][1] == (n, k)
+                        ca, cb = self._choice(v.node), self._choice(n)
+                        if later:
+                            read = [[bool(gcp is not None and gcp.at({ca: i, cb: j})) for j in self._options(cb)]
+                                    for i in self._options(ca)]
+                            tied[v.node] += [_pair(ca, cb, [[0.0 if r else q.at({ca: i}) for r in row]
+                                                            for i, row in enumerate(read)]),
+                                             _pair(ca, cb, [[q.at({ca: i}) if r else 0.0 for r in row]
+                                                            for i, row in enumerate(read)])]
+                        add((cat, 1, tied[v.node][2 if later else 3]))
+                        continue
                     add((cat, 1, q))
                     if key in grads:
                         after.append((cat, q))       # accumulated into the gradient already there
@@ -1837,6 +1883,14 @@ def _over_budget(sm: StepMemory, walk, memory_budget: float, have: set) -> list[
     return sorted({sm.bound_by[k] for k in out} - have)
 
 
+def _walk_over(sm: StepMemory, assignment, cap: float, have: set) -> tuple[int, float, list[int]]:
+    """(the highest point of the step under ``assignment``, its bytes, the points to add to the solver's
+    constraints where the step goes over ``cap``: ``_over_budget``, empty where it fits)."""
+    walk = sm.walk(assignment)
+    k = max(range(len(walk)), key=lambda i: walk[i].total)
+    return k, walk[k].total, _over_budget(sm, walk, cap, have)
+
+
 def solve_under_budget(problem, sm: StepMemory, memory_budget: float, *, time_limit: float | None = None, bound=None,
                        node_limit: int | None = None):
     """The fastest assignment whose step peak (``sm.peak``) fits ``budget``: solve with the memory
@@ -1866,16 +1920,14 @@ def solve_under_budget(problem, sm: StepMemory, memory_budget: float, *, time_li
         sol = solve(problem, time_limit=time_limit, bound=bound, node_limit=node_limit)
         if sol.status in ("infeasible", "bounded"):
             return sol
-        walk = sm.walk(sol.assignment)
-        k = max(range(len(walk)), key=lambda i: walk[i].total)
-        if walk[k].total <= memory_budget * (1 + 1e-9):
+        k, peak, add = _walk_over(sm, sol.assignment, memory_budget, have)
+        if peak <= memory_budget * (1 + 1e-9):
             return sol
-        add = _over_budget(sm, walk, memory_budget, have)
         if sm.bound_by[k] in have or not add:
             raise AutoparError(f"memory point {sm.points[k][1]} {sm.points[k][2]!r} is over the budget although "
-                               f"the solver was held to it ({walk[k].total:.0f} > {memory_budget:.0f} bytes); please "
+                               f"the solver was held to it ({peak:.0f} > {memory_budget:.0f} bytes); please "
                                f"report this")
-        log.debug("step peak %.0f over the budget %.0f: memory points %s join", walk[k].total, memory_budget, add)
+        log.debug("step peak %.0f over the budget %.0f: memory points %s join", peak, memory_budget, add)
         have.update(add)
         problem.memory.extend(sm.constraints(add))
     raise AutoparError(f"no layout within {memory_budget:.0f} bytes was proven after {_MAX_ROUNDS} rounds of memory "
@@ -1902,12 +1954,10 @@ def minimum_budget(problem, sm: StepMemory, *, time_limit: float = math.inf,
         lower = max(lower, proved)
         if above is not None and lower >= above:
             return None
-        walk = sm.walk(a)
-        k = max(range(len(walk)), key=lambda i: walk[i].total)
-        if best is None or walk[k].total < best[0]:
-            best = (walk[k].total, a)
-        add = _over_budget(sm, walk, bound, have)
-        if walk[k].total <= bound * (1 + 1e-9) or not add:
+        _, peak, add = _walk_over(sm, a, bound, have)
+        if best is None or peak < best[0]:
+            best = (peak, a)
+        if not add:
             break
         have.update(add)
         problem.memory.extend(sm.constraints(add))
@@ -1935,12 +1985,10 @@ def _narrow(problem, sm: StepMemory, have: set, best: tuple, lower: float, ceili
             lower = target
         if status != "fits":
             break
-        walk = sm.walk(a)
-        k = max(range(len(walk)), key=lambda i: walk[i].total)
-        if walk[k].total < best[0]:
-            best = (walk[k].total, a)
-        if walk[k].total > target * (1 + 1e-9):
-            add = _over_budget(sm, walk, target, have)
+        _, peak, add = _walk_over(sm, a, target, have)
+        if peak < best[0]:
+            best = (peak, a)
+        if peak > target * (1 + 1e-9):
             if not add:
                 break
             have.update(add)

@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from autopar.layout import R
 from autopar.plan import PlanCollective
+from autopar.passes.exposure import hides_behind_weight_grads
 from autopar.passes.meta import is_param, op_name
 from autopar.passes.resharding import global_transition
 from autopar.passes.strategies import Strategy, Value, input_values, requires_grad, value_info
@@ -96,6 +97,31 @@ def collectives(low: ReshardPlan, cm, axis_names, sharded_masters=None) -> list[
         if s.zero is not None and is_param(node):     # not a ZeRO-2 weight's copy, which carries its state
             out += [c.record(axis_names, node=node.name, value=node.name, step=f"zero{s.zero.stage}")
                     for c in cm.zero_collectives(node, s.outputs[0], s.zero, _dtype_of(sharded_masters.get(node)))]
+    return out
+
+
+def behind_weight_grads(gm: fx.GraphModule, low: ReshardPlan) -> dict[tuple[str, str], list[str]]:
+    """(value, first consumer) -> the consumers, for each resharding that is one ``grad_all_reduce`` whose
+    backward runs behind its readers' weight gradients (``passes.exposure.hides_behind_weight_grads``),
+    as codegen/overlap.py lowers it: a reader's weight is ready before the first reader if it is
+    computed before it and read as it is, or resharded for the first reader itself (codegen emits a
+    resharding just before its reader)."""
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    reads: dict[ReshardKey, list] = {}
+    for (consumer, k), key in low.uses.items():
+        reads.setdefault(key, []).append((consumer, k))
+    resharded_weight = {consumer for (consumer, k) in low.uses if k > 0}
+    out = {}
+    for key, rs in reads.items():
+        if [st.op for st in low.reshards[key]] != ["grad_all_reduce"]:
+            continue
+        first = min(position[r] for r, _ in rs)
+
+        def ready(r, first=first):
+            return (all(position[a] < first for a in r.args[1:] if isinstance(a, fx.Node))
+                    and (r not in resharded_weight or position[r] == first))
+        if hides_behind_weight_grads(rs, ready):
+            out[(key.value.node.name, low.first_consumer[key])] = [r.name for r, _ in rs]
     return out
 
 

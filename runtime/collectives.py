@@ -36,6 +36,7 @@ __all__ = [
     "all_to_all",
     "all_to_all_start",
     "all_to_all_wait",
+    "column_linears",
     "grad_all_reduce",
     "local_chunk",
     "param_chunk",
@@ -293,6 +294,45 @@ def grad_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     Megatron's "f" operator before a column-parallel layer, and DDP's gradient sync.
     """
     return _GradAllReduce.apply(x, group_name)
+
+
+class _ColumnLinears(torch.autograd.Function):
+    """``grad_all_reduce`` of ``x`` read by linear layers only (Megatron's "f" before column-parallel
+    layers), as one node whose backward issues the all-reduce of ``x``'s gradient before it computes the
+    weights' gradients and waits after, as Megatron-LM's asynchronous tensor-parallel all-reduce does.
+    Both parts run autograd's own backward of the linears (a graph built in forward over detached
+    inputs), so the numbers are those of ``grad_all_reduce`` followed by the linears."""
+
+    @staticmethod
+    def forward(ctx, x, name, *weights):
+        with torch.enable_grad():
+            ctx.x = x.detach().requires_grad_()
+            ctx.leaves = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in weights]
+            outs = [torch.ops.aten.linear.default(ctx.x, w, b) for w, b in zip(ctx.leaves[::2], ctx.leaves[1::2])]
+        # The outputs' edges, not the outputs: the graph keeps what the linears' backward saves, no more.
+        ctx.edges = [torch.autograd.graph.get_gradient_edge(o) for o in outs]
+        ctx.name = name
+        return tuple(o.detach() for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        edges, leaves = ctx.edges, ctx.leaves
+        (dx,) = torch.autograd.grad(edges, ctx.x, grads, retain_graph=True)
+        issued = _start_all_reduce(dx, ctx.name)
+        wanted = [t for t in leaves if t is not None and t.requires_grad]
+        got = iter(torch.autograd.grad(edges, wanted, grads) if wanted else ())
+        dws = [next(got) if t is not None and t.requires_grad else None for t in leaves]
+        del ctx.edges, ctx.leaves, ctx.x
+        return (_ops.wait_tensor(issued), None, *dws)
+
+
+def column_linears(x: torch.Tensor, group_name: str, *weights: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """``linear(grad_all_reduce(x, group_name), w, b)`` for each ``w, b`` of ``weights`` (a bias may be
+    None), with the all-reduce of ``x``'s gradient in flight while the weights' gradients are computed
+    (codegen/overlap.py)."""
+    if not torch.is_grad_enabled():
+        return tuple(torch.ops.aten.linear.default(x, w, b) for w, b in zip(weights[::2], weights[1::2]))
+    return _ColumnLinears.apply(x, group_name, *weights)
 
 
 def local_chunk(x: torch.Tensor, dim: int, group_name: str, groups: int = 1) -> torch.Tensor:

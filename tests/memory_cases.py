@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 ARCHS = ("gpt2", "llama", "bert", "gpt", "gpt-probe", "gpt-vocab", "gpt-long", "llama-long", "qwen2")
-KINDS = ("auto", "dp", "dp-bf16", "megatron", "zero3", "zero1", "zero1-bf16", "zero2-bf16", "zero2-recompute", "vocab",
+KINDS = ("auto", "dp", "dp-bf16", "megatron", "zero3", "megatron-recompute", "zero3-recompute", "zero1", "zero1-bf16", "zero2-bf16", "zero2-recompute", "vocab",
          "vocab-sharded-outputs", "vocab-sliced",
          "recompute", "sharded-outputs", "2d", "ring", "heads")
 # (tokens, batch) of the long-sequence architectures, whatever the caller asks: one sequence long
@@ -75,7 +75,7 @@ def options(arch: str, kind: str, ranks: int, model) -> dict | None:
 
     key = arch.split("-")[0] if arch.split("-")[0] in ("gpt", "llama") else arch
     params_r = {name: ["R"] for name, _ in model.named_parameters()}
-    if kind in ("megatron", "vocab", "vocab-sharded-outputs", "2d") and (key not in MEGATRON
+    if kind in ("megatron", "megatron-recompute", "vocab", "vocab-sharded-outputs", "2d") and (key not in MEGATRON
                                                                         or key not in VOCAB_PARALLEL):
         return None       # no hand-written tensor-parallel pins for this architecture
     if kind == "auto":
@@ -88,11 +88,13 @@ def options(arch: str, kind: str, ranks: int, model) -> dict | None:
         pins = {**{name: {"output": ["R"], "zero": 0} for name, _ in model.named_parameters()},
                 "input_ids": ["S(0)"], "labels": ["S(0)"], "linear*": ["S(0)"]}
         return {"mesh_shape": (ranks,), "pins": pins, "recompute": False, "precision": "bf16-mixed"}
-    if kind == "megatron":
-        return {"mesh_shape": (ranks,), "pins": {k: [v] for k, v in MEGATRON[key].items()}, "recompute": False}
-    if kind == "zero3":
+    if kind in ("megatron", "zero3", "megatron-recompute", "zero3-recompute"):   # the last two: every layer
+        #                                                                          recomputed
+        recompute = {"*": "all"} if kind.endswith("recompute") else False
+        if kind.startswith("megatron"):
+            return {"mesh_shape": (ranks,), "pins": {k: [v] for k, v in MEGATRON[key].items()}, "recompute": recompute}
         pins = {name: ["S(0)"] if p.shape[0] % ranks == 0 else ["R"] for name, p in model.named_parameters()}
-        return {"mesh_shape": (ranks,), "pins": pins, "recompute": False}
+        return {"mesh_shape": (ranks,), "pins": pins, "recompute": recompute}
     if kind == "zero1":        # ZeRO-1 everywhere: each whole gradient all-reduced in the runtime's buckets
         pins = {name: {"output": ["R"], "zero": 1} for name, _ in model.named_parameters()}
         return {"mesh_shape": (ranks,), "pins": pins, "recompute": False}

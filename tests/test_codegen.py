@@ -143,6 +143,18 @@ def _same_as_overlap_off(plain, pm, ids, labels):
         assert torch.equal(a.grad, b.grad), name
 
 
+def _same_over_two_backwards(plain, pm, ids):
+    """``pm`` gives the numbers of ``plain``, its plan compiled with overlap off, bitwise over two
+    backwards that accumulate (the model's labels are its inputs)."""
+    for m in (plain, pm):
+        for _ in range(2):
+            m.loss = m(ids, labels=ids).loss
+            m.loss.backward()
+    assert torch.equal(plain.loss, pm.loss)
+    for (name, a), (_, b) in zip(plain.named_parameters(), pm.named_parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
 def _collectives_match(rank, world, model_name, mesh, pins, options):
     import autopar
 
@@ -190,14 +202,7 @@ def _replicated_weights_read_in_chunks(rank, world, recompute):
     # backward of the layers before them run in between; with overlap off, each waits at once.
     assert sum(n > 0 for n in _waited_after_compute(pm, ids, ids, gathers)) >= 1
     assert not any(_waited_after_compute(plain, ids, ids, gathers))
-    # The same numbers with overlap off, bitwise, over two backwards that accumulate.
-    for m in (plain, pm):
-        for _ in range(2):
-            m.loss = m(ids, labels=ids).loss
-            m.loss.backward()
-    assert torch.equal(plain.loss, pm.loss)
-    for (name, a), (_, b) in zip(plain.named_parameters(), pm.named_parameters()):
-        assert torch.equal(a.grad, b.grad), name
+    _same_over_two_backwards(plain, pm, ids)
 
 
 @pytest.mark.parametrize("recompute", [False, {"*": "all"}], ids=["top-level", "recomputed"])
@@ -631,3 +636,40 @@ def test_a_recomputed_layer_reads_its_zero_2_weights_inside_its_checkpoint():
                  for n in m.graph.nodes)
     layer_weights = sum(1 for fqn in plan.zero if ".h." in fqn)
     assert inside == layer_weights > 0, (inside, layer_weights)
+
+
+def _column_linears(rank, world):
+    import autopar
+    from autopar.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=32, d_ff=128, max_seq=16))
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    # Megatron's split on a replicated batch: every backward all-reduce is an "f".
+    pins = {"*.q.weight": ["S(0)"], "*.k.weight": ["S(0)"], "*.v.weight": ["S(0)"], "*.o.weight": ["S(1)"],
+            "*.fc1.weight": ["S(0)"], "*.fc2.weight": ["S(1)"], "input_ids": ["R"], "labels": ["R"]}
+    cluster = autopar.ClusterSpec.local_cpu(world)
+    pm = autopar.compile(model, cluster, (ids,), {"labels": ids}, pins=pins, sharded_outputs=True)
+    plain = autopar.compile(model, cluster, (ids,), {"labels": ids}, plan=pm.plan, overlap=False,
+                            sharded_outputs=True)
+    # Each layer's q, k and v share one call, and its fc1 has one.
+    assert pm.code.count("column_linears(") == 4 and "column_linears(" not in plain.code, pm.code
+    assert "grad_all_reduce(" not in pm.code and plain.code.count("grad_all_reduce(") == 4, plain.code
+    # The plan prices each "f" as hidden behind its readers' weight gradients.
+    f = [c for c in pm.plan.collectives if c.step == "grad_all_reduce"]
+    assert len(f) == 4 and all(c.exposed < c.seconds for c in f), f
+    # Backward issues each input gradient's all-reduce, computes the weights' gradients, then waits; with
+    # overlap off, each waits at once.
+    reduce = (torch.ops._c10d_functional.all_reduce.default,)
+    between = _waited_after_compute(pm, ids, ids, reduce)
+    assert len(between) == 4 and all(n > 0 for n in between), between
+    assert not any(_waited_after_compute(plain, ids, ids, reduce))
+    _same_over_two_backwards(plain, pm, ids)
+
+
+def test_column_parallel_input_gradients_reduce_behind_weight_gradients():
+    """Megatron's "f" before column-parallel layers (q, k and v; fc1): the
+    all-reduce of the input's gradient is issued before the layers' weight gradients are computed and
+    waited after (runtime/collectives.py ``column_linears``), as the plan prices it, and the gradients
+    are bitwise those of ``compile(overlap=False)``."""
+    run_distributed(_column_linears, 2, timeout=300)

@@ -132,6 +132,22 @@ def test_a_resharding_shared_by_two_readers_is_bucketed_once():
     assert exposure(gm, strategy, colls, cm, ["dp"], set(), resharded_for={"w0": {"op1"}}).exposed == [1.5]
 
 
+def test_an_input_gradients_all_reduce_hides_behind_its_readers_weight_gradients():
+    """Megatron's "f" read by linear layers alone (runtime/collectives.py ``column_linears``): backward
+    issues it once the input's gradient is summed and waits after the readers' weight gradients, whose
+    compute is their forward's."""
+    gm, strategy = _chain(3)
+    cm = _Clock({"op0": 1.0, "op1": 2.0, "op2": 1.0})
+    f = _coll("all_reduce", "backward", "op0", "op1", 2.5)
+    # Read by op1 and op2, it runs behind their weight gradients (3 s): nothing exposed.
+    assert exposure(gm, strategy, [f], cm, ["dp"], set(), behind_weight_grads={("op0", "op1"): ["op1", "op2"]}
+                    ).exposed == [0.0]
+    # Read by op1 alone: 0.5 s of it is exposed; not hidden so, it waits where it is issued.
+    assert exposure(gm, strategy, [f], cm, ["dp"], set(), behind_weight_grads={("op0", "op1"): ["op1"]}
+                    ).exposed == pytest.approx([0.5])
+    assert exposure(gm, strategy, [f], cm, ["dp"], set()).exposed == [2.5]
+
+
 def test_a_sharded_parameters_gradient_reduce_scatter_waits_at_the_next_one_or_at_the_end():
     """ZeRO-3's and ZeRO-2's gradient reduce-scatters (runtime/collectives.py: defer_reduce_scatter)."""
     from autopar.passes.meta import Role, set_meta

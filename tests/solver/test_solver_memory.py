@@ -54,6 +54,23 @@ def test_constraints_joining_from_one_find_the_same_least_budget(backend, p):
     assert budget == max(p.memory_usage(a).values())
 
 
+def test_a_solve_stopped_at_its_node_limit_brackets_the_least_budget():
+    # What the infeasible-budget error states where the min-max stops early: the budget is a layout's own
+    # peak (a plan fits it) and the bound it proved is at most the least peak, so the gap between them
+    # never hides a smaller budget. Each decision puts its bytes on one of two points: a partition of
+    # an odd total, whose relaxation (half on each) the root cannot close.
+    sizes = [3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37]
+    p = Problem(choices=[Choice(f"c{i}", (1.0, 1.0)) for i in range(len(sizes))],
+                memory=[MemoryConstraint("a", tuple((i, (b * MB, 0.0)) for i, b in enumerate(sizes))),
+                        MemoryConstraint("b", tuple((i, (0.0, b * MB)) for i, b in enumerate(sizes)))])
+    least = brute_force_budget(p)
+    with mock.patch.object(memory_bound, "MINIMUM_NODE_LIMIT", 1):
+        budget, a, lower = minimum_feasible_budget(p, backend="highs")
+    assert lower < budget                  # stopped short of closing
+    assert budget == max(p.memory_usage(a).values())
+    assert lower <= least * (1 + 1e-9) and least <= budget
+
+
 def test_the_same_problem_is_solved_once():
     # Planning again under another budget too small repeats the error's min-max solves: the second time the
     # answer is looked up, and a problem that differs in one byte is solved for its own answer.
