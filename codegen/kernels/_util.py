@@ -49,8 +49,10 @@ def _pass_cpu_arguments_as_they_are() -> None:
         from triton.tools.tensor_descriptor import TensorDescriptor
     except ImportError:
         return
-    init, restore = GridExecutor._init_args_hst, GridExecutor._restore_args_dev
-    if getattr(init, "_autopar_in_place", False):
+    # Another Triton's interpreter may name its copies otherwise: it then keeps its own behaviour.
+    init = getattr(GridExecutor, "_init_args_hst", None)
+    restore = getattr(GridExecutor, "_restore_args_dev", None)
+    if init is None or restore is None or getattr(init, "_autopar_in_place", False):
         return
 
     def as_they_are(values) -> bool:
