@@ -1391,7 +1391,8 @@ class StepMemory:
         for n, k in sorted(grouped, key=lambda m: pos[m[0]]):
             v = input_values(n)[k]
             if is_param(v.node) and v.node not in tied:
-                readers = [(m, j) for m in calls for j, u in enumerate(input_values(m)) if u.node is v.node]
+                readers = sorted(((m, j) for m in v.node.users if m in pos
+                                  for j, u in enumerate(input_values(m)) if u.node is v.node), key=lambda r: pos[r[0]])
                 if len(readers) == 2 and all(r in grouped for r in readers):
                     tied[v.node] = readers
         grads = {_canonical(Value(a)): self.value(Value(a)) for a in outputs
