@@ -181,9 +181,10 @@ def _min_max(problem: Problem, start: tuple[int, ...], time_limit: float, backen
     # HiGHS's presolve restarts on this min-max model and costs 2-3x the rest of the solve.
     res = run(m, resolve_backend(backend), time_limit=time_limit, gap=_GAP, start=first,
               cutoff=None if cutoff is None else cutoff / scale, presolve=False, node_limit=MINIMUM_NODE_LIMIT)
-    if cutoff is not None and res.status == "infeasible":
-        return "cut off", None, cutoff
     found = None if res.values is None else f.assignment(res.values)
+    # HiGHS keeps a start above the cut-off as its answer: "optimal" then proves only that none is below.
+    if cutoff is not None and (res.status == "infeasible" or res.status == "optimal" and peak(found) >= cutoff):
+        return "cut off", None, cutoff
     # HiGHS's dual bound; CBC reports none
     proved = peak(found) if res.status == "optimal" else 0.0 if res.bound is None else res.bound * scale
     return res.status, found, proved

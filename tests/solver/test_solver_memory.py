@@ -54,6 +54,20 @@ def test_constraints_joining_from_one_find_the_same_least_budget(backend, p):
     assert budget == max(p.memory_usage(a).values())
 
 
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(p=problems(memory=True))
+def test_a_cutoff_below_the_least_budget_reports_none_below_it(p):
+    # Only a budget below the cut-off is wanted (the smallest another mesh reached): at or under the
+    # least peak none is, and the answer says so without claiming a bound above the least; above it
+    # the least is found as without one. HiGHS keeps a start above the cut-off as its answer, which
+    # must not read as a proven least.
+    least = brute_force_budget(p)
+    for cutoff in (least * 0.9, least - MB / 2, least):
+        assert minimum_feasible_budget(p, backend="highs", cutoff=cutoff) == (math.inf, greedy(p), cutoff)
+    budget, a, lower = minimum_feasible_budget(p, backend="highs", cutoff=least + MB / 2)
+    assert budget == lower == pytest.approx(least, rel=1e-9) and max(p.memory_usage(a).values()) == budget
+
+
 def test_a_solve_stopped_at_its_node_limit_brackets_the_least_budget():
     # What the infeasible-budget error states where the min-max stops early: the budget is a layout's own
     # peak (a plan fits it) and the bound it proved is at most the least peak, so the gap between them
