@@ -403,3 +403,94 @@ def test_attention_under_a_mask_broadcast_along_the_keys_is_priced_as_cuda_runs_
         else:
             assert saved.internal == B * H * S * 4          # the logsumexp
             assert saved.backward == 0
+
+
+def _step_memory(model, args, cluster, mesh_shape):
+    from autopar.passes.costs import CostModel
+    from autopar.passes.ilp_build import build_problem
+    from autopar.passes.memory import StepMemory
+    from autopar.passes.strategies import strategies_pass
+    from autopar.planner import default_optimizer, prepare
+
+    prep = prepare(model, args, {}, cluster)
+    strategies_pass(prep.gm, mesh_shape)
+    cm = CostModel(cluster, mesh_shape, default_optimizer(model))
+    prob, idx = build_problem(prep.gm, cm, None)
+    return prep.gm, prob, lambda: StepMemory(prep.gm, cm, idx, [len(c.costs) for c in prob.choices])
+
+
+def test_an_adds_inputs_share_the_gradient_of_its_output():
+    """A residual add hands its output's gradient tensor to both inputs (autograd makes no copy), and the
+    branch's bias add and reshape hand it on to the branch's matmul: at the add's backward nothing is
+    made, and through the branch's backward one [tokens, width] gradient fewer is live than when each
+    input's gradient is a tensor of its own, until the branch's matmul has read it."""
+    import dataclasses
+
+    from autopar.passes.meta import meta_of, set_meta
+
+    tokens, width = 64, 32
+
+    class Residual(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Linear(width, width, bias=False)
+            self.branch = torch.nn.Linear(width, width)
+
+        def forward(self, x):
+            h = self.inner(x)
+            y = h + self.branch(h)
+            return (y * y).sum()
+
+    torch.manual_seed(0)
+    gm, prob, step_memory = _step_memory(Residual(), (torch.randn(2, tokens // 2, width),),
+                                         autopar.ClusterSpec.local_cpu(1), (1,))
+    adds = [n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor]
+    residual = next(n for n in adds if all(a.op == "call_function" for a in n.args))
+    assert meta_of(residual).saved.passed == (True, True)
+    shared = step_memory()
+    for n in gm.graph.nodes:
+        saved = meta_of(n).saved if n.op == "call_function" else None
+        if saved is not None and saved.passed:
+            set_meta(n, saved=dataclasses.replace(saved, passed=()))
+    own = step_memory()
+    assignment = [0] * len(prob.choices)
+    names = [name for _, _, name in shared.points]
+    assert names == [name for _, _, name in own.points]
+    walks = [[p.total for p in sm.walk(assignment)] for sm in (shared, own)]
+    backward = [k for k, (_, phase, _) in enumerate(shared.points) if phase == "backward"]
+    at_add = next(k for k in backward if names[k] == residual.name)
+    # The branch's matmul: the reader of the input the branch's bias add is folded into.
+    matmul = next(k for k in backward if k > at_add and names[k].startswith(("mm", "addmm", "linear")))
+    grad = tokens * width * 4
+    assert walks[1][at_add] - walks[0][at_add] == pytest.approx(2 * grad)
+    assert walks[1][matmul] - walks[0][matmul] == pytest.approx(grad)
+    assert all(o >= s - 1e-6 for s, o in zip(*walks))
+    assert walks[0][-1] == pytest.approx(walks[1][-1])
+
+
+def test_the_solver_bounds_the_walk_where_gradients_are_shared():
+    """Where two inputs of an add share its output's gradient under three decisions (the inputs' layouts
+    and the add's: the built-in GPT's residual adds on 2 devices), the walk counts it once; the solver's memory constraints hold a bound of two
+    decisions below the bytes taken off, so under random layouts every point's constraint is at least
+    the walk's bytes there, and above it at some."""
+    import random
+
+    from autopar.passes.memory import _Product
+    from tests.memory_cases import build
+
+    model, args, _ = build("gpt", 32, 4, "cpu")
+    _, prob, step_memory = _step_memory(model, args, autopar.ClusterSpec.local_cpu(2), (2,))
+    sm = step_memory()
+    assert any(isinstance(q, _Product) for _, _, q in sm.events)
+    ks = list(range(len(sm.points)))
+    constraints = sm.constraints(ks)
+    rng = random.Random(0)
+    above = False
+    for _ in range(10):
+        assignment = [rng.randrange(len(c.costs)) for c in prob.choices]
+        walk = sm.walk(assignment)
+        for k in ks:
+            bound = constraints[k].bytes_at(assignment)
+            assert bound >= walk[k].total * (1 - 1e-9) - 1e-6, (sm.points[k], bound, walk[k].total)
+            above |= bound > walk[k].total * (1 + 1e-9) + 1
+    assert above
