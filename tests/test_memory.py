@@ -17,7 +17,8 @@ TOLERANCE = 0.10
 # 5% aim and, under a budget, measured within it (LLaMA's Megatron plan at 1.05x the smallest feasible budget,
 # at 64 x 8 tokens, reads its logits through an all-to-all to the vocab-parallel loss's layout and a
 # view of that copy, which the loss keeps: 1.052x its prediction and 1.037x its budget while the copy
-# was counted as a transient), "fits": measured within its budget (held to 10%), "zero": a ZeRO
+# was counted as a transient), "within": a tolerance tighter still, "fits": measured within its budget
+# (held to 10%), "zero": a ZeRO
 # stage the plan must use (the case is there for it), "overlap": compile's (and plan's) option, and
 # "kernels": the backend (ATen unless it says so).
 AIM = 0.05
@@ -69,7 +70,7 @@ def _measure(rank, world, cases):
         if "zero" in case:
             stages = {stage for stage, _ in pm.plan.zero_stages().values()}
             assert case["zero"] in stages, (arch, kind, budget[0], stages)
-        if abs(peak / predicted - 1) > (AIM if strict else TOLERANCE) or (fits and peak > budget[0]):
+        if abs(peak / predicted - 1) > case.get("within", AIM if strict else TOLERANCE) or (fits and peak > budget[0]):
             failures.append(f"{arch} {kind} budget {budget[0]}: predicted {predicted:.0f} B, measured "
                             f"{peak:.0f} B ({peak / predicted:.3f}x)" + (f", {peak / budget[0]:.3f}x the budget"
                                                                           if budget[0] else ""))
@@ -106,8 +107,10 @@ def _measure(rank, world, cases):
     # output that the query, key and value projections share, and a value kept only where its reader
     # reads no copy, were held through forward, and the tied embedding's gradient block counted from the
     # head's backward, where it accumulates whole until the embedding's (the built-in GPT under ZeRO-3
-    # 0.899x, LLaMA under Megatron 0.904x).
-    [("gpt", "zero3-recompute", None, {"tokens": (64, 8), "strict": True}),
+    # 0.899x, LLaMA under Megatron 0.904x). An add's inputs that share its output's gradient were each
+    # counted a gradient of their own (GPT 0.970x, BERT 0.954x).
+    [("gpt", "zero3-recompute", None, {"tokens": (64, 8), "within": 0.02}),
+     ("bert", "zero3-recompute", None, {"tokens": (64, 8), "within": 0.04}),
      ("llama", "megatron-recompute", None, {"tokens": (64, 8), "strict": True})],
     # compile(overlap=False) makes no gradient bucket: bench/train_cpu.py's built-in GPT, data parallel,
     # measured 0.896x its prediction while the model counted one. Its gather of the vocab-parallel logits
