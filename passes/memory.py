@@ -638,6 +638,8 @@ class StepMemory:
         self._reads: dict = {}
         self._steps: dict = {}   # (source layout, read layout, reduced axes, shape, dtype) -> bytes of its steps
         self._copies: dict = {}
+        self._passes: dict = {}    # fold key of (value, reader, input) -> (indicator, its complement) or None
+        self._products: dict = {}  # identities of factors -> (the factors, their product)
         self._moved: dict = {}   # an instance whose saved activations go to host -> (decision, indicator)
         self._recomputed: dict = {}   # a region that runs its forward again -> (decision, indicator)
         self._host: dict = {}    # a parameter's decision -> host bytes per option (offloaded optimizer states)
@@ -905,12 +907,12 @@ class StepMemory:
             table.append(own if own is not None else measured / self.cm.work_split(s))
         return _one(c, table)
 
-    def _passed(self, v, node, k) -> Bytes | None:
+    def _passed(self, v, node, k) -> tuple[Bytes, Bytes] | None:
         """1 where ``node``'s backward hands its input ``k`` (value ``v``) its output's gradient tensor
         itself, or a view of it: the op passes it on (``SavedForBackward.passed``: an add's inputs of its
         shape and dtype, a reshape's input) and, under the two layouts, the input is read in place (no
-        resharding whose backward converts the gradient) at the output's layout (a view: of its bytes).
-        None where it never does."""
+        resharding whose backward converts the gradient) at the output's layout (a view: of its bytes):
+        (that indicator, one less it), or None where it never does."""
         from autopar.passes.strategies import Value
 
         saved = meta_of(node).saved
@@ -919,6 +921,9 @@ class StepMemory:
         ca, cb = self._choice(v.node), self._choice(node)
         if self._choice(_canonical(v).node) != ca:
             return None
+        key = self._fold_key(v, node, k)
+        if key in self._passes:
+            return self._passes[key]
         gcp, view = self.copy(v, node, k)[1], node.target in VIEW_OPS
         vi, vo = self.value(_canonical(v)), self.value(Value(node))
         table = []
@@ -930,13 +935,17 @@ class StepMemory:
                            and (view or s is None or tuple(s.inputs[k]) == tuple(s.outputs[0])) else 0.0)
             table.append(row)
         q = _pair(ca, cb, table)
-        return None if q.zero() else q
+        self._passes[key] = None if q.zero() else (q, q.map(lambda x: 1.0 - x))
+        return self._passes[key]
 
     def _product(self, *factors: Bytes) -> Bytes:
         """The product of ``factors`` (bytes and indicators, never negative): exact where they depend on
         at most two decisions together, else a ``_Product`` whose solver terms are, over the pair of its
         decisions that leaves the most on average, the product of each factor's least over the others."""
         factors = tuple(g for f in factors for g in (f.factors if isinstance(f, _Product) else (f,)))
+        key = tuple(map(id, factors))
+        if key in self._products:
+            return self._products[key][1]
         ds = sorted({d for f in factors for d in (f.a, f.b) if d is not None})
         best = None
         for pair in itertools.combinations(ds, 2) if len(ds) > 2 else (ds,):
@@ -948,7 +957,9 @@ class StepMemory:
         pair, grid = best
         a, b = (pair + [None, None])[:2]
         q = _pair(a, b, grid.reshape(len(self._options(a)), len(self._options(b))).tolist())
-        return q if len(ds) <= 2 else _Product(q.a, q.b, q.table, factors)
+        # Keyed by the factors' identities, which the entry keeps alive.
+        self._products[key] = factors, q if len(ds) <= 2 else _Product(q.a, q.b, q.table, factors)
+        return self._products[key][1]
 
     def _shared_copies(self, calls, pos, input_values, inst_of, frees, copy_views, instances, remat):
         """The copies of values that several ops read through a resharding: one tensor per distinct
@@ -1587,7 +1598,7 @@ class StepMemory:
                         add((cat, 1, tied[v.node][2 if later else 3]))
                         continue
                     # Made where the output's gradient is not handed on.
-                    made = q if k not in passed else self._product(q, passed[k].map(lambda x: 1.0 - x))
+                    made = q if k not in passed else self._product(q, passed[k][1])
                     add((cat, 1, made))
                     if key in grads:
                         after.append((cat, made))    # accumulated into the gradient already there
@@ -1595,7 +1606,7 @@ class StepMemory:
                     else:
                         grads[key] = q
                         if k in passed:
-                            holders.append((key, passed[k]))
+                            holders.append((key, passed[k][0]))
                 if view:            # a view's gradient becomes its input's
                     hand_on(outs, holders)
                 q = self._backward_work(n, meta_of(n).saved)

@@ -408,14 +408,14 @@ def test_attention_under_a_mask_broadcast_along_the_keys_is_priced_as_cuda_runs_
             assert saved.backward == 0
 
 
-def _step_memory(model, args, cluster, mesh_shape):
+def _step_memory(model, args, cluster, mesh_shape, kwargs=None):
     from autopar.passes.costs import CostModel
     from autopar.passes.ilp_build import build_problem
     from autopar.passes.memory import StepMemory
     from autopar.passes.strategies import strategies_pass
     from autopar.planner import default_optimizer, prepare
 
-    prep = prepare(model, args, {}, cluster)
+    prep = prepare(model, args, kwargs or {}, cluster)
     strategies_pass(prep.gm, mesh_shape)
     cm = CostModel(cluster, mesh_shape, default_optimizer(model))
     prob, idx = build_problem(prep.gm, cm, None)
