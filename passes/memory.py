@@ -608,7 +608,8 @@ class StepMemory:
     after its last reader unless backward keeps it: a saved input at the layout its reader reads it in,
     a saved output or an op's internal buffer until that op's backward. Backward runs in reverse: each
     op allocates the gradients of its inputs (at the layout read when a resharding's backward then
-    converts them), then frees its outputs' gradients and what it kept; parameter gradients stay until
+    converts them; none for an input that autograd hands the output's gradient itself, one tensor the
+    inputs that hold it share), then frees its outputs' gradients and what it kept; parameter gradients stay until
     the optimizer step, which adds the optimizer's transient buffers. A recomputed layer instance keeps
     only its inputs through forward and runs its forward again, op by op, when its backward starts.
     ``overlap=False`` follows the program ``compile(overlap=False)`` makes: no gradient buckets, and a
@@ -617,7 +618,9 @@ class StepMemory:
     Every allocation is ``Bytes`` of at most two decisions (two layouts, or a layout and a recompute
     count), so the live bytes at any point are exactly a linear memory constraint with pair terms:
     ``walk`` evaluates every point under one assignment (the plan's timeline and peak) and
-    ``constraint`` hands one point to the solver. Both sum the same events.
+    ``constraint`` hands one point to the solver. Both sum the same events; the one kind of event of
+    three decisions (``_Product``: the gradient two inputs of an add share, taken off) is exact in the
+    walk and a bound below it in the solver's terms, so a constraint is never below the walk.
     """
 
     def __init__(self, gm, cm, idx, num_options: Sequence[int], *, sharded_outputs: bool = False,
