@@ -1600,10 +1600,13 @@ class StepMemory:
                                                             for i, row in enumerate(read)])]
                         add((cat, 1, tied[v.node][2 if later else 3]))
                         continue
-                    # Made where the output's gradient is not handed on.
-                    made = q if k not in passed else self._product(q, passed[k][1])
+                    # Made where the output's gradient is not handed on, or is accumulated into a
+                    # gradient another holds (which autograd leaves as it is, making their sum).
+                    accumulated = key in grads
+                    own = k not in passed or (accumulated and key in sharing)
+                    made = q if own else self._product(q, passed[k][1])
                     add((cat, 1, made))
-                    if key in grads:
+                    if accumulated:
                         after.append((cat, made))    # accumulated into the gradient already there
                         unshared.append(key)
                     else:

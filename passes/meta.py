@@ -41,7 +41,8 @@ class SavedForBackward:
     maps an input's position to the item size of a copy of it in another dtype that backward keeps
     (ATen's attention makes a boolean mask additive in the query's dtype), 0 where there is none; the
     copy is at the layout the op reads the input in. ``passed`` says which inputs backward hands the
-    output's gradient tensor itself, of its shape and dtype (an add's: no gradient is made for them).
+    output's gradient tensor itself or a view of all of it (an add's inputs of its shape and dtype, a
+    reshape's input): no gradient is made for them.
     """
 
     outputs: int
