@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 import operator
@@ -144,12 +145,15 @@ def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda", f
                 # Repeated layers run the same ops on the same shapes: one backward per distinct call.
                 key = _call_key(node.target, args, kwargs)
                 if key is None or key not in transients:
-                    t = _backward_transient(node.target, args, kwargs)
+                    t, passed = _backward_transient(node.target, args, kwargs)
                     if key is not None:
-                        transients[key] = t
+                        transients[key] = t, passed
                 else:
-                    t = transients[key]
-                saved = dataclasses.replace(saved, backward=max(t, int(reference or 0)))
+                    t, passed = transients[key]
+                leaves = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+                passed = tuple(any(p and a is value_of(m) for p, a in zip(passed, leaves)) for m in tensor_inputs(node))
+                saved = dataclasses.replace(saved, backward=max(t, int(reference or 0)),
+                                            passed=passed if any(passed) else ())
             set_meta(node, saved=saved)
     if fused:
         _kernel_records(gm)
@@ -309,31 +313,39 @@ def _call_key(target, args, kwargs):
         return None
 
 
-def _backward_transient(target, args, kwargs) -> int:
+def _backward_transient(target, args, kwargs) -> tuple[int, tuple[bool, ...]]:
     """Bytes an op's backward holds at its peak beyond the gradients it returns (the loss's backward
-    keeps a gradient of the log-probabilities while it makes the logits'), on meta tensors at full size.
-    The op runs again on leaf copies of its inputs, so that only its own backward runs."""
+    keeps a gradient of the log-probabilities while it makes the logits'), on meta tensors at full size,
+    and per tensor of ``(args, kwargs)`` (pytree order) whether backward hands it the gradient of the
+    op's one output itself, or a view of all of it (an add's inputs of its shape: autograd passes the
+    tensor on, no copy; a reshape's). The op runs again on leaf copies of its inputs, so that only its
+    own backward runs."""
     def leaf(a):
         return a.detach().requires_grad_(True) if isinstance(a, torch.Tensor) and a.requires_grad else a
 
     args, kwargs = pytree.tree_map(leaf, (args, kwargs))
-    ins = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and a.requires_grad]
+    tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+    ins = [a for a in tensors if a.requires_grad]
     if not ins:
-        return 0
+        return 0, ()
     try:
         with torch.enable_grad():
             out = target(*args, **kwargs)
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.grad_fn is not None]
         if not outs:
-            return 0
+            return 0, ()
         grads = [torch.empty_like(o) for o in outs]
         with _NewBytes() as mode:
             result = torch.autograd.grad(outs, ins, grads, retain_graph=True, allow_unused=True)
             end = mode.live
     except (NotImplementedError, RuntimeError):
-        return 0
-    del result
-    return max(0, mode.peak - end)
+        return 0, ()
+    g = grads[0] if len(outs) == 1 else None
+    got = {id(a): r for a, r in zip(ins, result)}
+    passed = tuple(g is not None and got.get(id(a)) is not None and _storage_key(got[id(a)]) == _storage_key(g)
+                   and got[id(a)].numel() == g.numel() and got[id(a)].dtype == g.dtype for a in tensors)
+    del result, got
+    return max(0, mode.peak - end), passed
 
 
 def _reference_backward(node, target_device) -> float | None:
@@ -527,6 +539,38 @@ def _times(q: Bytes, r: int, ind: Sequence[float]) -> Bytes:
 
 
 @dataclass(frozen=True)
+class _Product(Bytes):
+    """The product of ``factors`` (bytes and indicators) where it depends on three decisions: ``at`` (the
+    walk, under one assignment) is exact, while ``a``, ``b`` and ``table``, the solver's terms, hold a
+    bound of two decisions below it (such a product is only subtracted from what is live, so the solver's
+    points stay above the walk's)."""
+
+    factors: tuple = ()
+
+    def at(self, assignment) -> float:
+        return math.prod(f.at(assignment) for f in self.factors)
+
+
+def _broadcast(q: Bytes, ds: list) -> np.ndarray:
+    """``q``'s table as an array with one axis per decision of ``ds`` (size 1 where it does not depend on
+    it), the least over any decision it depends on outside ``ds``."""
+    shape = [1] * len(ds)
+    if q.a is None:
+        return np.full(shape, q.table, dtype=float)
+    table = np.asarray(q.table, dtype=float)
+    own = [q.a] if q.b is None else [q.a, q.b]
+    for ax in reversed(range(len(own))):
+        if own[ax] not in ds:
+            table = table.min(axis=ax)
+            del own[ax]
+    if len(own) == 2 and ds.index(own[0]) > ds.index(own[1]):
+        table, own = table.T, own[::-1]
+    for d, n in zip(own, table.shape):
+        shape[ds.index(d)] = n
+    return table.reshape(shape)
+
+
+@dataclass(frozen=True)
 class _MovedGradient:
     """Per option of a parameter, what happens to its gradient once accumulated: an offloaded one is
     copied to host memory at once, and so is a ZeRO-2 one reduce-scattered without overlap: that leaves
@@ -564,7 +608,8 @@ class StepMemory:
     after its last reader unless backward keeps it: a saved input at the layout its reader reads it in,
     a saved output or an op's internal buffer until that op's backward. Backward runs in reverse: each
     op allocates the gradients of its inputs (at the layout read when a resharding's backward then
-    converts them), then frees its outputs' gradients and what it kept; parameter gradients stay until
+    converts them; none for an input that autograd hands the output's gradient itself, one tensor the
+    inputs that hold it share), then frees its outputs' gradients and what it kept; parameter gradients stay until
     the optimizer step, which adds the optimizer's transient buffers. A recomputed layer instance keeps
     only its inputs through forward and runs its forward again, op by op, when its backward starts.
     ``overlap=False`` follows the program ``compile(overlap=False)`` makes: no gradient buckets, and a
@@ -573,7 +618,9 @@ class StepMemory:
     Every allocation is ``Bytes`` of at most two decisions (two layouts, or a layout and a recompute
     count), so the live bytes at any point are exactly a linear memory constraint with pair terms:
     ``walk`` evaluates every point under one assignment (the plan's timeline and peak) and
-    ``constraint`` hands one point to the solver. Both sum the same events.
+    ``constraint`` hands one point to the solver. Both sum the same events; the one kind of event of
+    three decisions (``_Product``: the gradient two inputs of an add share, taken off) is exact in the
+    walk and a bound below it in the solver's terms, so a constraint is never below the walk.
     """
 
     def __init__(self, gm, cm, idx, num_options: Sequence[int], *, sharded_outputs: bool = False,
@@ -594,6 +641,8 @@ class StepMemory:
         self._reads: dict = {}
         self._steps: dict = {}   # (source layout, read layout, reduced axes, shape, dtype) -> bytes of its steps
         self._copies: dict = {}
+        self._passes: dict = {}    # fold key of (value, reader, input) -> (indicator, its complement) or None
+        self._products: dict = {}  # identities of factors -> (the factors, their product)
         self._moved: dict = {}   # an instance whose saved activations go to host -> (decision, indicator)
         self._recomputed: dict = {}   # a region that runs its forward again -> (decision, indicator)
         self._host: dict = {}    # a parameter's decision -> host bytes per option (offloaded optimizer states)
@@ -860,6 +909,60 @@ class StepMemory:
             own = self.cm.backward_workspace_bytes(node, s)
             table.append(own if own is not None else measured / self.cm.work_split(s))
         return _one(c, table)
+
+    def _passed(self, v, node, k) -> tuple[Bytes, Bytes] | None:
+        """1 where ``node``'s backward hands its input ``k`` (value ``v``) its output's gradient tensor
+        itself, or a view of it: the op passes it on (``SavedForBackward.passed``: an add's inputs of its
+        shape and dtype, a reshape's input) and, under the two layouts, the input is read in place (no
+        resharding whose backward converts the gradient) at the output's layout (a view: of its bytes):
+        (that indicator, one less it), or None where it never does."""
+        from autopar.passes.strategies import Value
+
+        saved = meta_of(node).saved
+        if saved is None or k >= len(saved.passed) or not saved.passed[k] or is_param(v.node):
+            return None
+        ca, cb = self._choice(v.node), self._choice(node)
+        if self._choice(_canonical(v).node) != ca:
+            return None
+        key = self._fold_key(v, node, k)
+        if key in self._passes:
+            return self._passes[key]
+        gcp, view = self.copy(v, node, k)[1], node.target in VIEW_OPS
+        vi, vo = self.value(_canonical(v)), self.value(Value(node))
+        table = []
+        for i in self._options(ca):
+            row = []
+            for j in self._options(cb):
+                s, at = self._strategy(node, j), {ca: i, cb: j}
+                row.append(1.0 if (gcp is None or not gcp.at(at)) and vi.at(at) == vo.at(at)
+                           and (view or s is None or tuple(s.inputs[k]) == tuple(s.outputs[0])) else 0.0)
+            table.append(row)
+        q = _pair(ca, cb, table)
+        self._passes[key] = None if q.zero() else (q, q.map(lambda x: 1.0 - x))
+        return self._passes[key]
+
+    def _product(self, *factors: Bytes) -> Bytes:
+        """The product of ``factors`` (bytes and indicators, never negative): exact where they depend on
+        at most two decisions together, else a ``_Product`` whose solver terms are, over the pair of its
+        decisions that leaves the most on average, the product of each factor's least over the others."""
+        factors = tuple(g for f in factors for g in (f.factors if isinstance(f, _Product) else (f,)))
+        key = tuple(map(id, factors))
+        if key in self._products:
+            return self._products[key][1]
+        ds = sorted({d for f in factors for d in (f.a, f.b) if d is not None})
+        best = None
+        for pair in itertools.combinations(ds, 2) if len(ds) > 2 else (ds,):
+            pair = list(pair)
+            grid = np.broadcast_to(math.prod(_broadcast(f, pair) for f in factors),
+                                   [self.num_options[d] for d in pair])
+            if best is None or grid.mean() > best[1].mean():
+                best = pair, grid
+        pair, grid = best
+        a, b = (pair + [None, None])[:2]
+        q = _pair(a, b, grid.reshape(len(self._options(a)), len(self._options(b))).tolist())
+        # Keyed by the factors' identities, which the entry keeps alive.
+        self._products[key] = factors, q if len(ds) <= 2 else _Product(q.a, q.b, q.table, factors)
+        return self._products[key][1]
 
     def _shared_copies(self, calls, pos, input_values, inst_of, frees, copy_views, instances, remat):
         """The copies of values that several ops read through a resharding: one tensor per distinct
@@ -1409,6 +1512,53 @@ class StepMemory:
         # until backward's end.
         pending, held_to_end = (Bytes(None, None, 0.0),) * 3, []
         started = set()
+        # An add hands its output's gradient tensor to each input of its shape read in place, and a
+        # reshape a view of it to its input (autograd makes no copy): one storage, whose bytes the
+        # gradient of each input that holds it counts as if its own. Where two hold it (the residual
+        # stream and the branch of a residual add), the bytes of one (``_product`` of the output's
+        # bytes and both inputs' indicators) are taken off until either gradient is released or
+        # accumulated into (an accumulation into a tensor another gradient holds makes a new one); a
+        # gradient handed on again passes its share on to its holder.
+        sharing = {}          # gradient key -> (bytes taken off, the keys that share them)
+
+        def unshare(key):
+            taken = sharing.pop(key, None)
+            if taken is not None:
+                for other in taken[1]:
+                    sharing.pop(other, None)
+                add((_T, 1, taken[0]))
+
+        def release(o):
+            add((_T, -1, grads.pop(o)))
+            unshare(o)
+
+        def hand_on(outs, holders):
+            """Release the gradients of ``outs``, which lives on in each of ``holders`` (key, indicator)."""
+            if holders:
+                (o,) = outs
+                vo = grads[o]
+                for _, ind in holders:
+                    add((_T, 1, self._product(vo, ind)))
+                if len(holders) == 2:
+                    unshare(o)
+                    taken = (self._product(vo, *(ind for _, ind in holders)), [key for key, _ in holders])
+                elif o in sharing:
+                    before, members = sharing.pop(o)
+                    for other in members:
+                        sharing.pop(other, None)
+                    add((_T, 1, before))
+                    taken = (self._product(before, holders[0][1]),
+                             [holders[0][0] if key == o else key for key in members])
+                else:
+                    taken = None
+                if taken is not None:
+                    add((_T, -1, taken[0]))
+                    for key in taken[1]:
+                        sharing[key] = taken
+            for o in outs:
+                if o in grads:
+                    release(o)
+
         for t in range(len(calls) - 1, -1, -1):
             n = calls[t]
             for inst in inst_of.get(n, ()):
@@ -1418,12 +1568,13 @@ class StepMemory:
             outs = output_values(n)
             if n.target is not operator.getitem and requires_grad(n) and any(o in grads for o in outs):
                 view = n.target in VIEW_OPS
-                after = []
-                if view:            # a view's gradient becomes its input's: free one, make the other
-                    for o in outs:
-                        if o in grads:
-                            add((_T, -1, grads.pop(o)))
-                for k, v in enumerate(input_values(n)):
+                after, unshared = [], []
+                ins = input_values(n)
+                keys = [_canonical(v) for v in ins]
+                passed = {k: q for k, v in enumerate(ins) if requires_grad(v.node) and v.node not in tied
+                          and keys.count(keys[k]) == 1 and (q := self._passed(v, n, k)) is not None}
+                holders = []          # (key, indicator) of the inputs that hold the output's gradient
+                for k, v in enumerate(ins):
                     if not requires_grad(v.node):
                         continue
                     # The gradient at the layout read (a view's too), converted by the resharding's
@@ -1449,11 +1600,21 @@ class StepMemory:
                                                             for i, row in enumerate(read)])]
                         add((cat, 1, tied[v.node][2 if later else 3]))
                         continue
-                    add((cat, 1, q))
-                    if key in grads:
-                        after.append((cat, q))       # accumulated into the gradient already there
+                    # Made where the output's gradient is not handed on, or is accumulated into a
+                    # gradient another holds (which autograd leaves as it is, making their sum).
+                    accumulated = key in grads
+                    own = k not in passed or (accumulated and key in sharing)
+                    made = q if own else self._product(q, passed[k][1])
+                    add((cat, 1, made))
+                    if accumulated:
+                        after.append((cat, made))    # accumulated into the gradient already there
+                        unshared.append(key)
                     else:
                         grads[key] = q
+                        if k in passed:
+                            holders.append((key, passed[k][0]))
+                if view:            # a view's gradient becomes its input's
+                    hand_on(outs, holders)
                 q = self._backward_work(n, meta_of(n).saved)
                 if not q.zero():
                     add((_T, 1, q))
@@ -1461,9 +1622,10 @@ class StepMemory:
                 self.points.append((len(self.events), "backward", n.name))
                 for cat, q in after:
                     add((cat, -1, q))
-                for o in outs:
-                    if o in grads:
-                        add((_T, -1, grads.pop(o)))
+                for key in unshared:
+                    unshare(key)
+                if not view:
+                    hand_on(outs, holders)
             for q in kept.get(n, ()):
                 add((_A, -1, q))
             for cat, sign, q in frees.get(("B", t), ()):

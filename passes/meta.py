@@ -40,7 +40,9 @@ class SavedForBackward:
     is what the op's backward holds at its peak beyond the input gradients it returns. ``converted``
     maps an input's position to the item size of a copy of it in another dtype that backward keeps
     (ATen's attention makes a boolean mask additive in the query's dtype), 0 where there is none; the
-    copy is at the layout the op reads the input in.
+    copy is at the layout the op reads the input in. ``passed`` says which inputs backward hands the
+    output's gradient tensor itself or a view of all of it (an add's inputs of its shape and dtype, a
+    reshape's input): no gradient is made for them.
     """
 
     outputs: int
@@ -49,6 +51,7 @@ class SavedForBackward:
     held: tuple[bool, ...] = ()
     backward: int = 0
     converted: tuple[int, ...] = ()
+    passed: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ TOLERANCE = 0.10
 # 5% aim and, under a budget, measured within it (LLaMA's Megatron plan at 1.05x the smallest feasible budget,
 # at 64 x 8 tokens, reads its logits through an all-to-all to the vocab-parallel loss's layout and a
 # view of that copy, which the loss keeps: 1.052x its prediction and 1.037x its budget while the copy
-# was counted as a transient), "fits": measured within its budget (held to 10%), "zero": a ZeRO
+# was counted as a transient), "within": a tolerance tighter still, "fits": measured within its budget
+# (held to 10%), "zero": a ZeRO
 # stage the plan must use (the case is there for it), "overlap": compile's (and plan's) option, and
 # "kernels": the backend (ATen unless it says so).
 AIM = 0.05
@@ -69,7 +70,7 @@ def _measure(rank, world, cases):
         if "zero" in case:
             stages = {stage for stage, _ in pm.plan.zero_stages().values()}
             assert case["zero"] in stages, (arch, kind, budget[0], stages)
-        if abs(peak / predicted - 1) > (AIM if strict else TOLERANCE) or (fits and peak > budget[0]):
+        if abs(peak / predicted - 1) > case.get("within", AIM if strict else TOLERANCE) or (fits and peak > budget[0]):
             failures.append(f"{arch} {kind} budget {budget[0]}: predicted {predicted:.0f} B, measured "
                             f"{peak:.0f} B ({peak / predicted:.3f}x)" + (f", {peak / budget[0]:.3f}x the budget"
                                                                           if budget[0] else ""))
@@ -106,8 +107,10 @@ def _measure(rank, world, cases):
     # output that the query, key and value projections share, and a value kept only where its reader
     # reads no copy, were held through forward, and the tied embedding's gradient block counted from the
     # head's backward, where it accumulates whole until the embedding's (the built-in GPT under ZeRO-3
-    # 0.899x, LLaMA under Megatron 0.904x).
-    [("gpt", "zero3-recompute", None, {"tokens": (64, 8), "strict": True}),
+    # 0.899x, LLaMA under Megatron 0.904x). An add's inputs that share its output's gradient were each
+    # counted a gradient of their own (GPT 0.970x, BERT 0.954x).
+    [("gpt", "zero3-recompute", None, {"tokens": (64, 8), "within": 0.02}),
+     ("bert", "zero3-recompute", None, {"tokens": (64, 8), "within": 0.04}),
      ("llama", "megatron-recompute", None, {"tokens": (64, 8), "strict": True})],
     # compile(overlap=False) makes no gradient bucket: bench/train_cpu.py's built-in GPT, data parallel,
     # measured 0.896x its prediction while the model counted one. Its gather of the vocab-parallel logits
@@ -403,3 +406,94 @@ def test_attention_under_a_mask_broadcast_along_the_keys_is_priced_as_cuda_runs_
         else:
             assert saved.internal == B * H * S * 4          # the logsumexp
             assert saved.backward == 0
+
+
+def _step_memory(model, args, cluster, mesh_shape, kwargs=None):
+    from autopar.passes.costs import CostModel
+    from autopar.passes.ilp_build import build_problem
+    from autopar.passes.memory import StepMemory
+    from autopar.passes.strategies import strategies_pass
+    from autopar.planner import default_optimizer, prepare
+
+    prep = prepare(model, args, kwargs or {}, cluster)
+    strategies_pass(prep.gm, mesh_shape)
+    cm = CostModel(cluster, mesh_shape, default_optimizer(model))
+    prob, idx = build_problem(prep.gm, cm, None)
+    return prep.gm, prob, lambda: StepMemory(prep.gm, cm, idx, [len(c.costs) for c in prob.choices])
+
+
+def test_an_adds_inputs_share_the_gradient_of_its_output():
+    """A residual add hands its output's gradient tensor to both inputs (autograd makes no copy), and the
+    branch's bias add and reshape hand it on to the branch's matmul: at the add's backward nothing is
+    made, and through the branch's backward one [tokens, width] gradient fewer is live than when each
+    input's gradient is a tensor of its own, until the branch's matmul has read it."""
+    import dataclasses
+
+    from autopar.passes.meta import meta_of, set_meta
+
+    tokens, width = 64, 32
+
+    class Residual(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Linear(width, width, bias=False)
+            self.branch = torch.nn.Linear(width, width)
+
+        def forward(self, x):
+            h = self.inner(x)
+            y = h + self.branch(h)
+            return (y * y).sum()
+
+    torch.manual_seed(0)
+    gm, prob, step_memory = _step_memory(Residual(), (torch.randn(2, tokens // 2, width),),
+                                         autopar.ClusterSpec.local_cpu(1), (1,))
+    adds = [n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor]
+    residual = next(n for n in adds if all(a.op == "call_function" for a in n.args))
+    assert meta_of(residual).saved.passed == (True, True)
+    shared = step_memory()
+    for n in gm.graph.nodes:
+        saved = meta_of(n).saved if n.op == "call_function" else None
+        if saved is not None and saved.passed:
+            set_meta(n, saved=dataclasses.replace(saved, passed=()))
+    own = step_memory()
+    assignment = [0] * len(prob.choices)
+    names = [name for _, _, name in shared.points]
+    assert names == [name for _, _, name in own.points]
+    walks = [[p.total for p in sm.walk(assignment)] for sm in (shared, own)]
+    backward = [k for k, (_, phase, _) in enumerate(shared.points) if phase == "backward"]
+    at_add = next(k for k in backward if names[k] == residual.name)
+    # The branch's matmul: the reader of the input the branch's bias add is folded into.
+    matmul = next(k for k in backward if k > at_add and names[k].startswith(("mm", "addmm", "linear")))
+    grad = tokens * width * 4
+    assert walks[1][at_add] - walks[0][at_add] == pytest.approx(2 * grad)
+    assert walks[1][matmul] - walks[0][matmul] == pytest.approx(grad)
+    assert all(o >= s - 1e-6 for s, o in zip(*walks))
+    assert walks[0][-1] == pytest.approx(walks[1][-1])
+
+
+def test_the_solver_bounds_the_walk_where_gradients_are_shared():
+    """Where two inputs of an add share its output's gradient under three decisions (the inputs' layouts
+    and the add's: the built-in GPT's residual adds on 2 devices), the walk counts it once; the solver's memory constraints hold a bound of two
+    decisions below the bytes taken off, so under random layouts every point's constraint is at least
+    the walk's bytes there, and above it at some."""
+    import random
+
+    from autopar.passes.memory import _Product
+    from tests.memory_cases import build
+
+    model, args, _ = build("gpt", 32, 4, "cpu")
+    _, prob, step_memory = _step_memory(model, args, autopar.ClusterSpec.local_cpu(2), (2,))
+    sm = step_memory()
+    assert any(isinstance(q, _Product) for _, _, q in sm.events)
+    ks = list(range(len(sm.points)))
+    constraints = sm.constraints(ks)
+    rng = random.Random(0)
+    above = False
+    for _ in range(10):
+        assignment = [rng.randrange(len(c.costs)) for c in prob.choices]
+        walk = sm.walk(assignment)
+        for k in ks:
+            bound = constraints[k].bytes_at(assignment)
+            assert bound >= walk[k].total * (1 - 1e-9) - 1e-6, (sm.points[k], bound, walk[k].total)
+            above |= bound > walk[k].total * (1 + 1e-9) + 1
+    assert above
