@@ -44,6 +44,9 @@ import time
 import warnings
 from pathlib import Path
 
+# This folder's kernels.py (the Triton kernel bench) would shadow the `kernels` package transformers imports.
+sys.path[:] = [p for p in sys.path if p != os.path.dirname(os.path.abspath(__file__))]
+
 import torch
 import torch.distributed as dist
 

@@ -26,6 +26,9 @@ import sys
 import time
 from pathlib import Path
 
+# This folder's kernels.py (the Triton kernel bench) would shadow the `kernels` package transformers imports.
+sys.path[:] = [p for p in sys.path if p != os.path.dirname(os.path.abspath(__file__))]
+
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -12,6 +12,11 @@ embedding and LM head, and both may recompute layers where memory is short. Prin
 time, peak memory per device, the recomputed layers, and the ratios.
 """
 import logging
+import os
+import sys
+
+# This folder's kernels.py (the Triton kernel bench) would shadow the `kernels` package transformers imports.
+sys.path[:] = [p for p in sys.path if p != os.path.dirname(os.path.abspath(__file__))]
 
 import torch
 

@@ -27,6 +27,9 @@ import functools
 import os
 import sys
 
+# This folder's kernels.py (the Triton kernel bench) would shadow the `kernels` package transformers imports.
+sys.path[:] = [p for p in sys.path if p != os.path.dirname(os.path.abspath(__file__))]
+
 import torch
 import torch.distributed as dist
 

@@ -20,8 +20,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import resource
+import sys
 import time
+
+# This folder's kernels.py (the Triton kernel bench) would shadow the `kernels` package transformers imports.
+sys.path[:] = [p for p in sys.path if p != os.path.dirname(os.path.abspath(__file__))]
 
 import torch
 

@@ -20,6 +20,9 @@ import sys
 import time
 import traceback
 
+# This folder's kernels.py (the Triton kernel bench) would shadow the `kernels` package transformers imports.
+sys.path[:] = [p for p in sys.path if p != os.path.dirname(os.path.abspath(__file__))]
+
 import torch
 
 
