@@ -49,10 +49,11 @@ from autopar.plan import DDP_BUCKET_MB, PlanCollective, bucket_bytes, pack_bucke
 GRAD_BUCKET_BYTES = bucket_bytes(DDP_BUCKET_MB)
 # The gradient bucket sizes in MiB the planner prices on the chosen layout (``cheapest_bucket``),
 # largest first. The exposed tail after backward is about the last bucket's all-reduce, which
-# shrinks with the size, while each bucket more pays one latency (and on CPU, one peer wait): DDP's
-# 25 and its halvings down to 1 MiB, DDP's own first bucket, below which a bucket's all-reduce is
-# mostly latency on every link of the presets (HF GPT-2 on 2 CPU ranks measured a 25-40 ms shorter
-# tail at 6 MiB than at 25; bench/README.md).
+# shrinks with the size, while each bucket more pays one latency (and on CPU, one peer wait), so the
+# best size lies below DDP's 25 where the tail dominates (HF GPT-2 on 2 CPU ranks measured a 25-40 ms
+# shorter tail at 6 MiB; bench/README.md) and at 25 where latency does: DDP's 25 and its halvings
+# down to 1 MiB, the size DDP gives its own first bucket so that the first all-reduce starts early.
+# Halving keeps the best of the range within 2x of a candidate, at one replay of backward each.
 BUCKET_CANDIDATES_MB = (25, 12, 6, 3, 1)
 
 

@@ -440,10 +440,10 @@ def _shared_edge(v: Value, rs, count: int, idx: ProblemIndex, cm: CostModel,
                 continue
             fwd, bwd = phases
             hidden = min(fwd, forward_window)
-            if cm.bucketed_gradient(src, fwd):
-                hidden += min(bwd, backward_window)
-            elif fwd == 0.0 and partial:
+            if fwd == 0.0 and partial and f_window:
                 hidden += min(bwd, f_window)
+            elif cm.bucketed_gradient(src, fwd):
+                hidden += min(bwd, backward_window)
             saved = cm.overlap_saving(hidden)
             cost_row.append(fwd + bwd - saved)
             credit_row.append(saved)

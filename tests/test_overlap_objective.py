@@ -128,3 +128,17 @@ def test_the_planner_keeps_the_solvers_answer_where_the_replay_prices_it_faster(
     assert any(lay != ["R"] for lay in ilp.params.values()) or ilp.zero
     assert plan.params == ilp.params and plan.step_time == pytest.approx(ilp.step_time, rel=1e-9)
     assert plan.solver["replayed"]["replicated parameters"] > plan.step_time
+
+
+def test_the_credits_count_the_input_gradients_all_reduce_before_column_parallel_linears():
+    """Megatron's "f" before column-parallel linears runs behind their weight gradients
+    (runtime/collectives.py ``column_linears``): the replay hides it, and the solver's credits count
+    it too, never above the replay's hiding."""
+    from tests.memory_cases import build, options
+
+    model, args, kwargs = build("gpt", seq=32, batch=4, device="cpu")
+    plan = autopar.plan(model, autopar.ClusterSpec.local_cpu(2), args, kwargs, progress=False,
+                        **options("gpt", "megatron", 2, model))
+    f = [c for c in plan.collectives if c.phase == "backward" and c.kind == "all_reduce"]
+    assert f and all(c.exposed == 0.0 for c in f)
+    assert 0.0 < plan.breakdown["credit"] <= plan.breakdown["hidden"]
