@@ -121,7 +121,8 @@ def summary(plan) -> str:
     if plan.bucket_mb is not None:
         priced = plan.solver.get("buckets") or {}
         lines.append(f"gradient buckets: {plan.bucket_mb:g} MiB"
-                     + (" (step time priced at " + ", ".join(f"{mb} MiB {_s(t)}" for mb, t in priced.items()) + ")"
+                     + (" (step time priced at " + ", ".join(f"{mb} MiB {_s(priced[mb])}"
+                                                             for mb in sorted(priced, key=float, reverse=True)) + ")"
                         if len(set(priced.values())) > 1 else ""))
     if plan.pipeline:
         lines += pipeline_summary(plan)

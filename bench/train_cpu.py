@@ -169,7 +169,8 @@ def systems(args, rank, world, predicted: dict):
     if rank == 0:
         print(f"cluster: {cluster}")
         summary = pm.plan.summary().splitlines()
-        print(summary[0], "|", summary[-2])
+        print(summary[0], "|", next(line for line in summary if line.startswith("step time:")))
+        print(next((line for line in summary if line.startswith("gradient buckets:")), "no gradient buckets"))
         if budget is not None:
             print(f"memory budget {budget / 2**20:.1f} MiB per rank ({args.budget}; FSDP2's layout predicted "
                   f"{like['FSDP2'].memory.peak / 2**20:.1f} MiB, DDP's {like['DDP'].memory.peak / 2**20:.1f} MiB)")
