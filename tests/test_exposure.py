@@ -382,6 +382,9 @@ def test_the_planner_chooses_the_gradient_bucket_size_its_replay_prices_fastest(
     weight = 1024 * 1025 * 4         # a weight's gradient and its bias's, one bucket of 1 MiB or more
     assert max(copies(given)) - max(copies(small)) >= 2 * weight
 
+    with pytest.raises(autopar.AutoparError, match="bucket_mb=-1"):
+        autopar.plan(net, cluster, args, pins=dp, progress=False, bucket_mb=-1)
+
     path = tmp_path / "plan.json"
     chosen.save(path)
     assert autopar.Plan.load(path).bucket_mb == chosen.bucket_mb
