@@ -25,7 +25,7 @@ from autopar.plan import Plan
 def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_kwargs=None, *,
             memory_budget=None, plan: Plan | None = None, check_weights: bool = True,
             sharded_outputs: bool | None = None, kernels: str = "auto", skip_passes=(), insert_passes=(),
-            overlap: bool = True, bucket_mb: float = 25, **plan_options):
+            overlap: bool = True, bucket_mb: float | None = None, **plan_options):
     """Plan (or take ``plan``) and return this rank's ParallelModule.
 
     ``sharded_outputs=True`` returns outputs as DTensors and leaves non-scalar ones (logits) in the
@@ -35,8 +35,10 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
     ``skip_passes`` and ``insert_passes`` change the pass pipeline on every rank (docs/extending.md).
     ``overlap=False`` makes every collective wait where it is issued, for debugging (codegen/overlap.py),
     and is planned for (``plan``'s ``overlap``); a given plan made with overlap over-predicts its memory.
-    ``bucket_mb`` is the size of the buckets data-parallel gradients are all-reduced in during backward
-    (DDP's ``bucket_cap_mb``; codegen/grad_buckets.py).
+    ``bucket_mb`` is the size in MiB of the buckets data-parallel gradients are all-reduced in during
+    backward (DDP's ``bucket_cap_mb``; codegen/grad_buckets.py): a plan decision (``plan.bucket_mb``,
+    chosen by the planner's replay unless given, which fixes it); beside a given plan it must be the
+    plan's own, since the plan's step time and memory were priced at it.
     ``precision`` (a planning option) is Lightning's name of the training precision: "32-true",
     "bf16-mixed" or "bf16-true"; a given plan's own is used, and a different one is refused."""
     from autopar.codegen.triton import resolve_kernels
@@ -75,9 +77,10 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
     if plan is None:
         plan = _plan_on_rank0(model, cluster, example_inputs, example_kwargs, memory_budget, front,
                               {**plan_options, "kernels": kernels, "sharded_outputs": bool(sharded_outputs),
-                               "overlap": overlap})
+                               "overlap": overlap, "bucket_mb": bucket_mb})
     else:
-        check_plan(plan, model, example_inputs, example_kwargs, world, memory_budget=memory_budget, **plan_options)
+        check_plan(plan, model, example_inputs, example_kwargs, world, memory_budget=memory_budget,
+                   bucket_mb=bucket_mb, **plan_options)
     if sharded_outputs is None:
         sharded_outputs = plan.sharded_outputs
     if plan.pipeline:
@@ -88,7 +91,7 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
     mesh = init_mesh(plan)
     groups = [mesh.get_group(a).group_name for a in plan.axis_names]
     program = generate(front, plan, groups, rank_device(), sharded_outputs=sharded_outputs, kernels=kernels,
-                       overlap=overlap, bucket_mb=bucket_mb)
+                       overlap=overlap)
     return build(model, program, plan, mesh, check_weights=check_weights, sharded_outputs=sharded_outputs)
 
 
@@ -110,13 +113,14 @@ def _plan_on_rank0(model, cluster, example_inputs, example_kwargs, memory_budget
 
 
 def check_plan(plan: Plan, model: nn.Module, example_inputs=(), example_kwargs=None, world: int | None = None, *,
-               memory_budget=None, pins=None, mesh_shape=None, axis_names=None, progress=None, **options) -> None:
+               memory_budget=None, pins=None, mesh_shape=None, axis_names=None, progress=None, bucket_mb=None,
+               **options) -> None:
     """Check a given plan against the model, the example inputs and the options beside it.
 
     A plan fixes every shape, so inputs of other shapes are refused (plan again for them). Planning
     options cannot change a finished plan: ``memory_budget``, ``pins``, ``mesh_shape`` and
-    ``axis_names`` are checked against it, and any other planning option is refused rather than
-    ignored."""
+    ``axis_names`` are checked against it, ``bucket_mb`` must be the plan's (its time and memory are
+    priced at it), and any other planning option is refused rather than ignored."""
     from autopar.errors import InfeasiblePlanError, ShapeMismatchError
     from autopar.planner import model_fingerprint
 
@@ -147,6 +151,13 @@ def check_plan(plan: Plan, model: nn.Module, example_inputs=(), example_kwargs=N
         raise InfeasiblePlanError(f"the plan's predicted peak, {plan.memory.peak:.0f} bytes per device, exceeds "
                                   f"memory_budget={float(memory_budget):.0f}; plan again with this budget",
                                   memory_budget=float(memory_budget))
+    if bucket_mb is not None and bucket_mb != plan.bucket_mb:
+        raise PlanFormatError(
+            f"bucket_mb={bucket_mb} but the plan "
+            + ("makes no gradient bucket of a size of its own (a pipeline plan, a plan made with overlap=False, or "
+               "one saved before plans recorded it)" if plan.bucket_mb is None else
+               f"was priced with gradient buckets of {plan.bucket_mb:g} MiB (plan.bucket_mb)")
+            + "; drop bucket_mb to run the plan's, or plan again with it (autopar.plan(..., bucket_mb=...))")
     for pattern, pin in (pins or {}).items():
         _check_pin(plan, pattern, pin)
 

@@ -35,6 +35,7 @@ class MeshCandidate:
     gm: fx.GraphModule
     sharded_outputs: bool
     overlap: bool = True
+    bucket_mb: float | None = None       # the gradient bucket size given; None: the plan chooses it
     _memory: StepMemory | None = None
 
     @property
@@ -101,7 +102,7 @@ def search(meshes: list[MeshCandidate], best, prep, cluster, memory_budget, shar
                 report(f"mesh {m.shape}: evaluating")
                 t0 = time.perf_counter()
                 p = within_budget(assemble_plan(prep, m.solved(), sol.assignment, cluster, memory_budget,
-                                                sharded_outputs), m, memory_budget)
+                                                sharded_outputs, bucket_mb=m.bucket_mb), m, memory_budget)
                 p.alternatives = alternatives(m.prob, m.idx, sol.assignment, m.cm, m.names)
                 p.solver.update(status=sol.status, seconds=sol.seconds, variables=sol.num_variables,
                                 constraints=sol.num_constraints, backend=sol.backend, gap=sol.gap)
@@ -156,11 +157,11 @@ def replay_cheapest(best, m: MeshCandidate, assignment, prep, cluster, memory_bu
     if sol.status == "infeasible" or alt.objective(sol.assignment) >= INFEASIBLE:
         return best
     # Solved under the same memory rounds as the first plan, and held to the same budget.
-    p = within_budget(assemble_plan(prep, m.solved(), sol.assignment, cluster, memory_budget, sharded_outputs),
-                      m, memory_budget)
+    p = within_budget(assemble_plan(prep, m.solved(), sol.assignment, cluster, memory_budget, sharded_outputs,
+                                    bucket_mb=m.bucket_mb), m, memory_budget)
     replayed = {"solver": best.step_time, "replicated parameters": p.step_time}
     if p.step_time < best.step_time:
         p.alternatives = alternatives(m.prob, m.idx, sol.assignment, m.cm, m.names)
-        p.solver, best = best.solver, p
+        p.solver, best = {**best.solver, **p.solver}, p      # the solver's record, this layout's buckets
     best.solver["replayed"] = replayed
     return best

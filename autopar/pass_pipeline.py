@@ -32,7 +32,7 @@ from autopar.passes.runner import PassRunner, pass_name
 from autopar.passes.strategies import mark_requires_grad_pass, strategies_pass
 from autopar.passes.strided import strided_hints_pass
 from autopar.errors import AutoparError
-from autopar.plan import Plan
+from autopar.plan import Plan, bucket_bytes
 from autopar.runtime.program import Program
 
 FRONT_END = (normalize_pass, layers_pass, mark_requires_grad_pass, strided_hints_pass)
@@ -105,13 +105,12 @@ def front_end(model, example_inputs, example_kwargs, runner: PassRunner, *, prec
 
 
 def generate(front: FrontEnd, plan: Plan, group_names, device, *, sharded_outputs: bool,
-             kernels: str, overlap: bool = True, bucket_mb: float = 25) -> Program:
+             kernels: str, overlap: bool = True) -> Program:
     """Run codegen on the front end's graph: the finished program of this rank. With ``overlap``,
     forward collectives are issued early and waited at the first use of their result
-    (codegen/overlap.py), and data-parallel gradients are all-reduced in buckets of ``bucket_mb``
-    MiB during backward (codegen/grad_buckets.py); pipeline stages keep both as they were."""
-    if not bucket_mb >= 0:
-        raise AutoparError(f"bucket_mb={bucket_mb}: a gradient bucket's size in MiB is 0 or more")
+    (codegen/overlap.py), and data-parallel gradients are all-reduced during backward in buckets of
+    the plan's size (``plan.bucket_mb``, which the plan was priced at; codegen/grad_buckets.py);
+    pipeline stages keep both as they were."""
     stages = ()
     if plan.pipeline:
         if kernels == "triton":
@@ -137,5 +136,5 @@ def generate(front: FrontEnd, plan: Plan, group_names, device, *, sharded_output
     cap = front.captured
     return Program(gm, info.placeholders, info.output_layouts, cap.in_spec, cap.out_spec, cap.input_shapes,
                    dict(cap.constant_values), dict(info.kernels), grad_reductions=info.grad_reductions,
-                   bucket_bytes=int(bucket_mb * 2**20), overlap=overlap and not plan.pipeline, stages=stages,
+                   bucket_bytes=bucket_bytes(plan.bucket_mb), overlap=overlap and not plan.pipeline, stages=stages,
                    sharded_states=info.sharded_states)

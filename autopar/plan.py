@@ -23,6 +23,14 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"
 MEMORY_KEYS = ("peak", "params", "grads", "optimizer", "activations")
 # torch.distributed.pipelining schedules a pipeline plan may name
 PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+# DDP's gradient bucket size (``bucket_cap_mb``): what a plan without ``bucket_mb`` runs and is priced at.
+DDP_BUCKET_MB = 25
+
+
+def bucket_bytes(bucket_mb: float | None) -> int:
+    """The bytes of a gradient bucket of ``bucket_mb`` MiB (None: DDP's), as the runtime, the replay,
+    the solver's hiding credits and the step memory model all take it."""
+    return int((DDP_BUCKET_MB if bucket_mb is None else bucket_mb) * 2**20)
 
 
 # --- typed entries -----------------------------------------------------------------------------
@@ -371,6 +379,10 @@ class Plan:
     # parameters whose optimizer state, the gradient it reads and the copy of the parameter it steps
     # live in host memory, stepped there: FQN -> {"host_bytes", "device_bytes_freed"} per device
     offload: dict = field(default_factory=dict)
+    # the size in MiB of the buckets data-parallel gradients are all-reduced in during backward, chosen
+    # by the replay (passes/exposure.py) or given; None where the program makes no bucket (pipelines,
+    # ``overlap=False``) or the plan predates the field: DDP's 25 then
+    bucket_mb: float | None = None
     version: int = PLAN_VERSION
     extra: dict = field(default_factory=dict)
 
@@ -653,7 +665,8 @@ def _schema(axes) -> dict:
                                "candidates": _list_of(_object({"mesh": _list_of(_integer(1)), "status": _string},
                                                               {"objective": _optional(_cost)})),
                                "passes": _list_of(_object({"name": _string, "seconds": _number,
-                                                           "skipped": _boolean}))}),
+                                                           "skipped": _boolean})),
+                               "buckets": _dict_of(_number)}),
         "alternatives": _dict_of(_list_of(alternative)),
         "sharded_outputs": _boolean,
         "precision": _one_of(PRECISIONS),
@@ -676,6 +689,7 @@ def _schema(axes) -> dict:
         "zero": _dict_of(_object({"stage": _zero_stage, "axis": _one_of(axes), "dim": _integer(0)},
                                  {"bucket": _integer(0), "sharded_master": _boolean}, open_ended=False)),
         "offload": _dict_of(_object({"host_bytes": _number, "device_bytes_freed": _number}, open_ended=False)),
+        "bucket_mb": _optional(_number),
     }
 
 
@@ -714,7 +728,7 @@ def _validate(d: Any) -> None:
         raise PlanFormatError(f"plan format version {version!r} is not supported (this autopar reads "
                               f"version {PLAN_VERSION}); plan the model again with this version")
     optional = ("version", "extra", "alternatives", "sharded_outputs", "recompute", "pipeline", "precision",
-                "zero", "offload")
+                "zero", "offload", "bucket_mb")
     missing = [k for k in Plan.__dataclass_fields__ if k not in optional and k not in d]
     if missing:
         raise PlanFormatError(f"plan is missing fields {missing}")
@@ -764,6 +778,8 @@ def _validate(d: Any) -> None:
             _fail(f"offload.{fqn}", "an offloaded optimizer state is not also sharded by ZeRO-1/2")
         if d.get("pipeline") is not None:
             _fail(f"offload.{fqn}", "pipeline plans do not offload optimizer states")
+    if d.get("bucket_mb") is not None and d.get("pipeline") is not None:
+        _fail("bucket_mb", "pipeline plans make no gradient bucket (their gradients are summed once per step)")
 
 
 def _validate_pipeline(pipe: Any, mesh: dict) -> None:

@@ -10,14 +10,14 @@ import torch
 from autopar.cluster import ClusterSpec
 from autopar.layout import format_layout
 from autopar.passes.costs import CostModel
-from autopar.passes.exposure import exposure
+from autopar.passes.exposure import BUCKET_CANDIDATES_MB, Replay, cheapest_bucket
 from autopar.passes.ilp_build import ProblemIndex
 from autopar.passes.layers import layer_counts, layer_instances
 from autopar.passes.memory import StepMemory
 from autopar.passes.meta import is_param, meta_of, op_name
 from autopar.passes.precision import sharded_master_copy
 from autopar.passes.reshard_plan import behind_weight_grads, collectives, plan_reshards
-from autopar.plan import MemoryPoint, Plan, PlanMemory, PlanNode, PlanZero
+from autopar.plan import DDP_BUCKET_MB, MemoryPoint, Plan, PlanMemory, PlanNode, PlanZero
 
 if TYPE_CHECKING:
     from autopar.planner import Prepared
@@ -49,9 +49,11 @@ class SolvedMesh:
 
 
 def assemble_plan(prep: Prepared, mesh: SolvedMesh, assignment, cluster: ClusterSpec, memory_budget: float,
-                  sharded_outputs: bool = False, pipeline: bool = False) -> Plan:
+                  sharded_outputs: bool = False, pipeline: bool = False, bucket_mb: float | None = None) -> Plan:
     """The Plan of ``assignment`` (the solver's choice per decision) on ``mesh``; ``pipeline``: one
-    stage's, whose ZeRO-1 parameters keep their master whole."""
+    stage's, whose ZeRO-1 parameters keep their master whole. Where the program buckets gradient
+    all-reduces (overlap, no pipeline), the plan's bucket size is ``bucket_mb``, or else the one of
+    ``passes.exposure.BUCKET_CANDIDATES_MB`` whose replay is fastest on this layout."""
     gm, cap = prep.gm, prep.captured
     idx, cm, axis_names, sm = mesh.idx, mesh.cm, mesh.names, mesh.memory
     chosen = idx.chosen(assignment)
@@ -83,8 +85,11 @@ def assemble_plan(prep: Prepared, mesh: SolvedMesh, assignment, cluster: Cluster
     regions |= {n.name: inst for n, inst in instance_of.items()}
     regions |= {name: core for core, names in recompute.get("attention", {}).get("regions", {}).items()
                 for name in names}
-    ex = exposure(gm, chosen, colls, cm, axis_names, recomputed_nodes, resharded_for=resharded_for, regions=regions,
-                  behind_weight_grads=behind_weight_grads(gm, low))
+    replay = Replay(gm, chosen, colls, cm, axis_names, recomputed_nodes, resharded_for=resharded_for, regions=regions,
+                    behind_weight_grads=behind_weight_grads(gm, low))
+    bucketed = sm.overlap and not pipeline
+    sizes = (bucket_mb,) if bucket_mb is not None else BUCKET_CANDIDATES_MB if bucketed else (DDP_BUCKET_MB,)
+    chosen_mb, ex, priced = cheapest_bucket(replay, cm, sizes)
     colls = [replace(c, seconds=seconds, exposed=exposed) for c, seconds, exposed in zip(colls, ex.seconds, ex.exposed)]
     # Offloaded layers' saved activations go to host memory in forward and come back in backward.
     offload_seconds = 0.0
@@ -139,13 +144,15 @@ def assemble_plan(prep: Prepared, mesh: SolvedMesh, assignment, cluster: Cluster
     comm_axis = {name: 0.0 for name in axis_names}
     for c in colls:
         comm_axis[c.axis] += c.seconds
-    timeline, peak_point = memory_timeline(sm.walk(assignment))
+    timeline, peak_point = memory_timeline(sm.walk(assignment, max(ex.buckets, default=0.0) if bucketed else None))
     memory = PlanMemory(peak_point.total, mem["params"], mem["grads"], mem["optimizer"],
                         timeline["end_of_forward"]["activations"], memory_budget, mem["host"], param_bytes,
                         timeline["points"], timeline["peak_index"], memory_point(peak_point))
     serial = compute + recompute_compute + serial_comm + optim + offload_seconds
     saved = cm.overlap_saving(ex.hidden)
     step = compute + recompute_compute + sum(comm_axis.values()) - saved + optim + offload_seconds
+    # The step time at each bucket size priced: only the replayed communication differs.
+    at_size = {mb: step - priced[f"{chosen_mb:g}"] + cost for mb, cost in priced.items()}
     return Plan(
         model={"class": cap.model_class, "fingerprint": prep.fingerprint,
                "num_params": sum(int(n.meta["val"].numel()) for n in gm.graph.nodes
@@ -160,7 +167,8 @@ def assemble_plan(prep: Prepared, mesh: SolvedMesh, assignment, cluster: Cluster
                    "serial": serial, **({"offload": offload_seconds} if off_layers else {}),
                    **({"contention": ex.hidden - saved} if saved != ex.hidden else {}),
                    **({"credit": idx.hiding_credit(assignment)} if idx.credit is not None else {})},
-        solver={}, sharded_outputs=sharded_outputs, recompute=recompute, zero=zero, offload=offload,
+        solver={"buckets": at_size} if bucketed else {}, sharded_outputs=sharded_outputs, recompute=recompute,
+        zero=zero, offload=offload, bucket_mb=chosen_mb if bucketed else None,
     )
 
 

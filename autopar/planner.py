@@ -106,7 +106,8 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
          insert_passes=(), pins: dict | None = None, kernels: str = "aten", sharded_outputs: bool = False,
          recompute: bool | dict = True, cost_model: type[CostModel] = CostModel,
          front: FrontEnd | None = None, microbatches: int | None = None, schedule: str | None = None,
-         pipeline: bool | None = None, precision: str | None = None, overlap: bool = True) -> Plan:
+         pipeline: bool | None = None, precision: str | None = None, overlap: bool = True,
+         bucket_mb: float | None = None) -> Plan:
     """Find the fastest layout of ``model`` on ``cluster`` that fits ``memory_budget`` bytes per device.
 
     ``pins`` forces layouts by hand: ``{"*.mlp.c_fc.weight": ["R", "S(1)"], "input_ids": ["S(0)", "R"]}``
@@ -135,11 +136,16 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     None trains in the model's own dtype (passes/precision.py).
     ``overlap=False`` plans for the program ``compile(overlap=False)`` runs: no communication hidden,
     no gradient buckets, ZeRO-2 reduce-scatters waited at once (its time and memory).
+    ``bucket_mb`` fixes the size in MiB of the buckets data-parallel gradients are all-reduced in during
+    backward (the solver's hiding credits, the replay and the memory model price it); None lets the
+    planner choose it among ``passes.exposure.BUCKET_CANDIDATES_MB`` by the replay of the chosen layout
+    (``plan.bucket_mb``; docs/cost-model.md, "Overlap").
     """
     t0 = time.perf_counter()
     if mesh_shape is not None:
         cluster = _with_mesh(cluster, mesh_shape, axis_names)
     memory_budget = float(memory_budget) if memory_budget is not None else cluster.usable_memory
+    check_bucket_mb(bucket_mb)
     prec = resolve_precision(precision, model)
     if front is not None and front.precision != prec:
         raise AutoparError(f"the front end was captured under precision {front.precision.name!r}, not {prec.name!r}")
@@ -211,11 +217,12 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
                 prep.runner.run(mesh_passes(shape, offload=offload), prep.gm, f"mesh {shape}")
                 cm = cost_model(cluster, shape, optimizer, fused=fused)
                 report(f"mesh {shape}: costs")
-                prob, idx = build_problem(prep.gm, cm, memory_budget, pins, sharded_outputs, recompute, overlap)
+                prob, idx = build_problem(prep.gm, cm, memory_budget, pins, sharded_outputs, recompute, overlap,
+                                          bucket_mb=bucket_mb)
                 quick = greedy(prob)
                 meshes.append(MeshCandidate(len(meshes), shape, names, prob, idx, cm, prob.lower_bound(),
                                             prob.objective(quick) if prob.feasible(quick) else math.inf,
-                                            prep.gm, sharded_outputs, overlap))
+                                            prep.gm, sharded_outputs, overlap, bucket_mb))
         finally:
             for job in forked.values():     # left uncollected by an error
                 job.cancel()
@@ -249,6 +256,14 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
                                  for r in (prep.runner.records if prep is not None else [])]
         report("done")
     return best
+
+
+def check_bucket_mb(bucket_mb) -> None:
+    """A gradient bucket size in MiB is a finite number, 0 or more (0: one gradient per bucket), or None."""
+    if bucket_mb is not None and (isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float))
+                                  or not math.isfinite(bucket_mb) or bucket_mb < 0):
+        raise AutoparError(f"bucket_mb={bucket_mb!r}: a gradient bucket's size in MiB is a finite number, 0 or "
+                           f"more, or None for the planner to choose it")
 
 
 def offload_offered(cluster: ClusterSpec, pins) -> bool:

@@ -118,6 +118,12 @@ def summary(plan) -> str:
                     if plan.breakdown.get("contention") else "")
                  + f" + optimizer {_s(plan.breakdown['optimizer'])}"
                  + (f" + pipeline bubble {_s(plan.breakdown['bubble'])}" if plan.breakdown.get("bubble") else ""))
+    if plan.bucket_mb is not None:
+        priced = plan.solver.get("buckets") or {}
+        lines.append(f"gradient buckets: {plan.bucket_mb:g} MiB"
+                     + (" (step time priced at " + ", ".join(f"{mb} MiB {_s(priced[mb])}"
+                                                             for mb in sorted(priced, key=float, reverse=True)) + ")"
+                        if len(set(priced.values())) > 1 else ""))
     if plan.pipeline:
         lines += pipeline_summary(plan)
     for cls, r in plan.recompute["classes"].items():

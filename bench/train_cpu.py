@@ -4,7 +4,7 @@ parallel (parallelize_module), on one GPT-2-shaped model; plus a 1-rank autopar 
 
     OMP_NUM_THREADS=1 python bench/train_cpu.py [--model gpt|hf-gpt2] [--rounds 3] [--steps 4]
                                                 [--layers N] [--d-model N] [--vocab N] [--batch N]
-                                                [--budget fsdp2|BYTES|FACTORx] [--bucket-mb 25]
+                                                [--budget fsdp2|BYTES|FACTORx] [--bucket-mb MIB]
 
 autopar plans on the profiled cluster (``ClusterSpec.profile()``; ``--no-profile`` keeps local_cpu's
 rough figures) with ``sharded_outputs=True``: each rank keeps the logits in the layout they are
@@ -172,7 +172,8 @@ def systems(args, rank, world, predicted: dict):
     if rank == 0:
         print(f"cluster: {cluster}")
         summary = pm.plan.summary().splitlines()
-        print(summary[0], "|", summary[-2])
+        print(summary[0], "|", next(line for line in summary if line.startswith("step time:")))
+        print(next((line for line in summary if line.startswith("gradient buckets:")), "no gradient buckets"))
         if budget is not None:
             print(f"memory budget {budget / 2**20:.1f} MiB per rank ({args.budget}; FSDP2's layout predicted "
                   f"{like['FSDP2'].memory.peak / 2**20:.1f} MiB, DDP's {like['DDP'].memory.peak / 2**20:.1f} MiB)")
@@ -302,9 +303,9 @@ def main():
     ap.add_argument("--budget", help="plan autopar under a memory budget per rank: 'fsdp2' (the peak the step "
                     "memory model predicts for FSDP2's layout, below the DDP layout's on both models), "
                     "'0.9x' (a factor of that peak) or a number of bytes; default: no budget")
-    ap.add_argument("--bucket-mb", type=float, default=25,
-                    help="autopar's gradient bucket size in MiB (compile(bucket_mb=); default DDP's 25); the plan is "
-                    "priced with 25 MiB buckets whatever this is")
+    ap.add_argument("--bucket-mb", type=float, default=None,
+                    help="fix autopar's gradient bucket size in MiB (compile(bucket_mb=), which the plan is priced "
+                    "at); default: the planner chooses it (plan.bucket_mb)")
     ap.add_argument("--no-one-rank", action="store_true", help="skip the 1-rank comparison with eager")
     args = ap.parse_args()
     for key, value in DEFAULTS[args.model].items():

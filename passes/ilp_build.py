@@ -15,6 +15,7 @@ import torch.fx as fx
 from autopar.layout import Placement, R
 from autopar.passes.costs import INFEASIBLE, CostModel
 from autopar.passes.exposure import HidingWindows
+from autopar.plan import bucket_bytes
 from autopar.passes.meta import is_param, meta_of
 from autopar.passes.precision import sharded_master_option
 from autopar.passes.strategies import MeshStrategies, Value, input_values, requires_grad, strategies_on
@@ -171,7 +172,7 @@ def _unmatched(pattern, decided_names, strategies: MeshStrategies):
 def build_problem(gm: fx.GraphModule, cm: CostModel, memory_budget: float | None,
                   pins: dict | None = None, sharded_outputs: bool = False,
                   recompute: bool | dict = True, overlap: bool = True,
-                  sharded_masters: bool = True) -> tuple[Problem, ProblemIndex]:
+                  sharded_masters: bool = True, bucket_mb: float | None = None) -> tuple[Problem, ProblemIndex]:
     """``pins`` maps a glob over decision names (parameter FQNs, input names, node names) to a layout
     that decision must take. A pin on one copy of a repeated layer applies to every copy. With
     ``sharded_outputs`` only scalar user outputs are priced as gathered (passes.reshard_plan). With
@@ -181,7 +182,8 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_budget: float | None
     the compute in its window can hide saves (``passes.exposure.HidingWindows``; ``CostModel
     .overlap_saving``: all of it but the device's contention share), so the solver prefers layouts whose
     communication hides; ``idx.credit`` holds the credits alone, so that ``objective + credit`` is the
-    serial step time. Without it the objective is the serial step time. The strategies are those
+    serial step time. Without it the objective is the serial step time; ``bucket_mb`` is the gradient
+    bucket size the credits pack buckets at (None: DDP's, before the plan chooses one). The strategies are those
     ``strategies_pass`` made for the cost model's mesh. With ``sharded_masters`` (not a pipeline's
     stages) a ZeRO-1/2 weight read through its bfloat16 copy shards its float32 master: its copy is
     gathered in bfloat16 and its cast does not run (``passes.precision.sharded_master_copy``)."""
@@ -262,7 +264,7 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_budget: float | None
         for c, k, rc in rs:
             if rc is not None:
                 boundaries[c] = min(k, boundaries.get(c, k))
-    windows = HidingWindows(gm, strategies, cm, boundaries) if overlap else None
+    windows = HidingWindows(gm, strategies, cm, boundaries, bucket_bytes(bucket_mb)) if overlap else None
     groups = defaultdict(list)
     for v, rs in readers.items():
         signature = (key_of(v.node), v.index, tuple(sorted((str(key_of(c)) if rc is not None else "output", k)
@@ -423,6 +425,9 @@ def _shared_edge(v: Value, rs, count: int, idx: ProblemIndex, cm: CostModel,
         if windows is not None else None
     forward_window = windows.forward(v.node, first[2], first[1]) if first is not None else 0.0
     backward_window = windows.backward(v.node) if windows is not None and is_param(v.node) else 0.0
+    # Megatron's "f" before column-parallel linears hides behind their weight gradients.
+    f_window = windows.behind_weight_grads(v.node, [(c, k) for c, k, rc in rs if rc is not None]) \
+        if windows is not None and all(rc is not None for _, _, rc in rs) else 0.0
     cost, credit = [], []
     for dst, partial in requests:
         cost_row, credit_row = [], []
@@ -435,7 +440,9 @@ def _shared_edge(v: Value, rs, count: int, idx: ProblemIndex, cm: CostModel,
                 continue
             fwd, bwd = phases
             hidden = min(fwd, forward_window)
-            if cm.bucketed_gradient(src, fwd):
+            if fwd == 0.0 and partial and f_window:
+                hidden += min(bwd, f_window)
+            elif cm.bucketed_gradient(src, fwd):
                 hidden += min(bwd, backward_window)
             saved = cm.overlap_saving(hidden)
             cost_row.append(fwd + bwd - saved)

@@ -1752,8 +1752,13 @@ class StepMemory:
         return launched
 
     # --- evaluation ---------------------------------------------------------------------------------
-    def walk(self, assignment: Sequence[int]) -> list[StepPoint]:
-        """Every point of the step under ``assignment``, with its live bytes per category."""
+    def walk(self, assignment: Sequence[int], bucket_cap: float | None = None) -> list[StepPoint]:
+        """Every point of the step under ``assignment``, with its live bytes per category. A gradient
+        bucket's copy holds its gradients and its buffer at once: with ``bucket_cap``, the bytes of the
+        largest bucket the runtime packs under ``assignment`` (``passes.exposure.Replay.packing`` at the
+        plan's bucket size), a copy point counts at most that much beside the gradients, since one bucket
+        copies at a time; without it, every bucketed gradient ready so far (the solver's constraints,
+        which hold for any bucket size)."""
         running = [0.0] * (len(CATEGORIES) + 1)
         out, e = [], 0
         for k, (upto, phase, name) in enumerate(self.points):
@@ -1763,7 +1768,7 @@ class StepMemory:
                 e += 1
             live = dict(zip(CATEGORIES, running))
             if k in self._copy_points:
-                live["transient"] += running[_S]
+                live["transient"] += running[_S] if bucket_cap is None else min(running[_S], bucket_cap)
             out.append(StepPoint(phase, name, live))
         return out
 

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autopar.plan import DDP_BUCKET_MB, bucket_bytes
+
 
 @dataclass(frozen=True)
 class Program:
@@ -26,7 +28,7 @@ class Program:
     kernels: dict[str, str]       # generated kernel name -> source (empty with ATen kernels)
     grad_reductions: tuple = ()   # (parameter, group name, uses, reduce dtype) per gradient to all-reduce in buckets
                                   # during backward, in the order the gradients become ready
-    bucket_bytes: int = 25 * 2**20  # bucket size of those reductions (DDP's default)
+    bucket_bytes: int = bucket_bytes(DDP_BUCKET_MB)  # bucket size of those reductions (the plan's)
     overlap: bool = True          # ZeRO-2 gradients reduce-scattered during backward, waited later
                                   # (runtime/zero.py); off with compile(overlap=False) and in pipelines
     sharded_states: tuple = ()    # (parameter, ZeRO stage, group name, dim, gather bucket, dtype of the whole

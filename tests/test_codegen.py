@@ -2,6 +2,7 @@
 runtime refuses bad input with clear errors."""
 import collections
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -385,8 +386,13 @@ def _bucketed_gradients(rank, world):
     import autopar
 
     model, ids, labels, cluster, pins = _data_parallel_gpt2(world)
-    one = autopar.compile(model, cluster, (ids,), {"labels": labels}, pins=pins)              # 25 MiB buckets
-    each = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=one.plan, bucket_mb=0)
+    one = autopar.compile(model, cluster, (ids,), {"labels": labels}, pins=pins, bucket_mb=25)
+    # The runtime packs the plan's bucket size, and a plan runs at the size it was priced at.
+    assert one.plan.bucket_mb == 25 and one._program.bucket_bytes == 25 * 2**20
+    with pytest.raises(autopar.PlanFormatError, match="priced with gradient buckets of 25 MiB"):
+        autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=one.plan, bucket_mb=0)
+    each = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=dataclasses.replace(one.plan, bucket_mb=0))
+    assert each._program.bucket_bytes == 0
     plain = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=one.plan, overlap=False)
     reduced = one._program.grad_reductions
     assert len(reduced) >= 10, reduced
@@ -435,8 +441,8 @@ def _bucketed_zero_one_gradients(rank, world):
     from autopar.runtime import zero as Z
 
     model, ids, labels, cluster, pins = _data_parallel_gpt2(world, zero=1)
-    one = autopar.compile(model, cluster, (ids,), {"labels": labels}, pins=pins)              # 25 MiB buckets
-    each = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=one.plan, bucket_mb=0)
+    one = autopar.compile(model, cluster, (ids,), {"labels": labels}, pins=pins, bucket_mb=25)
+    each = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=dataclasses.replace(one.plan, bucket_mb=0))
     plain = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=one.plan, overlap=False)
     assert {stage for stage, _ in one.plan.zero_stages().values()} == {1}
 
@@ -487,8 +493,9 @@ def _bucketed_bf16_gradients(rank, world):
     batch_split = {"linear*": ["S(0)"], "layer_norm*": ["S(0)"]}
     model, ids, labels, cluster, pins = _data_parallel_gpt2(world, "gpt", **batch_split)
     one = autopar.compile(model, cluster, (ids,), {"labels": labels}, pins=pins, precision="bf16-mixed",
-                          kernels="aten", recompute=False)
-    each = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=one.plan, bucket_mb=0, kernels="aten")
+                          kernels="aten", recompute=False, bucket_mb=25)
+    each = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=dataclasses.replace(one.plan, bucket_mb=0),
+                           kernels="aten")
     plain = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=one.plan, overlap=False, kernels="aten")
     narrowed = [t for t, _, _, dtype in one._program.grad_reductions if dtype == torch.bfloat16]
     assert len(narrowed) >= 8 and all(t.endswith(".weight") for t in narrowed), one._program.grad_reductions

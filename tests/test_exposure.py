@@ -259,3 +259,137 @@ def test_hidden_communication_costs_the_devices_contention_share():
     assert c.step_time == pytest.approx(bc["compute"] + bc["recompute"] + sum(bc["communication"].values())
                                         + bc["optimizer"])
     assert bc.get("credit", 0.0) == 0.0
+
+
+class _Windowed(_Clock):
+    """``_Clock`` as HidingWindows reads a cost model: one mesh axis, no fused kernels."""
+
+    fused = False
+    mesh_shape = (2,)
+
+
+def _column_linears(weight_after_first=False, second_reader=torch.ops.aten.linear.default):
+    """x -> op0 -> two readers of op0 (linears by default: Megatron's q and k, whose "f" is one
+    all-reduce of op0's gradient) -> op3 -> op4, each linear with its own weight, and a weight w2
+    read by op4 whose gradient is ready before op0's readers' backward."""
+    from autopar.passes.meta import Role, set_meta
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    w0, w1, w2 = (g.placeholder(f"w{i}") for i in range(3))
+    op0 = g.call_function(operator.mul, (x, x))
+    op1 = g.call_function(torch.ops.aten.linear.default, (op0, w0))
+    op2 = g.call_function(second_reader, (op0, w1))
+    op3 = g.call_function(operator.add, (op1, op2))
+    op4 = g.call_function(operator.mul, (op3, w2))
+    g.output(op4)
+    for i, n in enumerate((op0, op1, op2, op3, op4)):
+        n.name = f"op{i}"
+    if weight_after_first:           # w1 computed between the readers: codegen cannot make one call of them
+        with g.inserting_before(op2):
+            late = g.call_function(operator.neg, (w1,))
+        late.name = "late"
+        op2.args = (op0, late)
+    for w in (w0, w1, w2):
+        w.meta["val"] = torch.empty(2, dtype=torch.float32)           # 8 bytes: 8 s of all-reduce
+        set_meta(w, role=Role("param", w.name), requires_grad=True)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    strategies = {n: [_Plain()] for n in gm.graph.nodes if n.op == "call_function"}
+    return gm, strategies, {n.name: n for n in gm.graph.nodes}
+
+
+def test_the_solvers_credit_hides_an_input_gradients_all_reduce_behind_its_linear_readers_weight_gradients():
+    """passes/exposure.py HidingWindows.behind_weight_grads: the window of Megatron's "f" before linear
+    layers (runtime/collectives.py ``column_linears``) is one reader's weight gradient, its forward
+    compute, less the all-reduces of the gradient buckets launched before it, as the replay prices
+    it: never more than the replay hides."""
+    from autopar.passes.exposure import HidingWindows
+
+    cm = _Windowed({"op0": 1.0, "op1": 20.0, "op2": 12.0, "op3": 1.0, "op4": 1.0})
+    gm, strategies, n = _column_linears()
+    reads = [(n["op1"], 0), (n["op2"], 0)]
+    # w2's bucket (8 s on the stream) is launched at op4's backward, before op0's readers' backward
+    # issues the all-reduce: the least reader's 12 s less those 8.
+    assert HidingWindows(gm, strategies, cm, {}, bucket_bytes=1).behind_weight_grads(n["op0"], reads) == 4.0
+    # On a mesh of two axes the readers' weights may be bucketed along the other one: w1's bucket,
+    # launched at op2's backward, may hold the stream too.
+    two_axes = _Windowed(cm.forward)
+    two_axes.mesh_shape = (2, 2)
+    assert HidingWindows(gm, strategies, two_axes, {}, bucket_bytes=1).behind_weight_grads(n["op0"], reads) == 0.0
+    # A reader that is not a linear layer, or a weight computed after the first reader: no call of
+    # them all, so the all-reduce waits where it is issued.
+    for case in ({"second_reader": torch.ops.aten.mm.default}, {"weight_after_first": True}):
+        gm, strategies, n = _column_linears(**case)
+        assert HidingWindows(gm, strategies, cm, {}, bucket_bytes=1).behind_weight_grads(
+            n["op0"], [(n["op1"], 0), (n["op2"], 0)]) == 0.0, case
+
+    # The replay of the same step, its all-reduce of 5 s read by both linears, hides it whole: the
+    # credit is a lower estimate of it.
+    gm, strategies, n = _column_linears()
+    f = _coll("all_reduce", "backward", "op0", "op1", 5.0)
+    w2 = _coll("all_reduce", "backward", "w2", "op4", 8.0, nbytes=8)
+    ex = exposure(gm, {k: v[0] for k, v in strategies.items()} | {n[f"w{i}"]: _Plain() for i in range(3)},
+                  [f, w2], cm, ["dp"], set(), bucket_bytes=1, behind_weight_grads={("op0", "op1"): ["op1", "op2"]})
+    assert ex.exposed[0] == 0.0
+    credit = min(5.0, HidingWindows(gm, strategies, cm, {}, bucket_bytes=1).behind_weight_grads(
+        n["op0"], [(n["op1"], 0), (n["op2"], 0)]))
+    assert 0.0 < credit <= ex.seconds[0] - ex.exposed[0]
+
+
+def test_the_planner_chooses_the_gradient_bucket_size_its_replay_prices_fastest(tmp_path):
+    """The bucket size is a plan decision (plan.bucket_mb): priced by the replay at each of
+    BUCKET_CANDIDATES_MB on the solved layout, the fastest kept; a given size is priced as given; the
+    plan file keeps it and refuses a bad one."""
+    from torch import nn
+
+    from autopar.passes.exposure import BUCKET_CANDIDATES_MB
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(4)), nn.MSELoss())
+
+    class Loss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = model[:4]
+
+        def forward(self, x, y):
+            return ((self.layers(x) - y) ** 2).mean()
+
+    net = Loss()
+    args = (torch.randn(256, 1024), torch.randn(256, 1024))
+    cluster = autopar.ClusterSpec.local_cpu(2)
+    whole = {"output": ["R"], "zero": 0}
+    dp = {"*.weight": whole, "*.bias": whole, "x": ["S(0)"], "y": ["S(0)"], "linear*": ["S(0)"], "add*": ["S(0)"]}
+    chosen = autopar.plan(net, cluster, args, pins=dp, recompute=False, progress=False)
+    priced = chosen.solver["buckets"]
+    assert set(priced) == {f"{mb:g}" for mb in BUCKET_CANDIDATES_MB}
+    # Four 4 MiB weights: one 25 MiB bucket waits for the last gradient, smaller ones hide behind the
+    # earlier layers' backward.
+    assert chosen.bucket_mb < 25 and chosen.step_time == priced[f"{chosen.bucket_mb:g}"] == min(priced.values())
+    assert priced["25"] > chosen.step_time
+    given = autopar.plan(net, cluster, args, pins=dp, recompute=False, progress=False, bucket_mb=25)
+    assert given.bucket_mb == 25 and given.params == chosen.params
+    assert given.step_time == pytest.approx(priced["25"], rel=1e-9)
+    assert f"gradient buckets: {chosen.bucket_mb:g} MiB" in chosen.summary()
+
+    # The step memory model counts a bucket's copy at the bucket's size: with one 25 MiB bucket the last
+    # copy holds every gradient beside its buffer, with 1 MiB ones a weight's at a time.
+    small = autopar.plan(net, cluster, args, pins=dp, recompute=False, progress=False, bucket_mb=1)
+
+    def copies(p):
+        return [pt.transient for pt in p.memory.timeline if pt.node.startswith("gradient buckets after")]
+
+    weight = 1024 * 1025 * 4         # a weight's gradient and its bias's, one bucket of 1 MiB or more
+    assert max(copies(given)) - max(copies(small)) >= 2 * weight
+
+    with pytest.raises(autopar.AutoparError, match="bucket_mb=-1"):
+        autopar.plan(net, cluster, args, pins=dp, progress=False, bucket_mb=-1)
+
+    path = tmp_path / "plan.json"
+    chosen.save(path)
+    assert autopar.Plan.load(path).bucket_mb == chosen.bucket_mb
+    for bad in (-1, "6", True, float("nan")):
+        d = chosen.to_dict()
+        d["bucket_mb"] = bad
+        with pytest.raises(autopar.PlanFormatError, match="bucket_mb"):
+            autopar.Plan.from_dict(d)

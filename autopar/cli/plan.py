@@ -37,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", default=None, choices=("GPipe", "1F1B", "Interleaved1F1B",
                                                          "InterleavedZeroBubble", "ZBVZeroBubble"),
                    help="pipeline plans: the schedule (default: chosen by predicted step time)")
+    p.add_argument("--bucket-mb", type=float, default=None, metavar="MIB",
+                   help="fix the gradient bucket size in MiB (default: chosen by the replay of the plan)")
     p.add_argument("--no-pipeline", action="store_true",
                    help="do not try pipeline meshes (tried by default on clusters of several nodes)")
     p.add_argument("--time-limit", type=float, default=None, metavar="S",
@@ -100,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
         plan = autopar.plan(model, cluster, ex_args, ex_kwargs, memory_budget=budget, mesh_shape=mesh,
                             axis_names=axes, time_limit=args.time_limit, sharded_outputs=args.sharded_outputs,
                             microbatches=args.microbatches, schedule=args.schedule,
-                            pipeline=False if args.no_pipeline else None, precision=precision)
+                            pipeline=False if args.no_pipeline else None, precision=precision,
+                            bucket_mb=args.bucket_mb)
     except autopar.AutoparError as e:         # raised on purpose, with what to change; a bug keeps its traceback
         return _fail(e)
     print(plan.summary())

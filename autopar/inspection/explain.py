@@ -158,6 +158,11 @@ def _param_lines(ix: PlanIndex, fqn: str) -> list[str]:
                 2: "optimizer state and gradient sharded, parameter replicated",
                 3: "parameter, gradient and optimizer state sharded, the parameter gathered for its readers"}
         lines.append(f"  ZeRO-{stage[0]} along {stage[1]}: {what[stage[0]]}")
+    value = "p_" + fqn.replace(".", "_")          # torch.export's name for the parameter
+    if plan.bucket_mb is not None and any(c.kind == "all_reduce" and c.phase == "backward" and c.value == value
+                                          for c in plan.collectives):
+        lines.append(f"  gradient all-reduced in the plan's buckets of {plan.bucket_mb:g} MiB (plan.bucket_mb), "
+                     f"launched during backward, where every reader reduces it")
     if fqn in plan.offload:
         lines.append(f"  optimizer state, its gradient and the copy it steps in host memory "
                      f"({_b(plan.offload[fqn]['host_bytes'])}), stepped there and uploaded after each step")
