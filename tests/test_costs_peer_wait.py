@@ -27,16 +27,16 @@ def test_a_collective_pays_the_peer_wait_once_and_nothing_is_not_a_collective():
     assert CostModel(_cluster(WAIT), (1, 2)).collective_seconds("all_reduce", 1 << 20, 0) == 0.0   # one rank
 
 
-def _plans(kind, wait=WAIT):
+def _plans(kind, wait=WAIT, batch=4, **extra):
     """The plan of ``kind`` (tests/memory_cases.py's pins) planned without the peer wait and with ``wait``."""
     from tests.memory_cases import build, options
 
-    model, args, kwargs = build("gpt", seq=32, batch=4, device="cpu")
+    model, args, kwargs = build("gpt", seq=32, batch=batch, device="cpu")
     opts = (options("gpt", kind, 2, model) if kind != "replicated"
             else {"mesh_shape": (2,), "recompute": False, "pins": {"*": ["R"]}})
     with warnings.catch_warnings():        # the replicated plan's idle axis is the point of it
         warnings.simplefilter("ignore", autopar.AutoparWarning)
-        return [autopar.plan(model, _cluster(w), args, kwargs, progress=False, **opts) for w in (0.0, wait)]
+        return [autopar.plan(model, _cluster(w), args, kwargs, progress=False, **opts, **extra) for w in (0.0, wait)]
 
 
 def _check_breakdown(plan):
@@ -65,8 +65,10 @@ def _gradient_reductions(plan):
 
 
 def test_a_bucket_of_gradient_reductions_pays_the_wait_once():
-    # A wait small against this model's step, so that the plan stays data parallel.
-    _, waited = _plans("dp", wait=5e-5)
+    # A wait small against this model's step and a batch large enough that the plan stays data parallel
+    # (at a batch of 4 the solver reads the replicated weights in chunks instead, their gradients
+    # all-gathered, not all-reduced), at DDP's bucket size (the planner's own may split them in two).
+    _, waited = _plans("dp", wait=5e-5, batch=16, bucket_mb=25)
     reductions = _gradient_reductions(waited)
     assert len(reductions) > 10
     grad_bytes = {}
@@ -80,10 +82,11 @@ def test_a_bucket_of_gradient_reductions_pays_the_wait_once():
 
 def test_a_wait_larger_than_what_splitting_saves_keeps_a_small_model_whole():
     # At 2 ms a collective, this step's few milliseconds of compute are not worth a collective: with the
-    # parameters pinned replicated, the solver keeps the batch whole too, and the plan runs none.
+    # parameters pinned replicated, the solver splits no work (neither the batch nor the weights' reads),
+    # and the plan runs none, where without the wait it splits some.
     bare, waited = _plans("dp")
-    assert _gradient_reductions(bare) and waited.collectives == []
-    assert waited.inputs != bare.inputs
+    assert bare.collectives and waited.collectives == []
+    assert all(layout == ["R"] for layout in waited.inputs.values())
 
 
 def test_the_ranks_that_never_synchronize_pay_no_wait():

@@ -88,7 +88,7 @@ def test_offload_with_zero_1_or_2_is_refused_by_name(stage):
 
 
 def test_host_memory_bounds_the_offloaded_states():
-    """fp32 layers of width 4096 on one H100 under 80% of their free peak: offloading optimizer states
+    """fp32 layers of width 4096 on one H100 under 75% of their free peak: offloading optimizer states
     is the cheapest saving, but with host memory for only 90% of those states the solver offloads
     fewer and recomputes a layer instead; with far less, no plan fits and the error says the host's
     memory is why."""
@@ -103,7 +103,9 @@ def test_host_memory_bounds_the_offloaded_states():
         return autopar.plan(model, cluster, (ids,), {"labels": ids.clone()}, progress=False, mesh_shape=(1,),
                             memory_budget=budget)
 
-    budget = 0.8 * plan(cluster).memory["peak"]
+    # Under 80% the peak binds where recompute frees nothing (since an add's inputs share its output's
+    # gradient, backward peaks lower): only offloading fits there, with or without the host's room.
+    budget = 0.75 * plan(cluster).memory["peak"]
     roomy = plan(cluster, budget)
     assert roomy.offload and not roomy.recompute["layers"]
     small = dataclasses.replace(cluster, host_memory=0.9 * roomy.memory["host"])
