@@ -57,7 +57,7 @@ def offline(args):
     from autopar import zoo
 
     cluster = autopar.ClusterSpec.preset("8xH100")
-    print(f"| tokens | attention | step (s) | peak (GiB) | form | planning (s) |")
+    print("| tokens | attention | step (s) | peak (GiB) | form | planning (s) |")
     print("|---|---|---|---|---|---|")
     for seq in args.seqs or (32768, 65536, 131072):
         for label, pins in (("free", None), ("whole", {"scaled_dot_product_attention*": ["R"]})):

@@ -26,7 +26,6 @@ columns of one run.
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import statistics
 import sys
