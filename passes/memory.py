@@ -628,7 +628,9 @@ class StepMemory:
     the optimizer step, which adds the optimizer's transient buffers. A recomputed layer instance keeps
     only its inputs through forward and runs its forward again, op by op, when its backward starts.
     ``overlap=False`` follows the program ``compile(overlap=False)`` makes: no gradient buckets, and a
-    ZeRO-2 gradient's reduce-scatter waited where it is issued.
+    ZeRO-2 gradient's reduce-scatter waited where it is issued; ``split_collectives=False`` (pipeline
+    stages) only its forward collectives waited where they are issued, holding their inputs through
+    their copies.
 
     Every allocation is ``Bytes`` of at most two decisions (two layouts, or a layout and a recompute
     count), so the live bytes at any point are exactly a linear memory constraint with pair terms:
@@ -639,11 +641,14 @@ class StepMemory:
     """
 
     def __init__(self, gm, cm, idx, num_options: Sequence[int], *, sharded_outputs: bool = False,
-                 overlap: bool = True, sharded_masters: bool = True):
+                 overlap: bool = True, sharded_masters: bool = True, split_collectives: bool = True):
         from autopar.passes.layers import attention_cores, layer_instances
 
         self.cm, self.idx, self.num_options = cm, idx, tuple(num_options)
         self.sharded_outputs, self.overlap = sharded_outputs, overlap
+        # Whether the program splits its forward collectives into issue and wait (codegen/overlap.py:
+        # with overlap, not in pipeline stages), whose wait drops what the collective holds.
+        self.split_collectives = overlap and split_collectives
         # Whether a ZeRO-1/2 weight read through its bfloat16 copy has its float32 master sharded
         # (``passes.precision.sharded_master_copy``; not in a pipeline's stages): the program reads the
         # whole copy, held all step, in place of the cast.
@@ -845,7 +850,7 @@ class StepMemory:
                     w, r = [], []
                     for j, req in zip(self._options(cb), requests):
                         at, x = {ca: i, cb: j}, vb.at({ca: i})
-                        early = min(x, cp.at(at)) * per_request[req][i][4] if self.overlap else 0.0
+                        early = min(x, cp.at(at)) * per_request[req][i][4] if self.split_collectives else 0.0
                         w.append(early)
                         r.append(x * made.at(at) - early)
                     waited.append(w)
