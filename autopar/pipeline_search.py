@@ -105,7 +105,7 @@ def plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, 
         prob, idx = build_problem(prep.gm, scaled, memory_budget, pins, sharded_outputs, False, overlap=False,
                                   sharded_masters=False)
         sm = StepMemory(prep.gm, scaled, idx, [len(c.costs) for c in prob.choices], sharded_outputs=sharded_outputs,
-                        sharded_masters=False)
+                        sharded_masters=False, split_collectives=False)
         report(f"mesh {shape}, {m} microbatches: solving {len(prob.choices)} decisions")
         timings["build"] += time.perf_counter() - t0
         t0 = time.perf_counter()

@@ -507,6 +507,21 @@ def _staging(steps, info, size: float, cpu: bool) -> float:
     return max([0.0, *extra])
 
 
+def _copied_after_wait(steps, itemsize: int, cpu: bool) -> bool:
+    """Whether a resharding is one split collective (``codegen/overlap.py``) that holds its input itself
+    until its wait and makes its result after it, the input dropped at the wait where nothing else
+    holds it: an all-gather whose received blocks are copied out contiguous (a dim with larger dims
+    before it), or on CPU a reduce-scatter whose blocks go unstacked by an all-to-all and are summed on
+    arrival. (An input stacked for sending is let go at the issue; a result received in place is made
+    at the issue.)"""
+    if len(steps) != 1:
+        return False
+    (st,) = steps
+    if st.op == "all_gather":
+        return st.staging(itemsize, cpu) > 0
+    return st.op == "reduce_scatter" and cpu and st.staging(itemsize, cpu) == math.prod(st.in_shape) * itemsize
+
+
 def _if_recomputed(q: Bytes, r: int, ind: Sequence[float]) -> Bytes:
     """``q`` where recompute decision ``r`` takes an option whose indicator in ``ind`` is 1; bytes of two
     layouts whatever it takes (their product with the recompute count would depend on three decisions:
@@ -613,7 +628,9 @@ class StepMemory:
     the optimizer step, which adds the optimizer's transient buffers. A recomputed layer instance keeps
     only its inputs through forward and runs its forward again, op by op, when its backward starts.
     ``overlap=False`` follows the program ``compile(overlap=False)`` makes: no gradient buckets, and a
-    ZeRO-2 gradient's reduce-scatter waited where it is issued.
+    ZeRO-2 gradient's reduce-scatter waited where it is issued; ``split_collectives=False`` (pipeline
+    stages) only its forward collectives waited where they are issued, holding their inputs through
+    their copies.
 
     Every allocation is ``Bytes`` of at most two decisions (two layouts, or a layout and a recompute
     count), so the live bytes at any point are exactly a linear memory constraint with pair terms:
@@ -624,11 +641,14 @@ class StepMemory:
     """
 
     def __init__(self, gm, cm, idx, num_options: Sequence[int], *, sharded_outputs: bool = False,
-                 overlap: bool = True, sharded_masters: bool = True):
+                 overlap: bool = True, sharded_masters: bool = True, split_collectives: bool = True):
         from autopar.passes.layers import attention_cores, layer_instances
 
         self.cm, self.idx, self.num_options = cm, idx, tuple(num_options)
         self.sharded_outputs, self.overlap = sharded_outputs, overlap
+        # Whether the program splits its forward collectives into issue and wait (codegen/overlap.py:
+        # with overlap, not in pipeline stages), whose wait drops what the collective holds.
+        self.split_collectives = overlap and split_collectives
         # Whether a ZeRO-1/2 weight read through its bfloat16 copy has its float32 master sharded
         # (``passes.precision.sharded_master_copy``; not in a pipeline's stages): the program reads the
         # whole copy, held all step, in place of the cast.
@@ -641,6 +661,7 @@ class StepMemory:
         self._reads: dict = {}
         self._steps: dict = {}   # (source layout, read layout, reduced axes, shape, dtype) -> bytes of its steps
         self._copies: dict = {}
+        self._released: dict = {}   # fold key of (value, reader, input) -> ``released``
         self._passes: dict = {}    # fold key of (value, reader, input) -> (indicator, its complement) or None
         self._products: dict = {}  # identities of factors -> (the factors, their product)
         self._moved: dict = {}   # an instance whose saved activations go to host -> (decision, indicator)
@@ -748,7 +769,8 @@ class StepMemory:
         codegen reshards), and per request, per option of the value, (bytes of the resharded copy, bytes
         of the gradient at the layout read when a resharding's backward converts it, bytes of the
         gathered blocks beside that gradient's contiguous copy, bytes the resharding's collectives hold
-        beyond the value and the copy while they run))."""
+        beyond the value and the copy while they run, 1 where its collective holds the value itself
+        until its wait and makes the copy after it (``_copied_after_wait``), else 0))."""
         from math import prod
 
         from autopar.layout import local_fraction
@@ -788,7 +810,8 @@ class StepMemory:
                         gathered = max((info.dtype.itemsize * prod(st.in_shape) for st in steps if st.op == "local_chunk"
                                         and st.dim and prod(st.in_shape[:st.dim]) > 1), default=0.0)
                         found[fk] = (size if any(st.makes_storage for st in steps) else 0.0,
-                                     size if steps else 0.0, float(gathered), _staging(steps, info, size, cpu))
+                                     size if steps else 0.0, float(gathered), _staging(steps, info, size, cpu),
+                                     1.0 if _copied_after_wait(steps, info.dtype.itemsize, cpu) else 0.0)
                     rows.append(found[fk])
                 per_request[(dst, partial)] = rows
             self._reads[key] = (ca, cb, tuple(requests), per_request)
@@ -805,6 +828,36 @@ class StepMemory:
             tables = [[[per_request[r][i][part] for r in requests] for i in self._options(ca)] for part in range(4)]
             self._copies[key] = tuple(None if q.zero() else q for q in (_pair(ca, cb, t) for t in tables))
         return self._copies[key]
+
+    def released(self, v, node, k):
+        """Where ``node`` reads input ``k`` (value ``v``) through a resharded copy, the bytes of the input
+        that can go before ``node`` runs, of the two decisions: (those its collective's wait drops before
+        the copy is made, where its collective holds the input itself until the wait and copies after
+        it (``_copied_after_wait``): as many as the copy at most, since the collective's input and its
+        received blocks are live together before the wait; the rest, which goes once the copy is made;
+        1 where a copy is made), None for what is 0 under every option; None where the read makes no
+        copy."""
+        key = self._fold_key(v, node, k)
+        if key not in self._released:
+            cp = self.copy(v, node, k)[0]
+            out = None
+            if cp is not None:
+                ca, cb, requests, per_request = self.reads(v, node, k)
+                vb = self.value(v)
+                made = cp.map(lambda x: 1.0 if x else 0.0)
+                waited, rest = [], []
+                for i in self._options(ca):
+                    w, r = [], []
+                    for j, req in zip(self._options(cb), requests):
+                        at, x = {ca: i, cb: j}, vb.at({ca: i})
+                        early = min(x, cp.at(at)) * per_request[req][i][4] if self.split_collectives else 0.0
+                        w.append(early)
+                        r.append(x * made.at(at) - early)
+                    waited.append(w)
+                    rest.append(r)
+                out = tuple(None if q.zero() else q for q in (_pair(ca, cb, waited), _pair(ca, cb, rest))) + (made,)
+            self._released[key] = out
+        return self._released[key]
 
     def _local_copy(self, node) -> Bytes | None:
         """Bytes of the copy a view op makes at each of its options where its local input's strides
@@ -1233,6 +1286,7 @@ class StepMemory:
         holders = {}          # storage -> [(saving node, None or Bytes kept only where no copy is read)]
         kept = {}             # node -> [Bytes] allocated in its forward, freed after its backward
         held_copy = {}        # (node, input position) whose copy backward keeps -> the part it does not keep
+        kept_copies = {}      # node -> the resharded copies among what it keeps (made before it runs)
         for n in calls:
             saved = meta_of(n).saved
             if saved is None or not requires_grad(n):
@@ -1251,6 +1305,7 @@ class StepMemory:
                 cp = self.copy(v, n, k)[0]
                 if cp is not None and (n, k) not in grouped:
                     kept.setdefault(n, []).append(cp if everywhere else _gated(cp, cb, keeps))
+                    kept_copies.setdefault(n, []).append(kept[n][-1])
                     held_copy[(n, k)] = None if everywhere else _gated(cp, cb, [1.0 - x for x in keeps])
                 if v.node.op == "placeholder":
                     continue
@@ -1370,14 +1425,43 @@ class StepMemory:
             c = self._choice(n)
             return _one(c, [self.cm.workspace_bytes(n, self._strategy(n, o)) for o in self._options(c)])
 
+        # A value whose last reader reads it through a resharded copy goes before that reader runs,
+        # once the copy is made (a split all-gather's wait drops it before its blocks are copied out),
+        # unless a backward keeps it, the caller holds it or a recomputed instance keeps it as an input.
+        kept_inputs = {s for s, _ in external}
+
+        def let_go(n, again, live):
+            """(what goes at the collectives' waits, what goes once the copies are made) of the inputs of
+            ``n`` that it is the last to read, each through a copy (``released``); in a run again, of
+            those it made, where it recomputes."""
+            at_wait, after = [], []
+            ins = input_values(n)
+            for k, v in enumerate(ins):
+                rel = None if (n, k) in grouped else self.released(v, n, k)
+                if rel is None:
+                    continue
+                (s, *more) = bases(v)
+                if more or s.node.op != "call_function" or last_use.get(s) != pos[n] or s in holders \
+                        or s in to_end or s in kept_inputs or sum(s in bases(u) for u in ins) != 1 \
+                        or self.storage(s) is not self.value(s) or (live is not None and s not in live):
+                    continue
+                if s != v:      # a view of it is resharded: its storage goes once the copy is made
+                    parts = [(after, self._product(stored(s), rel[2]))]
+                else:
+                    parts = [(into, q) for into, q in zip((at_wait, after), rel[:2]) if q is not None]
+                for into, q in parts:
+                    into.append(q if again is None else self._product(q, Bytes(again[0], None, tuple(again[1]))))
+            return at_wait, after
+
         def run(n, name, again=None, live=None):
             """The events of op ``n``'s forward around its point ``name``: the copies it reads (but shared
-            ones) and their staging, its outputs, what it keeps and its workspace, less a folded bias
-            add's matmul output at the point. ``again`` (recompute decision, indicator): the run again of
-            a recomputed instance when its backward starts, each term where it recomputes; what the
-            instance keeps comes back apart (``remat``), and what it makes and does not keep is recorded
-            in ``live``. A copy sized by two layouts counts whether or not it recomputes
-            (``_if_recomputed``)."""
+            ones), their staging and what it keeps of them, less what ``let_go`` lets go, at a point of
+            their own (``name`` (reads)) where any staging or input is let go; then, the staging freed, its
+            outputs, what else it keeps and its workspace, less a folded bias add's matmul output. ``again``
+            (recompute decision, indicator): the run again of a recomputed instance when its backward
+            starts, each term where it recomputes; what the instance keeps comes back apart (``remat``),
+            and what it makes and does not keep is recorded in ``live``. A copy sized by two layouts counts
+            whether or not it recomputes (``_if_recomputed``)."""
             def gate(q, f=_times):
                 return q if again is None else f(q, *again)
 
@@ -1391,44 +1475,63 @@ class StepMemory:
                 elif again is None:
                     add((_A, 1, q))
 
-            transient = []
+            copies, staged = [], []
             if Value(n) in copy_views:          # the view's own storage from here
                 make(Value(n), copy_views[Value(n)])
             for k, v in enumerate(input_values(n)):
                 if (n, k) in grouped:
                     continue
                 cp, *_, staging = self.copy(v, n, k)
-                for q in (None if Value(n) in copy_views else held_copy.get((n, k), cp), staging):
+                for into, q in ((copies, None if Value(n) in copy_views else held_copy.get((n, k), cp)),
+                                (staged, staging)):
                     if q is not None:
-                        transient.append(gate(q, _if_recomputed))
+                        into.append(gate(q, _if_recomputed))
+            at_wait, after = let_go(n, again, live)
+            own = [q for q in kept.get(n, ()) if any(q is c for c in kept_copies.get(n, ()))] if again is None else []
+            fold = None if n not in folded else folded[n] if again is None else _times(_below(folded[n]), *again)
+            for q in copies + staged:
+                add((_T, 1, q))
+            for q in own:
+                add((_A, 1, q))
+            for q in at_wait:
+                add((_T, -1, q))
+            if fold is not None:
+                add((_T, -1, fold))
+            phase = "forward" if again is None else "recompute"
+            if staged or at_wait or after:
+                self.points.append((len(self.events), phase, f"{name} (reads)"))
+            for q in staged + after:
+                add((_T, -1, q))
             if not is_view(n):
                 for o in output_values(n):
                     make(o, self.storage(o))
             if again is None:
                 for q in kept.get(n, ()):
-                    add((_A, 1, q))
+                    if not any(q is c for c in own):
+                        add((_A, 1, q))
             work = workspace(n)
             if not work.zero():             # what a sharded op holds while it runs (ring attention's blocks)
-                transient.append(gate(work))
-            fold = None if n not in folded else folded[n] if again is None else _times(_below(folded[n]), *again)
-            for q in transient:
-                add((_T, 1, q))
-            if fold is not None:
-                add((_T, -1, fold))
-            self.points.append((len(self.events), "forward" if again is None else "recompute", name))
-            for q in transient:
+                work = gate(work)
+                add((_T, 1, work))
+            self.points.append((len(self.events), phase, name))
+            for q in copies:
                 add((_T, -1, q))
+            if not work.zero():
+                add((_T, -1, work))
             if fold is not None:
                 add((_T, 1, fold))
+            for q in at_wait + after:       # freed after the op with its last reader's other inputs
+                add((_T, 1, q))
 
         # Forward.
         layer_points = {}     # a layer instance -> the points of its forward
         for t, n in enumerate(calls):
             for q in copies_before.get(t, ()):
                 add((_T, 1, q))
-            if n in inst_of:
-                layer_points.setdefault(inst_of[n][0], []).append(len(self.points))
+            first = len(self.points)
             run(n, n.name)
+            if n in inst_of:
+                layer_points.setdefault(inst_of[n][0], []).extend(range(first, len(self.points)))
             for cat, sign, q in frees.get(("F", t), ()):
                 add((cat, sign, q))
             for inst in inst_of.get(n, ()):
@@ -1561,11 +1664,15 @@ class StepMemory:
 
         for t in range(len(calls) - 1, -1, -1):
             n = calls[t]
+            outs = output_values(n)
+            # A region's forward runs again when autograd first unpacks what it saved (non-reentrant
+            # checkpointing): the backward of its last ops that keep nothing (adds, views, a
+            # collective's) runs before, and the gradients they make are live through the run again.
+            unpacks = _keeps(meta_of(n).saved) and requires_grad(n) and any(o in grads for o in outs)
             for inst in inst_of.get(n, ()):
-                if inst not in started:
+                if inst not in started and (unpacks or pos[instances[inst][2][0]] == t):
                     started.add(inst)
                     replay(inst)
-            outs = output_values(n)
             if n.target is not operator.getitem and requires_grad(n) and any(o in grads for o in outs):
                 view = n.target in VIEW_OPS
                 after, unshared = [], []
