@@ -142,26 +142,57 @@ def replicated_parameters(prob: Problem, idx: ProblemIndex) -> Problem:
     return dataclasses.replace(prob, choices=choices, memory=[])
 
 
+def serial_objective(prob: Problem, idx: ProblemIndex) -> Problem:
+    """``prob`` with its hiding credits added back: every resharding at its serial seconds."""
+    credit = idx.credit
+
+    def plus(a, b):
+        return tuple(plus(x, y) for x, y in zip(a, b)) if isinstance(a, tuple) else a + b
+
+    # The credits' edges are the layout edges, which build_problem adds after the recompute decisions'.
+    first = len(prob.edges) - len(credit.edges)
+    edges = list(prob.edges[:first])
+    for e, k in zip(prob.edges[first:], credit.edges):
+        assert (e.src, e.dst) == (k.src, k.dst), (e.src, e.dst, k.src, k.dst)
+        edges.append(dataclasses.replace(e, cost=plus(e.cost, k.cost)))
+    return dataclasses.replace(
+        prob, memory=[], edges=edges,
+        choices=[dataclasses.replace(c, costs=plus(c.costs, k.costs)) for c, k in zip(prob.choices, credit.choices)],
+        shared=[dataclasses.replace(e, cost=plus(e.cost, k.cost)) for e, k in zip(prob.shared, credit.shared)])
+
+
 def replay_cheapest(best, m: MeshCandidate, assignment, prep, cluster, memory_budget, sharded_outputs, time_limit,
                     report):
-    """``best`` (the plan of ``assignment`` on mesh ``m``) or the replicated-parameter layout on the same
-    mesh, whichever the replay (passes/exposure.py) prices faster. The solver's hiding credits count a
-    backward window at the least compute any layout runs in it, so they undercount what data
-    parallelism's bucketed gradient all-reduce hides behind backward; the replay of the assembled plan
-    does not. ``best.solver["replayed"]`` records both figures."""
-    alt = replicated_parameters(m.prob, m.idx)
-    if alt.objective(assignment) < INFEASIBLE:          # its parameters are replicated already
+    """``best`` (the plan of ``assignment`` on mesh ``m``) or another layout on the same mesh, whichever
+    the replay (passes/exposure.py) prices fastest: the replicated-parameter layout, since the solver's
+    hiding credits count a backward window at the least compute any layout runs in it, so they
+    undercount what data parallelism's bucketed gradient all-reduce hides behind backward; and, where
+    the solver's layout is credited any hiding, the layout solved without credits, since a credit can
+    count compute the runtime does not hide behind (a window inside a recomputed layer, a resharding
+    that waits behind others on the stream: ``HidingWindows``). ``best.solver["replayed"]`` records
+    each figure."""
+    alts = []
+    replicated = replicated_parameters(m.prob, m.idx)
+    if replicated.objective(assignment) >= INFEASIBLE:     # some parameter is not replicated
+        alts.append(("replicated parameters", replicated))
+    if m.idx.credit is not None and m.idx.hiding_credit(assignment) > 0:
+        alts.append(("without hiding credits", serial_objective(m.prob, m.idx)))
+    if not alts:
         return best
-    report(f"mesh {m.shape}: replicated parameters")
-    sol = solve_under_budget(alt, m.memory, memory_budget, time_limit=time_limit)
-    if sol.status == "infeasible" or alt.objective(sol.assignment) >= INFEASIBLE:
-        return best
-    # Solved under the same memory rounds as the first plan, and held to the same budget.
-    p = within_budget(assemble_plan(prep, m.solved(), sol.assignment, cluster, memory_budget, sharded_outputs,
-                                    bucket_mb=m.bucket_mb), m, memory_budget)
-    replayed = {"solver": best.step_time, "replicated parameters": p.step_time}
-    if p.step_time < best.step_time:
-        p.alternatives = alternatives(m.prob, m.idx, sol.assignment, m.cm, m.names)
-        p.solver, best = {**best.solver, **p.solver}, p      # the solver's record, this layout's buckets
-    best.solver["replayed"] = replayed
+    replayed = {"solver": best.step_time}
+    for name, alt in alts:
+        report(f"mesh {m.shape}: {name}")
+        sol = solve_under_budget(alt, m.memory, memory_budget, time_limit=time_limit)
+        if sol.status == "infeasible" or alt.objective(sol.assignment) >= INFEASIBLE or \
+                tuple(sol.assignment) == tuple(assignment):
+            continue
+        # Solved under the same memory rounds as the first plan, and held to the same budget.
+        p = within_budget(assemble_plan(prep, m.solved(), sol.assignment, cluster, memory_budget, sharded_outputs,
+                                        bucket_mb=m.bucket_mb), m, memory_budget)
+        replayed[name] = p.step_time
+        if p.step_time < best.step_time:
+            p.alternatives = alternatives(m.prob, m.idx, sol.assignment, m.cm, m.names)
+            p.solver, best = {**best.solver, **p.solver}, p      # the solver's record, this layout's buckets
+    if len(replayed) > 1:
+        best.solver["replayed"] = replayed
     return best

@@ -113,8 +113,9 @@ def _measure(rank, world, cases):
     # column-parallel layers that gather their inputs (S(0) weights read in place), where the model
     # held a gathered value through its all-gather's contiguous copy and counted the reader's output
     # beside the collective's received blocks (0.974x); the wait drops the value and the blocks go
-    # before the reader runs (1.000x).
-    [("gpt", "zero3-recompute", None, {"tokens": (64, 8), "within": 0.01}),
+    # before the reader runs (1.000x). The planner now keeps the split batch, which the replay prices
+    # faster than the column split the credits chose (mesh_search.replay_cheapest): 0.990x.
+    [("gpt", "zero3-recompute", None, {"tokens": (64, 8), "within": 0.02}),
      ("bert", "zero3-recompute", None, {"tokens": (64, 8), "within": 0.04}),
      ("llama", "megatron-recompute", None, {"tokens": (64, 8), "strict": True})],
     # compile(overlap=False) makes no gradient bucket: bench/train_cpu.py's built-in GPT, data parallel,

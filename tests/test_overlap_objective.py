@@ -130,6 +130,20 @@ def test_the_planner_keeps_the_solvers_answer_where_the_replay_prices_it_faster(
     assert plan.solver["replayed"]["replicated parameters"] > plan.step_time
 
 
+def test_the_planner_keeps_the_layout_solved_without_credits_where_the_replay_prices_it_faster():
+    # The built-in GPT with its weights pinned ZeRO-3 and every layer recomputed: credited for hiding
+    # Megatron's "f" before column-parallel linears, the solver reads each weight's shard as a column
+    # split; the replay of that plan hides less than the credits count, and the layout solved at serial
+    # prices (the batch split, each weight gathered) replays faster.
+    from tests.memory_cases import build, options
+
+    model, args, kwargs = build("gpt", 64, 8, "cpu")
+    plan = autopar.plan(model, autopar.ClusterSpec.local_cpu(2), args, kwargs, progress=False,
+                        **options("gpt", "zero3-recompute", 2, model))
+    replayed = plan.solver["replayed"]
+    assert plan.step_time == replayed["without hiding credits"] < replayed["solver"]
+
+
 def test_the_credits_count_the_input_gradients_all_reduce_before_column_parallel_linears():
     """Megatron's "f" before column-parallel linears runs behind their weight gradients
     (runtime/collectives.py ``column_linears``): the replay hides it, and the solver's credits count
