@@ -167,15 +167,16 @@ def replay_cheapest(best, m: MeshCandidate, assignment, prep, cluster, memory_bu
     the replay (passes/exposure.py) prices fastest: the replicated-parameter layout, since the solver's
     hiding credits count a backward window at the least compute any layout runs in it, so they
     undercount what data parallelism's bucketed gradient all-reduce hides behind backward; and, where
-    the solver's layout is credited any hiding, the layout solved without credits, since a credit can
-    count compute the runtime does not hide behind (a window inside a recomputed layer, a resharding
-    that waits behind others on the stream: ``HidingWindows``). ``best.solver["replayed"]`` records
+    the solver's layout is credited more hiding than its replay saves, the layout solved without
+    credits, since a credit can count compute the runtime does not hide behind (a window inside a
+    recomputed layer: ``HidingWindows``). ``best.solver["replayed"]`` records
     each figure."""
     alts = []
     replicated = replicated_parameters(m.prob, m.idx)
     if replicated.objective(assignment) >= INFEASIBLE:     # some parameter is not replicated
         alts.append(("replicated parameters", replicated))
-    if m.idx.credit is not None and m.idx.hiding_credit(assignment) > 0:
+    if m.idx.credit is not None and best.breakdown.get("credit", 0.0) > \
+            m.cm.overlap_saving(best.breakdown.get("hidden", 0.0)) * (1 + 1e-9):
         alts.append(("without hiding credits", serial_objective(m.prob, m.idx)))
     if not alts:
         return best
