@@ -11,7 +11,7 @@ import torch.fx as fx
 from autopar.alternatives import alternatives
 from autopar.errors import AutoparError
 from autopar.passes.costs import INFEASIBLE, CostModel
-from autopar.passes.ilp_build import ProblemIndex
+from autopar.passes.ilp_build import ProblemIndex, serial_objective
 from autopar.passes.memory import StepMemory, solve_under_budget
 from autopar.passes.meta import is_param
 from autopar.plan_assembly import SolvedMesh, assemble_plan, objective_seconds
@@ -140,25 +140,6 @@ def replicated_parameters(prob: Problem, idx: ProblemIndex) -> Problem:
             c if all(p.kind == "R" for p in s.outputs[0]) and s.zero is None and not s.offload else INFEASIBLE
             for c, s in zip(ch.costs, opts)))
     return dataclasses.replace(prob, choices=choices, memory=[])
-
-
-def serial_objective(prob: Problem, idx: ProblemIndex) -> Problem:
-    """``prob`` with its hiding credits added back: every resharding at its serial seconds."""
-    credit = idx.credit
-
-    def plus(a, b):
-        return tuple(plus(x, y) for x, y in zip(a, b)) if isinstance(a, tuple) else a + b
-
-    # The credits' edges are the layout edges, which build_problem adds after the recompute decisions'.
-    first = len(prob.edges) - len(credit.edges)
-    edges = list(prob.edges[:first])
-    for e, k in zip(prob.edges[first:], credit.edges):
-        assert (e.src, e.dst) == (k.src, k.dst), (e.src, e.dst, k.src, k.dst)
-        edges.append(dataclasses.replace(e, cost=plus(e.cost, k.cost)))
-    return dataclasses.replace(
-        prob, memory=[], edges=edges,
-        choices=[dataclasses.replace(c, costs=plus(c.costs, k.costs)) for c, k in zip(prob.choices, credit.choices)],
-        shared=[dataclasses.replace(e, cost=plus(e.cost, k.cost)) for e, k in zip(prob.shared, credit.shared)])
 
 
 def replay_cheapest(best, m: MeshCandidate, assignment, prep, cluster, memory_budget, sharded_outputs, time_limit,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch.fx as fx
 
@@ -278,6 +278,26 @@ def build_problem(gm: fx.GraphModule, cm: CostModel, memory_budget: float | None
     _add_edges(prob, [e for e, _ in edges])
     prob.validate()
     return prob, idx
+
+
+def serial_objective(prob: Problem, idx: ProblemIndex) -> Problem:
+    """``prob`` with its hiding credits added back: every resharding at its serial seconds."""
+    credit = idx.credit
+
+    def plus(a, b):
+        return tuple(plus(x, y) for x, y in zip(a, b)) if isinstance(a, tuple) else a + b
+
+    # The credits' edges are the layout edges, which build_problem adds after the recompute decisions'
+    # (``_recompute_choices``), in the same order (``_add_edges``).
+    first = len(prob.edges) - len(credit.edges)
+    edges = list(prob.edges[:first])
+    for e, k in zip(prob.edges[first:], credit.edges):
+        assert (e.src, e.dst) == (k.src, k.dst), (e.src, e.dst, k.src, k.dst)
+        edges.append(replace(e, cost=plus(e.cost, k.cost)))
+    return replace(
+        prob, memory=[], edges=edges,
+        choices=[replace(c, costs=plus(c.costs, k.costs)) for c, k in zip(prob.choices, credit.choices)],
+        shared=[replace(e, cost=plus(e.cost, k.cost)) for e, k in zip(prob.shared, credit.shared)])
 
 
 def _add_edges(prob: Problem, edges: list[SharedEdge]) -> None:
