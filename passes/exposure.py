@@ -249,13 +249,16 @@ class Replay:
 
     def at(self, bucket_bytes: int) -> Exposure:
         """The replay with gradient buckets of ``bucket_bytes``."""
+        return self.packed(self.packing(bucket_bytes))
+
+    def packed(self, packed: list[list[str]]) -> Exposure:
+        """The replay with the gradients in the buckets ``packed`` (``packing``'s)."""
         cm, axis_names, buckets, members, grad_bytes = self.cm, self.axis_names, self.buckets, self.members, \
             self.grad_bytes
         backward, at_node, behind, behind_at = self.backward, self.at_node, self.behind, self.behind_at
         deferred_at, ready_at = self.deferred_at, self.ready_at
         seconds, exposed = list(self.seconds), list(self.exposed)
         clock = self.forward_end
-        packed = self.packing(bucket_bytes)
         last_of = {b[-1]: b for b in packed}
         stream_free = 0.0
         runs: list[tuple[list[str], float, float]] = []     # (parameters, start, finish) per bucket
@@ -305,9 +308,10 @@ def cheapest_bucket(replay: Replay, cm, sizes=BUCKET_CANDIDATES_MB) -> tuple[flo
     best = None
     by_packing: dict = {}
     for mb in sizes:
-        packing = tuple(map(tuple, replay.packing(bucket_bytes(mb))))
+        packed = replay.packing(bucket_bytes(mb))
+        packing = tuple(map(tuple, packed))
         if packing not in by_packing:
-            ex = replay.at(bucket_bytes(mb))
+            ex = replay.packed(packed)
             by_packing[packing] = sum(ex.seconds) - cm.overlap_saving(ex.hidden), ex
         cost, ex = by_packing[packing]
         priced[f"{mb:g}"] = cost
