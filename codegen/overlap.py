@@ -76,6 +76,12 @@ def _split_collectives(graph: fx.Graph, barriers: set) -> bool:
         users = sorted(node.users, key=position.__getitem__)
         if not users:
             continue
+        if (previous_wait is not None and previous_wait not in barriers
+                and position[previous_wait] > position[users[0]] > position[previous_wait.args[0]]):
+            # The previous collective is waited after this one's first use (its own first use comes
+            # later): wait for it before this one is issued, to keep one in flight in program order.
+            users[0].prepend(previous_wait)
+            position = {n: i for i, n in enumerate(graph.nodes)}
         # Issue after the latest of: the inputs, the previous collective's wait (or a barrier).
         after = max((*node.all_input_nodes, *((previous_wait,) if previous_wait else ())), key=position.__getitem__)
         first_op = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr"))

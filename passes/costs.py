@@ -27,7 +27,7 @@ import torch.fx as fx
 
 from autopar.cluster import ClusterSpec
 from autopar.layout import local_fraction, local_shape
-from autopar.plan import AlternativeCollective, PlanCollective
+from autopar.plan import DDP_BUCKET_MB, AlternativeCollective, PlanCollective, bucket_bytes
 from autopar.passes.meta import is_param, meta_of, set_meta
 from autopar.passes.precision import reads_through_copy, reduced_in_buckets
 from autopar.passes.resharding import Step, collective_seconds, transition
@@ -96,6 +96,7 @@ class CostModel:
         self._node_compute_cache: dict = {}   # (node, strategy) -> compute_seconds
         self._activation_cache: dict = {}
         self._transition_cache: dict = {}     # a value's (layouts, shape, dtype, grad) -> (forward, backward) seconds
+        self._param_counts: dict = {}         # graph -> its parameters (a bucket's latency and wait shared)
 
     # --- compute -------------------------------------------------------------------------------
     def compute_seconds(self, node: fx.Node, s: Strategy) -> float:
@@ -328,8 +329,12 @@ class CostModel:
     def param_transition_phase_seconds(self, value: Value, src: Strategy, dst_layout,
                                        partial_axes: frozenset) -> tuple[float, float] | None:
         """``param_transition_seconds`` as (forward, backward) seconds; None where it is INFEASIBLE. A
-        gradient reduction the runtime runs in a bucket (``bucketed_gradient``) is priced without the peer
-        wait: the bucket pays it once for the many parameters it reduces (the replay prices the bucket)."""
+        gradient reduction the runtime runs in a bucket (``bucketed_gradient``) pays the link's latency
+        and the peer wait once per bucket, not once per parameter (the replay prices the bucket): a
+        parameter is charged its share of them, its bytes' share of a DDP-sized bucket, but at least
+        one over the graph's parameters, so that the buckets of a model smaller than one bucket still
+        pay them once in all. Charged whole to every parameter, they made a data-parallel layout look
+        dearer than one of fewer, larger collectives."""
         axis = src.grad_scatter_axis
         # A weight read through its bfloat16 copy leaves the reduce-scatter to the copy's readers'
         # gradient (the copy's strategy carries the ZeroState: passes.strategies._try_follow).
@@ -338,13 +343,25 @@ class CostModel:
             return None
         src_layout, partial = src.outputs[value.index], src.readers_grad_partial(partial_axes)
         phases = self.transition_phase_seconds(value, src_layout, dst_layout, partial)
-        wait = self.cluster.device.peer_wait
-        if phases is None or not wait or not self.bucketed_gradient(src, phases[0]):
+        if phases is None or not self.bucketed_gradient(src, phases[0]):
             return phases
         itemsize = value_info(value).dtype.itemsize
-        waits = sum(phase == "backward" for st in self.transition(value, src_layout, dst_layout, partial)
-                    for _, phase, _ in st.collectives(itemsize, True))
-        return phases[0], max(0.0, phases[1] - waits * wait)
+        runs = [(st.axis, kind, phase, nbytes) for st in self.transition(value, src_layout, dst_layout, partial)
+                for kind, phase, nbytes in st.collectives(itemsize, True)
+                if nbytes > 0 and self.mesh_shape[st.axis] > 1]
+        # Only a read whose gradient is all-reduced and nothing else joins a bucket
+        # (passes.exposure.bucketed_params): a weight read in chunks all-gathers its gradient alone.
+        if not runs or any(kind != "all_reduce" or phase != "backward" for _, kind, phase, _ in runs):
+            return phases
+        share = max(value_info(value).nbytes / bucket_bytes(DDP_BUCKET_MB), 1.0 / self._param_count(value.node.graph))
+        fixed = sum(self.cluster.device.peer_wait + self.links[axis][1] for axis, _, _, _ in runs)
+        return phases[0], max(0.0, phases[1] - fixed * (1.0 - min(share, 1.0)))
+
+    def _param_count(self, graph: fx.Graph) -> int:
+        count = self._param_counts.get(graph)
+        if count is None:
+            count = self._param_counts[graph] = max(1, sum(is_param(n) for n in graph.nodes))
+        return count
 
     @staticmethod
     def bucketed_gradient(src: Strategy, forward_seconds: float) -> bool:

@@ -680,3 +680,24 @@ def test_column_parallel_input_gradients_reduce_behind_weight_gradients():
     waited after (runtime/collectives.py ``column_linears``), as the plan prices it, and the gradients
     are bitwise those of ``compile(overlap=False)``."""
     run_distributed(_column_linears, 2, timeout=300)
+
+
+def test_a_collective_used_before_the_previous_ones_first_use_is_issued_after_its_wait():
+    # A ZeRO-3 bias gathered then read in strided chunks, beside its weight's all-to-all (GPT-2's c_attn
+    # under bf16-mixed): the gather's result is used before the all-to-all's, so the all-to-all is
+    # waited before the gather is issued, one collective in flight, in program order.
+    from autopar.codegen.overlap import _split_collectives
+    from autopar.runtime import collectives as C
+
+    graph = torch.fx.Graph()
+    weight, bias = graph.placeholder("weight"), graph.placeholder("bias")
+    moved = graph.call_function(C.all_to_all, (weight, 0, 1, "0"), {"dst_groups": 3})
+    gathered = graph.call_function(C.all_gather, (bias, 0, "0"), {"grad": "slice"})
+    chunk = graph.call_function(C.local_chunk, (gathered, 0, "0"), {"groups": 3})
+    out = graph.call_function(torch.ops.aten.add.Tensor, (moved, chunk))
+    graph.output(out)
+    assert _split_collectives(graph, set())
+    graph.lint()
+    order = [n.target for n in graph.nodes if n.op == "call_function"]
+    assert order == [C.all_to_all_start, C.all_to_all_wait, C.all_gather_start, C.all_gather_wait, C.local_chunk,
+                     torch.ops.aten.add.Tensor]

@@ -65,9 +65,8 @@ def _gradient_reductions(plan):
 
 
 def test_a_bucket_of_gradient_reductions_pays_the_wait_once():
-    # A wait small against this model's step and a batch large enough that the plan stays data parallel
-    # (at a batch of 4 the solver reads the replicated weights in chunks instead, their gradients
-    # all-gathered, not all-reduced), at DDP's bucket size (the planner's own may split them in two).
+    # A wait small against this model's step and a batch large enough that the plan stays data
+    # parallel, at DDP's bucket size (the planner's own may split them in two).
     _, waited = _plans("dp", wait=5e-5, batch=16, bucket_mb=25)
     reductions = _gradient_reductions(waited)
     assert len(reductions) > 10

@@ -81,7 +81,7 @@ def test_the_objective_is_the_serial_step_less_the_credits_and_they_never_exceed
 
 class Deep(nn.Module):
     """Four 512-wide layers with biases: eight gradients that the runtime's DDP-style bucket reduces in
-    one all-reduce, where the solver's objective prices one all-reduce, with its latency, per parameter."""
+    one all-reduce, paying the link's latency once; the solver's objective charges each its share."""
 
     def __init__(self):
         super().__init__()
@@ -110,10 +110,24 @@ def _deep_plan(latency, bucket_mb=None):
     return ilp, autopar.plan(model, cluster, args, recompute=False, progress=False, bucket_mb=bucket_mb)
 
 
-def test_the_planner_keeps_the_replicated_parameters_where_the_replay_prices_them_faster():
-    # Over a link of 3 ms latency the solver, paying it once per gradient, splits the layers (tensor
-    # parallel); the replay of the replicated layout pays it once for the bucket and is faster.
+def test_the_solver_charges_a_buckets_latency_once_not_once_per_gradient():
+    # Over a link of 3 ms latency, splitting the layers (tensor parallel) pays it per collective, data
+    # parallelism once for the bucket of the eight gradients. Charged per gradient, the solver split
+    # the layers and the replay had to undo it; charged its share, the solver itself keeps every
+    # parameter replicated, the plan the replay prices faster, and there is nothing left to replay.
     ilp, plan = _deep_plan(latency=3e-3)
+    assert all(lay == ["R"] for lay in ilp.params.values()) and not ilp.zero
+    assert ilp.inputs["x"] == ["S(0)"]
+    assert plan.params == ilp.params and "replayed" not in plan.solver
+    split = _deep_plan(latency=1e-4, bucket_mb=25)[0]       # the layers split where latency is cheap
+    assert any(lay != ["R"] for lay in split.params.values()) or split.zero
+
+
+def test_the_planner_keeps_the_replicated_parameters_where_the_replay_prices_them_faster():
+    # Over a link of 0.5 ms the solver, whose credits pack the gradients in DDP's 25 MiB bucket, splits
+    # the layers; the replicated layout replayed at the bucket size the planner chooses for it hides
+    # its smaller buckets behind backward and is faster.
+    ilp, plan = _deep_plan(latency=5e-4)
     assert any(lay != ["R"] for lay in ilp.params.values()) or ilp.zero
     assert plan.solver["replayed"]["solver"] == pytest.approx(ilp.step_time, rel=1e-9)
     assert all(lay == ["R"] for lay in plan.params.values()) and not plan.zero
@@ -156,3 +170,32 @@ def test_the_credits_count_the_input_gradients_all_reduce_before_column_parallel
     f = [c for c in plan.collectives if c.phase == "backward" and c.kind == "all_reduce"]
     assert f and all(c.exposed == 0.0 for c in f)
     assert 0.0 < plan.breakdown["credit"] <= plan.breakdown["hidden"]
+
+
+def test_only_a_gradient_all_reduced_alone_is_charged_a_share_of_its_buckets_latency():
+    # A replicated weight read whole by a batch split has its gradient all-reduced in a bucket: charged
+    # a share of the bucket's latency, less than the all-reduce's own. Read in chunks by a split of its
+    # rows, its gradient's chunks are all-gathered outside any bucket (passes.exposure.bucketed_params),
+    # and it pays the gather's whole latency.
+    from autopar.layout import parse_layout
+    from autopar.passes.meta import is_param
+    from autopar.passes.strategies import Value, strategies_on
+
+    cluster = dataclasses.replace(autopar.ClusterSpec.local_cpu(2), intra_node_latency=3e-3)
+    model = Deep()
+    prep = prepare(model, (torch.randn(512, 512), torch.randn(512, 512)), {}, cluster)
+    strategies_pass(prep.gm, (2,))
+    cm = CostModel(cluster, (2,), default_optimizer(model))
+    weight = next(n for n in prep.gm.graph.nodes if is_param(n) and len(n.meta["val"].shape) == 2)
+    replicated = next(s for s in strategies_on(prep.gm, (2,))[weight]
+                      if s.outputs[0] == parse_layout(["R"]) and s.zero is None and not s.offload)
+    value = Value(weight)
+    for dst, partial, shared in ((["R"], frozenset({0}), True), (["S(0)"], frozenset(), False)):
+        layout = parse_layout(dst)
+        alone = cm.transition_phase_seconds(value, replicated.outputs[0], layout, partial)
+        charged = cm.param_transition_phase_seconds(value, replicated, layout, partial)
+        assert alone[0] == charged[0] == 0.0 and alone[1] > cluster.intra_node_latency
+        if shared:
+            assert charged[1] == pytest.approx(alone[1] - cluster.intra_node_latency * (1 - 1 / 8))
+        else:
+            assert charged == alone

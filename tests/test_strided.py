@@ -1,9 +1,9 @@
 """Strided shards for fused projections (docs/sharding.md): the solver lays out GPT-2's fused q, k, v
-projection and a fused gate-up MLP as Megatron does (S(d,k) weights, each part split by heads or
-columns), the generated program runs one all-reduce per row-split projection in forward (two per
-GPT-2 layer) and no all-to-all, and
-training matches single-device eager training on 2 and 4 gloo ranks (the tolerances of
-tests/test_parity.py). Plans carry the layout through JSON, explain it, and refuse a malformed one."""
+projection (the model's other projections pinned to Megatron's split) and a fused gate-up MLP as
+Megatron does (S(d,k) weights, each part split by heads or columns), the generated program runs one
+all-reduce per row-split projection in forward (two per GPT-2 layer) and no all-to-all, and training
+matches single-device eager training on 2 and 4 gloo ranks (the tolerances of tests/test_parity.py).
+Plans carry the layout through JSON, explain it, and refuse a malformed one."""
 import collections
 import copy
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.distributed_utils import run_distributed
-from tests.hf_models import batch, build
+from tests.hf_models import MEGATRON, batch, build
 
 STEPS, LR = 3, 1e-3
 
@@ -85,14 +85,17 @@ def _solver_picks_megatron(rank, world):
 
     cluster = autopar.ClusterSpec.local_cpu(world)
     mesh = (world,)
-    # Whole batches on every rank: the devices can only share the work by splitting the layers.
     whole = ["R"]
 
     torch.manual_seed(0)
     gpt2 = build("gpt2")
     ids, labels = batch()
+    # Whole batches on every rank and Megatron's split of every projection but the fused one, which
+    # is left to the solver. Left free, the solver splits GPT-2's batch after its input instead, the
+    # plan the replay prices faster on local_cpu than splitting the layers.
+    unfused = {k: [v] for k, v in MEGATRON["gpt2"].items() if ".c_attn." not in k}
     pm = autopar.compile(gpt2, cluster, (ids,), {"labels": labels}, mesh_shape=mesh,
-                         pins={"input_ids": whole, "labels": whole})
+                         pins={"input_ids": whole, "labels": whole, **unfused})
     where = f"gpt2 on {world} ranks"
     _check_megatron_layout(pm, "transformer.h.0.attn.c_attn.weight", ["S(1,3)"], 2 * gpt2.config.n_layer, where)
     _compare(pm, copy.deepcopy(gpt2), lambda m: m(ids, labels=labels).loss, where)
@@ -100,6 +103,8 @@ def _solver_picks_megatron(rank, world):
     torch.manual_seed(0)
     mlp = FusedGateUp()
     x = torch.randn(4, 16, 64)
+    # A whole batch, where the solver splits the layers: the replay prices that faster than the
+    # parameters replicated (plan.solver["replayed"]).
     pm = autopar.compile(mlp, cluster, (x,), mesh_shape=mesh, pins={"x": whole})
     where = f"fused gate-up MLP on {world} ranks"
     _check_megatron_layout(pm, "gate_up.0.weight", ["S(0,2)"], len(mlp.down), where)
