@@ -10,7 +10,7 @@ import torch
 from autopar.cluster import ClusterSpec
 from autopar.layout import format_layout
 from autopar.passes.costs import CostModel
-from autopar.passes.exposure import BUCKET_CANDIDATES_MB, BUCKET_MARGIN, Replay, cheapest_bucket
+from autopar.passes.exposure import BUCKET_CANDIDATES_MB, Replay, cheapest_bucket
 from autopar.passes.ilp_build import ProblemIndex
 from autopar.passes.layers import layer_counts, layer_instances
 from autopar.passes.memory import StepMemory
@@ -89,9 +89,7 @@ def assemble_plan(prep: Prepared, mesh: SolvedMesh, assignment, cluster: Cluster
                     behind_weight_grads=behind_weight_grads(gm, low))
     bucketed = sm.overlap and not pipeline
     sizes = (bucket_mb,) if bucket_mb is not None else BUCKET_CANDIDATES_MB if bucketed else (DDP_BUCKET_MB,)
-    compute_seconds = recompute_compute + sum(cm.compute_seconds(n, s) for n, s in chosen.items()
-                                              if n.op != "placeholder" and n not in masters.values())
-    chosen_mb, ex, priced = cheapest_bucket(replay, cm, sizes, margin=BUCKET_MARGIN * compute_seconds)
+    chosen_mb, ex, priced = cheapest_bucket(replay, cm, sizes)
     colls = [replace(c, seconds=seconds, exposed=exposed) for c, seconds, exposed in zip(colls, ex.seconds, ex.exposed)]
     # Offloaded layers' saved activations go to host memory in forward and come back in backward.
     offload_seconds = 0.0

@@ -55,12 +55,6 @@ GRAD_BUCKET_BYTES = bucket_bytes(DDP_BUCKET_MB)
 # down to 1 MiB, the size DDP gives its own first bucket so that the first all-reduce starts early.
 # Halving keeps the best of the range within 2x of a candidate, at one replay of backward each.
 BUCKET_CANDIDATES_MB = (25, 12, 6, 3, 1)
-# A size other than DDP's is taken only where the replay prices the step at least this fraction of its
-# compute faster: the sizes differ by their latencies and tails, within the cost model's error on a
-# step, and DDP's size is the one measured robust. On the unprofiled `local_cpu(2)`, 1 MiB buckets
-# priced 2% faster than 25 MiB ones measured 4-6% slower in CPU time (calibration's GPT, bench/README.md
-# "The planner's choice against the alternative"); HF GPT-2's sizes were priced within 0.4%.
-BUCKET_MARGIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -306,14 +300,12 @@ class Replay:
         return Exposure(seconds, exposed, tuple(sum(grad_bytes[p] for p in b) for b in packed))
 
 
-def cheapest_bucket(replay: Replay, cm, sizes=BUCKET_CANDIDATES_MB,
-                    margin: float = 0.0) -> tuple[float, Exposure, dict[str, float]]:
+def cheapest_bucket(replay: Replay, cm, sizes=BUCKET_CANDIDATES_MB) -> tuple[float, Exposure, dict[str, float]]:
     """(the bucket size in MiB among ``sizes`` whose replay costs the step least, that replay, the
     seconds each size costs the step in communication less what hiding saves). A tie keeps the
-    earlier (larger) size, and sizes that pack the gradients alike are replayed once. The first size
-    (DDP's) is kept unless another costs ``margin`` seconds less."""
+    earlier (larger) size, and sizes that pack the gradients alike are replayed once."""
     priced: dict[str, float] = {}
-    best = first = None
+    best = None
     by_packing: dict = {}
     for mb in sizes:
         packed = replay.packing(bucket_bytes(mb))
@@ -325,10 +317,6 @@ def cheapest_bucket(replay: Replay, cm, sizes=BUCKET_CANDIDATES_MB,
         priced[f"{mb:g}"] = cost
         if best is None or cost < best[0]:
             best = cost, mb, ex
-        if first is None:
-            first = best
-    if first[0] - best[0] <= margin:
-        best = first
     return best[1], best[2], priced
 
 

@@ -393,28 +393,3 @@ def test_the_planner_chooses_the_gradient_bucket_size_its_replay_prices_fastest(
         d["bucket_mb"] = bad
         with pytest.raises(autopar.PlanFormatError, match="bucket_mb"):
             autopar.Plan.from_dict(d)
-
-
-def test_a_bucket_size_other_than_ddps_is_taken_only_by_the_margin():
-    """``cheapest_bucket`` keeps DDP's size (the first) unless another costs the step more than the
-    margin less: a size priced a little faster, within the cost model's error, is not a reason to
-    leave the size measured robust."""
-    from types import SimpleNamespace
-
-    from autopar.passes.exposure import Exposure, cheapest_bucket
-
-    cost = {25: 1.00, 12: 0.97, 6: 0.95, 3: 0.96, 1: 0.99}     # seconds of exposed communication
-
-    class Replay:
-        def packing(self, nbytes):
-            return [[nbytes]]                  # a packing of its own per size
-
-        def packed(self, packed):
-            mb = packed[0][0] / 2**20
-            return Exposure([cost[round(mb)]], [cost[round(mb)]], (packed[0][0],))
-
-    cm = SimpleNamespace(overlap_saving=lambda hidden: hidden)
-    assert cheapest_bucket(Replay(), cm)[0] == 6
-    assert cheapest_bucket(Replay(), cm, margin=0.04)[0] == 6
-    mb, ex, priced = cheapest_bucket(Replay(), cm, margin=0.06)
-    assert mb == 25 and ex.seconds == [1.00] and priced["6"] == 0.95
