@@ -99,7 +99,8 @@ def _cpu_worker(rank, world, args, results):
                 if rank == 0:
                     results.append((seq, label, "(no plan)", "-", "-", "-"))
                 continue
-            opt = torch.optim.SGD(pm.parameters(), lr=1e-3)
+            # AdamW: the optimizer the plan counts states for (autopar.plan's default, two per parameter).
+            opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
             times = []
             for step in range(args.steps + 1):
                 dist.barrier()
