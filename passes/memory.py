@@ -1487,7 +1487,7 @@ class StepMemory:
                     if q is not None:
                         into.append(gate(q, _if_recomputed))
             at_wait, after = let_go(n, again, live)
-            own = [q for q in kept.get(n, ()) if any(q is c for c in kept_copies.get(n, ()))] if again is None else []
+            own = kept_copies.get(n, []) if again is None else []
             fold = None if n not in folded else folded[n] if again is None else _times(_below(folded[n]), *again)
             for q in copies + staged:
                 add((_T, 1, q))
