@@ -18,7 +18,8 @@ streams, compute and communication, the way the generated program runs them:
   its last gradient is accumulated (the backward of the parameter's first reader) and the previous
   bucket has started, and runs on the communication stream while the rest of backward computes.
   A sharded parameter's gradient reduce-scatter (the backward of its split forward all-gather,
-  ZeRO-3) is issued at the backward of its reader, a ZeRO-2 one once its gradient is accumulated (the
+  ZeRO-3) is issued at the backward of its reader (waited there in a recomputed or offloaded layer,
+  codegen/overlap.py's ``param_gather_start``), a ZeRO-2 one once its gradient is accumulated (the
   backward of its first reader), and so is the all-gather of a replicated parameter's gradient where
   the program reads the parameter in chunks (a feature split over replicated weights); each is waited
   when the next one is issued or when backward ends (runtime/collectives.py, FSDP2's scheme). The
@@ -207,7 +208,7 @@ class Replay:
                 if st.zero is None:
                     deferred[i] = c.node
                 continue
-            if (c.value, c.node) in split_reads and st.zero is None:
+            if (c.value, c.node) in split_reads and st.zero is None and c.node not in regions:
                 deferred[i] = c.node                                   # ZeRO-3, at its reader's backward
             elif c.node == c.value and st.grad_scatter_axis is not None and nodes[c.value].users:
                 deferred[i] = first_reader_of(nodes[c.value])          # ZeRO-2, once accumulated

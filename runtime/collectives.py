@@ -40,6 +40,8 @@ __all__ = [
     "grad_all_reduce",
     "local_chunk",
     "param_chunk",
+    "param_gather_start",
+    "param_gather_wait",
     "reduce_scatter",
     "reduce_scatter_start",
     "reduce_scatter_wait",
@@ -565,12 +567,45 @@ def all_gather_start(x: torch.Tensor, dim: int, group_name: str, grad: str = "re
 
 def all_gather_wait(y: torch.Tensor, dim: int, group_name: str, groups: int = 1) -> torch.Tensor:
     """Wait for ``all_gather_start``'s ``y`` and concatenate the ranks' blocks along ``dim``."""
-    y = _Wait.apply(y)
+    return _blocks_joined(_Wait.apply(y), dim, group_name, groups)
+
+
+def _blocks_joined(y: torch.Tensor, dim: int, group_name: str, groups: int) -> torch.Tensor:
+    """A waited all-gather's result (every rank's block along dim 0) as the blocks joined along ``dim``."""
     if dim == 0 and groups == 1:
         return y
     _, size = _group(group_name)
     blocks = y.unflatten(0, (size, -1))
     return _unblocks(blocks, dim % (blocks.dim() - 1), groups)
+
+
+class _ParamGatherWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, y, name):
+        ctx.args = name, _group(name)[1]
+        return _ops.wait_tensor(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        name, size = ctx.args
+        return _reduce_scatter(g, 0, size, name), None, None
+
+
+def param_gather_start(x: torch.Tensor, dim: int, group_name: str, groups: int = 1) -> torch.Tensor:
+    """Issue the all-gather of ``x``, a sharded parameter (ZeRO-3) that a recomputed or offloaded layer's
+    body reads (codegen/overlap.py), making no autograd node: ``param_gather_wait`` makes it, so that its
+    backward, the gradient's reduce-scatter, runs right after the reader's. Autograd runs ready nodes
+    latest-made first, and the body issues its first gather when it starts: a node made there would run
+    only after the backward of the whole body before the reader, the whole gradient held until then.
+    The reduce-scatter is waited at once, where the step memory model frees the whole gradient."""
+    _check_groups("all_gather", groups)
+    _dim(x, dim)
+    return _released(_start_gather(x.detach(), _group(group_name)[1], group_name))
+
+
+def param_gather_wait(y: torch.Tensor, x: torch.Tensor, dim: int, group_name: str, groups: int = 1) -> torch.Tensor:
+    """Wait for ``param_gather_start``'s ``y`` (the gather of ``x``), as ``all_gather_wait``."""
+    return _blocks_joined(_ParamGatherWait.apply(x, y, group_name), dim, group_name, groups)
 
 
 def reduce_scatter_start(x: torch.Tensor, dim: int, group_name: str, groups: int = 1) -> torch.Tensor:
@@ -668,6 +703,7 @@ COLLECTIVE_KIND = {
     param_chunk: None,
     all_to_all: "all_to_all",
     all_gather_start: "all_gather",
+    param_gather_start: "all_gather",
     reduce_scatter_start: "reduce_scatter",
     all_reduce_start: "all_reduce",
     all_to_all_start: "all_to_all",

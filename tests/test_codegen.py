@@ -67,10 +67,10 @@ def _issue_before_wait(pm, graphs=None):
     """Every forward collective of the program (``graphs``: by default the top-level one and the bodies
     of its recomputed and offloaded layers) is split: issued, then waited just before the first use of
     its result. Returns how many run with compute between their issue and their wait."""
-    from autopar.runtime.collectives import SPLIT
+    from autopar.runtime.collectives import SPLIT, param_gather_start, param_gather_wait
 
-    starts = {start for start, _, _ in SPLIT.values()}
-    waits = {wait for _, wait, _ in SPLIT.values()}
+    wait_of = {start: wait for start, wait, _ in SPLIT.values()} | {param_gather_start: param_gather_wait}
+    starts, waits = set(wait_of), set(wait_of.values())
     hidden = 0
     for graph in graphs or [m.graph for m in pm.local_program.modules() if isinstance(m, torch.fx.GraphModule)]:
         nodes = list(graph.nodes)
@@ -78,7 +78,7 @@ def _issue_before_wait(pm, graphs=None):
         assert not [n.name for n in nodes if n.target in SPLIT], "a one-call collective was left in the program"
         for n in (n for n in nodes if n.target in starts):
             (wait,) = n.users
-            assert wait.target is SPLIT[next(k for k, v in SPLIT.items() if v[0] is n.target)][1], wait.name
+            assert wait.target is wait_of[n.target], wait.name
             first_use = min(wait.users, key=at.__getitem__)
             assert all(m.target in starts or m.target in waits for m in nodes[at[wait] + 1:at[first_use]]), \
                 f"{wait.name} waits before {nodes[at[wait] + 1].name}, not at the first use of its result"
@@ -594,6 +594,8 @@ def _recomputed_layers_overlap(rank, world, kind):
         # Each layer's weights are gathered while the layer's compute before their first use runs, in
         # forward and again in the layer's run again in backward; with overlap off, each waits at once.
         assert hidden >= 2 * len(bodies), pm.code
+        # Their autograd nodes are made at their waits (codegen/overlap.py, param_gather_start).
+        assert all("param_gather_start(" in str(b.python_code("self").src) for b in bodies), pm.code
         again = _waited_after_compute(pm, ids, labels, (c10d.all_gather_into_tensor.default,))
         assert sum(n > 0 for n in again) >= hidden, (again, hidden)
         assert not any(_waited_after_compute(plain, ids, labels, (c10d.all_gather_into_tensor.default,)))

@@ -28,7 +28,10 @@ from autopar.runtime.collectives import (
     all_gather_start,
     all_reduce_start,
     all_to_all_start,
+    all_gather_wait,
     defer_reduce_scatter,
+    param_gather_start,
+    param_gather_wait,
     reduce_scatter_start,
     same_on_all_ranks,
 )
@@ -258,8 +261,52 @@ def test_collective_kinds():
         all_gather: "all_gather", reduce_scatter: "reduce_scatter", all_reduce: "all_reduce",
         grad_all_reduce: "all_reduce", local_chunk: None, param_chunk: None, all_to_all: "all_to_all",
         all_gather_start: "all_gather", reduce_scatter_start: "reduce_scatter", all_reduce_start: "all_reduce",
-        all_to_all_start: "all_to_all",
+        all_to_all_start: "all_to_all", param_gather_start: "all_gather",
     }
+
+
+def test_a_parameter_gathered_at_its_wait_reduce_scatters_its_gradient_after_its_readers_backward():
+    run_distributed(_param_gather_body, 2)
+
+
+def _param_gather_body(rank, world):
+    """A sharded parameter's gather issued before other compute: through ``param_gather_start``/``_wait``
+    its gradient's reduce-scatter (an all-to-all on gloo) runs right after its reader's backward, before
+    the backward of the compute between the issue and the reader; through ``all_gather_start``/``_wait``
+    autograd runs it after that compute's backward (its node is made at the issue). The gradients are the
+    same."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    name = dist.group.WORLD.group_name
+    torch.manual_seed(0)
+    whole, x = torch.randn(4, 3), torch.randn(5, 3, requires_grad=True)
+    grads = {}
+    for how in ("at its wait", "at its issue"):
+        p = whole.chunk(world)[rank].clone().requires_grad_(True)
+        if how == "at its wait":
+            y = param_gather_start(p, 0, name)
+        else:
+            y = all_gather_start(p, 0, name)
+        h = torch.tanh(x) * 2
+        w = param_gather_wait(y, p, 0, name) if how == "at its wait" else all_gather_wait(y, 0, name)
+        ops = Ops()
+        with ops:
+            (h @ w.t()).sum().backward()
+        rs, tanh = ops.names.index("all_to_all_single.default"), ops.names.index("tanh_backward.default")
+        assert (rs < tanh) == (how == "at its wait"), (how, ops.names)
+        grads[how] = p.grad
+    expected = (torch.tanh(x.detach()) * 2).sum(0).expand(4, 3) * world
+    assert_close(grads["at its wait"], expected.chunk(world)[rank])
+    assert_close(grads["at its issue"], grads["at its wait"])
 
 
 def _fail_on_rank_1(rank, world_size):
