@@ -113,7 +113,7 @@ def _cpu_worker(rank, world, args, results):
             peak = _measured_peak(pm, opt, ids)
             if rank == 0:
                 results.append((seq, label, f"{statistics.median(times) * 1e3:.0f}",
-                                f"{pm.plan.memory['peak'] / 2**20:.1f}", f"{peak / 2**20:.1f}",
+                                f"{pm.plan.memory['peak'] / 2**20:.2f}", f"{peak / 2**20:.2f}",
                                 _attention_form(pm.plan)))
     if rank == 0:
         print(f"world {world}, budget {args.budget_mb} MiB per rank")

@@ -391,7 +391,7 @@ class CostModel:
         rule = rule_for(node)
         if rule.saved_sharded is not None:
             # The op's own sharded form (ring attention) keeps what it keeps on every device.
-            saved = rule.saved_sharded(ctx, s.inputs) or saved
+            saved = rule.saved_sharded(ctx, s.inputs, self.mesh_shape) or saved
         total = 0.0
         if ctx.outs:
             total += saved.outputs * local_fraction(s.outputs[0], self.mesh_shape)

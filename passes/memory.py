@@ -946,7 +946,7 @@ class StepMemory:
         if rule.saved_sharded is None:
             return [saved for _ in self._options(c)]
         ctx = context_for(node)
-        return [(rule.saved_sharded(ctx, s.inputs) if s is not None else None) or saved
+        return [(rule.saved_sharded(ctx, s.inputs, self.cm.mesh_shape) if s is not None else None) or saved
                 for s in (self._strategy(node, o) for o in self._options(c))]
 
     def _converted(self, v, node, k, itemsize) -> Bytes:

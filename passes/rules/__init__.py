@@ -130,7 +130,7 @@ class OpRule:
     collectives: Callable | None = None
     local_call: Callable | None = None
     # What that function keeps for backward (a passes.meta.SavedForBackward at full size) under a
-    # strategy, (ctx, input layouts) -> SavedForBackward or None, where it differs from the ATen op's
+    # strategy, (ctx, input layouts, mesh shape) -> SavedForBackward or None, where it differs from the ATen op's
     # (ring attention keeps q, k, v, the output and a logsumexp on every device, never the scores).
     saved_sharded: Callable | None = None
     # Bytes per device that function holds while it runs, beyond its inputs and output (ring

@@ -249,14 +249,20 @@ def _sdpa_backward_workspace(ctx, in_layouts, mesh_shape):
     return max(0.0, peaks[1] - returned)
 
 
-def _sdpa_saved_sharded(ctx, in_layouts):
+def _sdpa_saved_sharded(ctx, in_layouts, mesh_shape):
     """Ring attention keeps what flash attention keeps, whatever the device, but an explicit mask as it
-    is given (each block of it is made additive while it is attended to)."""
+    is given (each block of it is made additive while it is attended to). Causal, it keeps the query,
+    key, value and output in the load-balanced order (runtime.context_parallel), and returns the output
+    in the sequence's order, a second copy of it."""
     import dataclasses
 
-    if _sharding_axis(in_layouts[1], 2) is None:
+    axis = _sharding_axis(in_layouts[1], 2)
+    if axis is None:
         return None
-    return dataclasses.replace(_sdpa_saved_on_gpu(ctx), inputs=(True,) * len(ctx.ins), converted=())
+    saved = _sdpa_saved_on_gpu(ctx)
+    balanced = bool(ctx.arg(5, "is_causal", False)) and mesh_shape[axis] > 1
+    return dataclasses.replace(saved, inputs=(True,) * len(ctx.ins), converted=(),
+                               internal=saved.internal + (ctx.outs[0].nbytes if balanced else 0))
 
 
 @register_rule(aten.scaled_dot_product_attention.default, flops=_sdpa_flops, saved_on_gpu=_sdpa_saved_on_gpu,
@@ -328,32 +334,46 @@ def _vocab_parallel_rows(ctx, in_layouts, mesh_shape):
 
 
 def _cross_entropy_workspace(ctx, in_layouts, mesh_shape):
-    """Vocab-parallel forward: one fp32 block of rows, where each block's exponentials are made."""
+    """Vocab-parallel forward: one fp32 block of rows, where each block's exponentials are made, and
+    per row, beyond what it keeps, seven fp32 values at its peak (the row maxima, the sums of
+    exponentials, the target logits, the two all-reduced sums, the log-sum-exp less the target logit
+    and the losses)."""
     rows = _vocab_parallel_rows(ctx, in_layouts, mesh_shape)
-    return 0.0 if rows is None else 4.0 * rows[2] * rows[1]
+    if rows is None:
+        return 0.0
+    n, v, block = rows
+    return 4.0 * block * v + 7.0 * _wide(ctx) * n
 
 
 def _cross_entropy_backward_workspace(ctx, in_layouts, mesh_shape):
     """Vocab-parallel backward: it makes the softmax in place in the gradient it returns, so it holds
-    nothing more for fp32 logits; for low-precision ones, the fp32 result before its cast."""
+    beyond it only three fp32 values a row (the upstream gradient and the target's one-hot term, made
+    and negated) for fp32 logits; for low-precision ones, the fp32 result before its cast too."""
     rows = _vocab_parallel_rows(ctx, in_layouts, mesh_shape)
     if rows is None:
         return None
     n, v, _ = rows
-    return 0.0 if ctx.ins[0].dtype.itemsize >= 4 else 4.0 * n * v
+    return 3.0 * _wide(ctx) * n + (0.0 if ctx.ins[0].dtype.itemsize >= 4 else 4.0 * n * v)
 
 
-def _cross_entropy_saved_sharded(ctx, in_layouts):
+def _wide(ctx) -> int:
+    """Bytes of the loss's per-row statistics: the logits' dtype, at least fp32."""
+    return torch.promote_types(ctx.ins[0].dtype, torch.float32).itemsize
+
+
+def _cross_entropy_saved_sharded(ctx, in_layouts, mesh_shape):
     """Vocab-parallel: the logits it reads (no log-softmax) and per row an fp32 logsumexp, the local
-    target (int64) and two masks. The rows' figures are counted as a share of the work, as every
-    private buffer is: a few bytes a row under what the whole vocabulary's logits take."""
+    target (int64) and two masks, on every rank of the axis that shards the vocabulary. Private buffers
+    are counted as a share of the work (divided by the work split, which counts that axis): the rows'
+    figure is scaled up by it."""
     from autopar.passes.meta import SavedForBackward
 
-    if _sharding_axis(in_layouts[0], 1) is None:
+    axis = _sharding_axis(in_layouts[0], 1)
+    if axis is None:
         return None
     rows = ctx.ins[1].shape[0]
-    wide = torch.promote_types(ctx.ins[0].dtype, torch.float32).itemsize
-    return SavedForBackward(0, tuple(k == 0 for k in range(len(ctx.ins))), rows * (wide + 8 + 2))
+    return SavedForBackward(0, tuple(k == 0 for k in range(len(ctx.ins))),
+                            rows * (_wide(ctx) + 8 + 2) * mesh_shape[axis])
 
 
 @register_rule(aten.cross_entropy_loss.default, aten.nll_loss.default,
