@@ -77,13 +77,12 @@ def _to_balanced(x: torch.Tensor, ring: _Ring) -> torch.Tensor:
     return torch.cat(got, dim=2)
 
 
-def _from_balanced(x: torch.Tensor, ring: _Ring, like: torch.Tensor | None = None) -> torch.Tensor:
-    """Inverse of ``_to_balanced``; laid out as ``like`` where given."""
+def _from_balanced(x: torch.Tensor, ring: _Ring) -> torch.Tensor:
     r, n = ring.rank, ring.size
     first, second = x.chunk(2, dim=2)
     got = ring.exchange({r: first.contiguous(), 2 * n - 1 - r: second.contiguous()},
                         lambda c: _balanced_owner(c, n), lambda c: c // 2, [2 * r, 2 * r + 1])
-    return torch.cat(got, dim=2) if like is None else torch.cat(got, dim=2, out=torch.empty_like(like))
+    return torch.cat(got, dim=2)
 
 
 def _segments(rank: int, n: int, length: int, balanced: bool):
@@ -285,15 +284,11 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, causal, scale, name, blocks):
         ring = _Ring(name)
         balanced = causal and ring.size > 1
-        # The output is laid out as the query is, as CPU's flash kernel lays out its own (a query
-        # transposed from sequence-major gives an output whose transpose back and reshape for the output
-        # projection are views; the step memory model counts them so).
-        query = q
         if balanced:
             q, k, v = (_to_balanced(x, ring) for x in (q, k, v))
         hkv, length, acc = k.shape[1], k.shape[2], _acc(q)
         qg, gmask = _grouped(q, hkv), _grouped_mask(mask, hkv)
-        out = torch.zeros_like(qg, dtype=acc)
+        out = torch.zeros(qg.shape, dtype=acc, device=q.device)
         lse = torch.full(qg.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kv = [k, v]
         for t in range(ring.size):
@@ -307,7 +302,7 @@ class _RingAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, mask, out, lse)
         ctx.args = causal, scale, name, balanced, blocks
         if balanced:
-            out = _from_balanced(out, ring, like=query)
+            out = _from_balanced(out, ring)
         return out
 
     @staticmethod

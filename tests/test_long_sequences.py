@@ -146,7 +146,9 @@ def _budget_demands_a_sequence_split(rank, world):
     with pytest.raises(autopar.InfeasiblePlanError) as e:
         autopar.plan(model, cluster, (ids,), {"labels": ids.clone()}, mesh_shape=(world,), memory_budget=1.0,
                      pins={"scaled_dot_product_attention*": ["R"]}, progress=False)
-    budget = 0.9 * e.value.min_feasible_budget          # below anything that keeps attention whole
+    # Below anything that keeps attention whole; the ring's least peak is 0.96x that one (it splits q, k,
+    # v and the output, and keeps a second, load-balanced copy of the output).
+    budget = 0.97 * e.value.min_feasible_budget
     pm = autopar.compile(model, cluster, (ids,), {"labels": ids.clone()}, mesh_shape=(world,), memory_budget=budget)
     for n in pm.plan.nodes:
         if n["op"] == "scaled_dot_product_attention.default":
