@@ -195,6 +195,7 @@ class Replay:
             return min(node.users, key=lambda u: position.get(u.name, len(order))).name
 
         deferred: dict[int, str] = {}         # collective -> the node whose backward issues it
+        waits_in_flight: set[str] = set()     # nodes whose backward waits the deferred one in flight
         for i, c in enumerate(colls):
             if (c.phase != "backward" or c.recompute or c.kind not in ("reduce_scatter", "all_gather")
                     or c.value not in nodes):
@@ -208,8 +209,11 @@ class Replay:
                 if st.zero is None:
                     deferred[i] = c.node
                 continue
-            if (c.value, c.node) in split_reads and st.zero is None and c.node not in regions:
-                deferred[i] = c.node                                   # ZeRO-3, at its reader's backward
+            if (c.value, c.node) in split_reads and st.zero is None:
+                if c.node in regions:       # ZeRO-3 in a region: waited at once, after the one in flight
+                    waits_in_flight.add(c.node)
+                else:
+                    deferred[i] = c.node                               # ZeRO-3, at its reader's backward
             elif c.node == c.value and st.grad_scatter_axis is not None and nodes[c.value].users:
                 deferred[i] = first_reader_of(nodes[c.value])          # ZeRO-2, once accumulated
         first_reader = {p: first_reader_of(n) for n in order if (p := n.name) in buckets}
@@ -241,6 +245,7 @@ class Replay:
         self.cm, self.axis_names, self.order, self.seconds, self.exposed = cm, axis_names, order, seconds, exposed
         self.buckets, self.members, self.backward, self.at_node = buckets, members, backward, at_node
         self.behind, self.behind_at, self.deferred_at, self.ready_at = behind, behind_at, deferred_at, ready_at
+        self.waits_in_flight = waits_in_flight
         self.forward_end = clock
 
     def packing(self, bucket_bytes: int) -> list[list[str]]:
@@ -266,14 +271,18 @@ class Replay:
         in_flight = None                                    # (collective, finish) of the deferred one
 
         def wait_in_flight():
-            nonlocal clock
+            nonlocal clock, in_flight
             if in_flight is not None:
                 i, finish = in_flight
                 exposed[i] = min(seconds[i], max(0.0, finish - clock))     # its own part of the wait
                 clock = max(clock, finish)
+                in_flight = None
 
         for n in reversed(self.order):
-            clock += backward[n.name] + sum(exposed[i] for i in at_node.get(n.name, ()))
+            clock += backward[n.name]
+            if n.name in self.waits_in_flight:
+                wait_in_flight()
+            clock += sum(exposed[i] for i in at_node.get(n.name, ()))
             for i in behind_at.get(n.name, ()):
                 stream_free = max(clock - behind[i], stream_free) + seconds[i]
                 exposed[i] = max(0.0, stream_free - clock)

@@ -587,6 +587,8 @@ class _ParamGatherWait(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        # Issued in backward's order with the deferred ones: the one in flight is waited first.
+        _deferred.wait()
         name, size = ctx.args
         return _reduce_scatter(g, 0, size, name), None, None
 
@@ -597,7 +599,8 @@ def param_gather_start(x: torch.Tensor, dim: int, group_name: str, groups: int =
     backward, the gradient's reduce-scatter, runs right after the reader's. Autograd runs ready nodes
     latest-made first, and the body issues its first gather when it starts: a node made there would run
     only after the backward of the whole body before the reader, the whole gradient held until then.
-    The reduce-scatter is waited at once, where the step memory model frees the whole gradient."""
+    The reduce-scatter is waited at once, where the step memory model frees the whole gradient, after
+    the deferred one in flight (``_DeferredGradients``), as a deferred one would be."""
     _check_groups("all_gather", groups)
     _dim(x, dim)
     return _released(_start_gather(x.detach(), _group(group_name)[1], group_name))
