@@ -127,8 +127,6 @@ def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda", f
                 # A higher-order op that fails inside its no-grad body leaves grad mode off.
                 torch.set_grad_enabled(grad_mode)
             current["node"] = None
-            if target_device == "cpu" and node.target in _FUSED_ON_CPU:
-                out = _strided_like(out, args[0])
             env[node] = out
             outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
             if node.target is not operator.getitem:
@@ -160,18 +158,6 @@ def saved_activations_pass(gm: fx.GraphModule, *, target_device: str = "cuda", f
     if fused:
         _kernel_records(gm)
     return gm
-
-
-def _strided_like(out: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-    """CPU's flash attention lays its output out in its query's dim order (the meta kernel always
-    head-major): a query transposed from sequence-major makes a sequence-major output, whose transpose
-    back and reshape for the output projection are views."""
-    order = sorted(range(query.dim()), key=lambda d: (-query.stride(d), d))
-    stride, step = [0] * out.dim(), 1
-    for d in reversed(order):
-        stride[d] = step
-        step *= out.shape[d]
-    return out.as_strided(out.shape, stride)
 
 
 def _keeps(saved: SavedForBackward | None) -> bool:
