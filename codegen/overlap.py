@@ -28,7 +28,7 @@ A sharded parameter a body gathers (ZeRO-3) is gathered through ``param_gather_s
 backward (the gradient's reduce-scatter, waited at once) runs right after the reader's. Made at the issue,
 at the body's start for its first collective, it ran after the backward of everything the body ran
 between, the whole gradient held meanwhile (Qwen2's recomputed ZeRO-3 plan measured 1.009x its prediction,
-and the built-in GPT's own plan at 1.05x its smallest budget 1.017x the budget).
+1.001x since).
 
 Collectives inside sharded ops (runtime/sharded_ops.py) still wait at once.
 """
