@@ -42,7 +42,7 @@ VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.transpose.int, at
             aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
             aten.squeeze.default, aten.expand.default, aten.slice.Tensor, aten.select.int,
             aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int,
-            aten.reshape.default, aten.flatten.using_ints, operator.getitem, aten.alias.default}
+            aten.reshape.default, operator.getitem, aten.alias.default}
 
 
 @dataclass(frozen=True)
