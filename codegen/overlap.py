@@ -57,10 +57,11 @@ def overlap_pass(gm: fx.GraphModule) -> fx.GraphModule:
             body = getattr(gm, node.args[0].target)
             inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
             # The body reads the parameters its call passes it.
-            _read_params_in_chunks(body, {b for b, a in zip(inputs, node.args[1:]) if a in params})
+            body_params = {b for b, a in zip(inputs, node.args[1:]) if a in params}
+            _read_params_in_chunks(body, body_params)
             if _split_collectives(body.graph, set()):
                 barriers.add(node)
-            _gather_params_at_their_reads(body.graph, {b for b, a in zip(inputs, node.args[1:]) if a in params})
+            _gather_params_at_their_reads(body.graph, body_params)
             body.graph.lint()
             body.recompile()
     _reduce_input_gradients_behind_weight_gradients(graph)
@@ -146,11 +147,14 @@ def _gather_params_at_their_reads(graph: fx.Graph, params: set) -> None:
     ``param_gather_start``/``param_gather_wait``, whose autograd node is made at the wait, not at the
     issue: its gradient is reduce-scattered right after its reader's backward."""
     for start in [n for n in graph.nodes if n.op == "call_function" and n.target is C.all_gather_start]:
-        x, dim, group = start.args[:3]
-        grad = start.args[3] if len(start.args) > 3 else start.kwargs.get("grad", "reduce_scatter")
+        x, dim, group, grad, groups = _all_gather_call(*start.args, **start.kwargs)
         if x not in params or grad != "reduce_scatter":
             continue
-        groups = start.args[4] if len(start.args) > 4 else start.kwargs.get("groups", 1)
-        start.target, start.args, start.kwargs = C.param_gather_start, (x, dim, group, *((groups,) if groups > 1 else ())), {}
+        start.target, start.args, start.kwargs = C.param_gather_start, (x, dim, group, groups), {}
         for wait in list(start.users):
             wait.target, wait.args = C.param_gather_wait, (start, x, *wait.args[1:])
+
+
+def _all_gather_call(x, dim, group_name, grad="reduce_scatter", groups=1):
+    """The arguments of a call of ``all_gather`` (or its ``all_gather_start``), defaults filled in."""
+    return x, dim, group_name, grad, groups
