@@ -28,6 +28,7 @@ from autopar.passes.strategies import Strategy, ZeroState, input_values, node_st
 from autopar.plan import Plan
 from autopar.runtime import collectives as C
 from autopar.runtime import zero as Z
+from autopar.runtime.local_ops import flatten as local_flatten
 
 aten = torch.ops.aten
 
@@ -304,4 +305,7 @@ def _emit(g, node, s: Strategy, low, env, reshard, mesh_shape, group_names):
     if target is aten.view.default:
         # A resharded input may not be contiguous in the way the view needs; reshape copies only then.
         target = aten.reshape.default
+    elif target is aten.flatten.using_ints:
+        # A storage of its own, as the memory model counts it, never a view of a larger one.
+        target = local_flatten
     return g.call_function(target, args, kwargs)

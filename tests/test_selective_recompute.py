@@ -107,3 +107,42 @@ def _selective_parity(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_selective_recompute_trains_like_eager_with_the_planned_collectives(world):
     run_distributed(_selective_parity, world, timeout=300)
+
+
+def _core_gathered_in_its_checkpoint(rank, world):
+    from autopar.models import GPT, GPTConfig
+    from tests.live_memory import step_peak_over_ranks
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, n_layer=2, n_head=4, d_model=32, d_ff=64, max_seq=64))
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (1, 64), generator=torch.Generator().manual_seed(1))
+    pins = {"input_ids": ["S(1)"], "labels": ["S(1)"], "scaled_dot_product_attention*": {"inputs": [["R"]] * 3},
+            **{name: ["R"] for name, _ in model.named_parameters()}, "linear*": ["S(1)"]}
+    pm = autopar.compile(model, autopar.ClusterSpec.local_cpu(world), (ids, ids.clone()), mesh_shape=(world,),
+                         pins=pins, recompute={"*": "attention"})
+    assert len(pm.plan.recompute["attention"]["regions"]) == 2
+    assert pm.code.count("checkpointed(") == 2
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for step in range(3):
+        loss = pm.train_step(ids, ids.clone())
+        ref_loss = ref(ids, ids.clone()).loss
+        ref_loss.backward()
+        assert torch.allclose(loss, ref_loss.detach(), rtol=1e-5, atol=0), (step, loss.item(), ref_loss.item())
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+
+    def step():
+        pm(ids, ids.clone()).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    peak = step_peak_over_ranks(pm, opt, step, inputs=(ids,))
+    assert abs(peak / pm.plan.memory["peak"] - 1) <= 0.10, (peak, pm.plan.memory["peak"])
+
+
+def test_an_attention_core_whose_inputs_are_gathered_for_it_recomputes_the_gathers():
+    """Attention kept whole over a sequence split elsewhere: the all-gathers of its query, key and value
+    are emitted for the core, so its checkpoint runs them again in backward; trains like eager."""
+    run_distributed(_core_gathered_in_its_checkpoint, 2, timeout=300)
