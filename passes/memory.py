@@ -241,6 +241,16 @@ def _view_records(node: fx.Node) -> tuple:
     return m.saved, m.copies, m.copies_from
 
 
+def _gathered_outputs(gm: fx.GraphModule, sharded_outputs: bool) -> set:
+    """The user outputs returned whole (``passes.reshard_plan.gathered_output``), as values."""
+    from autopar.passes.reshard_plan import gathered_output
+    from autopar.passes.strategies import Value
+
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    return {Value(a) for a in pytree.tree_leaves(out.args)
+            if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) and gathered_output(a, sharded_outputs)}
+
+
 def _reads_expanded(x: torch.Tensor) -> bool:
     """Whether a view op's input is broadcast along a dim (stride 0 over more than one element), as
     grouped-query attention's keys and values expanded to every query head are: their reshape copies on
@@ -667,6 +677,7 @@ class StepMemory:
         self._moved: dict = {}   # an instance whose saved activations go to host -> (decision, indicator)
         self._recomputed: dict = {}   # a region that runs its forward again -> (decision, indicator)
         self._host: dict = {}    # a parameter's decision -> host bytes per option (offloaded optimizer states)
+        self._gathered_outputs = _gathered_outputs(gm, sharded_outputs)
         instances = {}        # a recomputed region (a layer instance, or its attention core) -> (decision,
         #                       1 or 0 per option of it: whether the region recomputes, its nodes)
         for cls, insts in layer_instances(gm).items():
@@ -826,6 +837,18 @@ class StepMemory:
         if key not in self._copies:
             ca, cb, requests, per_request = self.reads(v, node, k)
             tables = [[[per_request[r][i][part] for r in requests] for i in self._options(ca)] for part in range(4)]
+            if v in self._gathered_outputs:
+                from autopar.layout import R
+
+                # A user output returned whole is gathered once (codegen shares the resharding of one
+                # request): a reader that reads it whole, with no gradient to reduce, reads that copy,
+                # which ``_output_copy`` counts from the output's node to the step's end.
+                rep = tuple(R for _ in self.cm.mesh_shape)
+                for i in self._options(ca):
+                    src = self._strategy(v.node, i)
+                    for j, (dst, partial) in enumerate(requests):
+                        if dst == rep and (partial if src is None else src.readers_grad_partial(partial)) == frozenset():
+                            tables[0][i][j] = 0.0
             self._copies[key] = tuple(None if q.zero() else q for q in (_pair(ca, cb, t) for t in tables))
         return self._copies[key]
 
