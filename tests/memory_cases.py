@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-ARCHS = ("gpt2", "llama", "bert", "gpt", "gpt-probe", "gpt-vocab", "gpt-long", "llama-long", "qwen2")
+ARCHS = ("gpt2", "llama", "bert", "gpt", "gpt-probe", "gpt-vocab", "gpt-long", "gpt-seq", "llama-long", "qwen2")
 KINDS = ("auto", "dp", "dp-bf16", "megatron", "zero3", "megatron-recompute", "zero3-recompute", "zero1", "zero1-bf16", "zero2-bf16", "zero2-recompute", "vocab",
          "vocab-sharded-outputs", "vocab-sliced",
          "recompute", "sharded-outputs", "2d", "ring", "heads")
 # (tokens, batch) of the long-sequence architectures, whatever the caller asks: one sequence long
 # enough, over a small vocabulary, that attention's buffers are most of the peak.
-LONG_SEQUENCE = {"gpt-long": (2048, 1), "llama-long": (1024, 1)}
+LONG_SEQUENCE = {"gpt-long": (2048, 1), "gpt-seq": (2048, 1), "llama-long": (1024, 1)}
 
 
 def build(arch: str, seq: int, batch: int, device):
@@ -47,6 +47,11 @@ def build(arch: str, seq: int, batch: int, device):
 
         vocab = 16
         model = GPT(GPTConfig(vocab_size=vocab, n_layer=1, n_head=4, d_model=128, d_ff=256, max_seq=seq))
+    elif arch == "gpt-seq":        # bench/long_seq.py's model: two layers, logits as large as a layer's activations
+        from autopar.models import GPT, GPTConfig
+
+        vocab = 256
+        model = GPT(GPTConfig(vocab_size=vocab, n_layer=2, n_head=4, d_model=64, d_ff=256, max_seq=seq))
     elif arch == "gpt":
         from autopar.models import GPT, GPTConfig
 
