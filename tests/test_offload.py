@@ -134,9 +134,14 @@ def test_cpu_cluster_never_offloads_unless_pinned():
     cluster = autopar.ClusterSpec.local_cpu(2)
     plain = autopar.plan(model, cluster, args, kwargs, mesh_shape=(2,), recompute=False, progress=False)
     assert not plain.offload and "nothing offloaded: host and device are one memory" in plain.summary()
+    with pytest.raises(autopar.InfeasiblePlanError) as e:
+        autopar.plan(model, cluster, args, kwargs, mesh_shape=(2,), recompute=False, progress=False, memory_budget=1.0)
+    smallest = e.value.min_feasible_budget
+    assert smallest < plain.memory["peak"]
+    budget = (smallest + plain.memory["peak"]) / 2       # below the plain plan's peak
     tight = autopar.plan(model, cluster, args, kwargs, mesh_shape=(2,), recompute=False, progress=False,
-                         memory_budget=0.9 * plain.memory["peak"])
-    assert not tight.offload and tight.memory["peak"] <= 0.9 * plain.memory["peak"]
+                         memory_budget=budget)
+    assert not tight.offload and tight.memory["peak"] <= budget
     pins = {name: {"output": ["R"], "offload": True} for name, _ in model.named_parameters()}
     forced = autopar.plan(model, cluster, args, kwargs, mesh_shape=(2,), recompute=False, progress=False, pins=pins)
     assert set(forced.offload) == set(forced.params)
