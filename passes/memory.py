@@ -784,7 +784,7 @@ class StepMemory:
         until its wait and makes the copy after it (``_copied_after_wait``), else 0))."""
         from math import prod
 
-        from autopar.layout import local_fraction
+        from autopar.layout import R, local_fraction
         from autopar.passes.resharding import grad_partial_axes
         from autopar.passes.strategies import requires_grad, value_info
 
@@ -805,6 +805,10 @@ class StepMemory:
             # Readers' options ask for few distinct requests and producers make few distinct layouts, and
             # values of one shape and dtype (a layer's every instance) share their steps: each is found once.
             found = self._steps
+            # A user output returned whole is gathered once (codegen shares the resharding of one
+            # request): a reader that reads it whole, with no gradient to reduce, reads that copy, which
+            # ``_output_copy`` counts from the output's node to the step's end.
+            returned = (tuple(R for _ in mesh), frozenset()) if v in self._gathered_outputs else None
             per_request = {}
             for (dst, partial), s in made.items():
                 size = info.nbytes * local_fraction(dst, mesh)
@@ -823,7 +827,7 @@ class StepMemory:
                         found[fk] = (size if any(st.makes_storage for st in steps) else 0.0,
                                      size if steps else 0.0, float(gathered), _staging(steps, info, size, cpu),
                                      1.0 if _copied_after_wait(steps, info.dtype.itemsize, cpu) else 0.0)
-                    rows.append(found[fk])
+                    rows.append((0.0, *found[fk][1:]) if pair[1:3] == returned else found[fk])
                 per_request[(dst, partial)] = rows
             self._reads[key] = (ca, cb, tuple(requests), per_request)
         return self._reads[key]
@@ -837,18 +841,6 @@ class StepMemory:
         if key not in self._copies:
             ca, cb, requests, per_request = self.reads(v, node, k)
             tables = [[[per_request[r][i][part] for r in requests] for i in self._options(ca)] for part in range(4)]
-            if v in self._gathered_outputs:
-                from autopar.layout import R
-
-                # A user output returned whole is gathered once (codegen shares the resharding of one
-                # request): a reader that reads it whole, with no gradient to reduce, reads that copy,
-                # which ``_output_copy`` counts from the output's node to the step's end.
-                rep = tuple(R for _ in self.cm.mesh_shape)
-                for i in self._options(ca):
-                    src = self._strategy(v.node, i)
-                    for j, (dst, partial) in enumerate(requests):
-                        if dst == rep and (partial if src is None else src.readers_grad_partial(partial)) == frozenset():
-                            tables[0][i][j] = 0.0
             self._copies[key] = tuple(None if q.zero() else q for q in (_pair(ca, cb, t) for t in tables))
         return self._copies[key]
 
