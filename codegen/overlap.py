@@ -150,9 +150,7 @@ def _gather_params_at_their_reads(graph: fx.Graph, params: set) -> None:
         x, dim, group, grad, groups = _all_gather_call(*start.args, **start.kwargs)
         if x not in params or grad != "reduce_scatter":
             continue
-        # ``groups`` given only where it is not 1, so the printed program names it only where it matters.
-        start.target, start.kwargs = C.param_gather_start, {}
-        start.args = (x, dim, group) if groups == 1 else (x, dim, group, groups)
+        start.target, start.args, start.kwargs = C.param_gather_start, (x, dim, group, groups), {}
         for wait in list(start.users):
             wait.target, wait.args = C.param_gather_wait, (start, x, *wait.args[1:])
 
