@@ -241,14 +241,18 @@ def _view_records(node: fx.Node) -> tuple:
     return m.saved, m.copies, m.copies_from
 
 
+def _tensor_outputs(gm: fx.GraphModule) -> list:
+    """The graph's user outputs that are tensors, as nodes."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    return [a for a in pytree.tree_leaves(out.args) if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
 def _gathered_outputs(gm: fx.GraphModule, sharded_outputs: bool) -> set:
     """The user outputs returned whole (``passes.reshard_plan.gathered_output``), as values."""
     from autopar.passes.reshard_plan import gathered_output
     from autopar.passes.strategies import Value
 
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    return {Value(a) for a in pytree.tree_leaves(out.args)
-            if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) and gathered_output(a, sharded_outputs)}
+    return {Value(a) for a in _tensor_outputs(gm) if gathered_output(a, sharded_outputs)}
 
 
 def _reads_expanded(x: torch.Tensor) -> bool:
@@ -1113,7 +1117,6 @@ class StepMemory:
     # --- the events ---------------------------------------------------------------------------------
     def _build(self, gm, instances):
         from autopar.passes.normalize import folded_matmul
-        from autopar.passes.reshard_plan import gathered_output
         from autopar.passes.strategies import Value, requires_grad
 
         calls = [n for n in gm.graph.nodes if n.op == "call_function"]
@@ -1265,14 +1268,12 @@ class StepMemory:
             for v in input_values(n):
                 for b in bases(v):
                     last_use[b] = pos[n]
-        out_node = next(n for n in gm.graph.nodes if n.op == "output")
-        outputs = [a for a in pytree.tree_leaves(out_node.args)
-                   if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+        outputs = _tensor_outputs(gm)
         frees = {}            # ("F" forward | "B" backward, position) -> [(category, sign, Bytes)]
         # The caller holds the outputs until the step ends: a gathered output's copy, else the value.
         to_end, output_copies, gather_sources = set(), [], []
         for a in outputs:
-            cp, again = self._output_copy(a, gathered_output(a, self.sharded_outputs))
+            cp, again = self._output_copy(a, Value(a) in self._gathered_outputs)
             if cp is not None:
                 frees.setdefault(("F", pos.get(a, 0)), []).append((_T, 1, cp))
             if again is not None:
