@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing
 import os
 import sys
+import tempfile
 import time
 import traceback
 
@@ -30,10 +32,14 @@ START_METHOD = "forkserver"
 multiprocessing.get_context(START_METHOD).set_forkserver_preload(_RANK_PRELOAD)
 
 
-def _worker(rank, fn, world_size, port, timeout, args, environ):
+def _worker(rank, fn, world_size, port, timeout, args, environ, fault_dir):
     # The fork server was started with the environment of the first launch; a rank sees the caller's.
     os.environ.clear()
     os.environ.update(environ)
+    # A rank killed by a signal leaves no Python exception; its stacks at the signal go to a file the
+    # parent reads back, since a forked rank's stderr is the fork server's, not the test's.
+    fault_file = open(os.path.join(fault_dir, f"rank{rank}"), "w")
+    faulthandler.enable(file=fault_file, all_threads=True)
     # The ranks share a few CPU cores; more threads per rank only oversubscribe them.
     torch.set_num_threads(1)
     store = dist.TCPStore(_HOST, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
@@ -57,7 +63,7 @@ def _worker(rank, fn, world_size, port, timeout, args, environ):
     os._exit(0)
 
 
-def _first_failure(store, fn, world_size, cause) -> RuntimeError:
+def _first_failure(store, fn, world_size, cause, fault_dir) -> RuntimeError:
     """An error that shows the traceback of the rank that failed first and lists the others."""
     errors = []
     for rank in range(world_size):
@@ -65,7 +71,12 @@ def _first_failure(store, fn, world_size, cause) -> RuntimeError:
             stamp, tb = store.get(f"{_ERROR_KEY}{rank}").decode().split("\n", 1)
             errors.append((float(stamp), rank, tb))
     if not errors:  # a rank died without a Python exception (a signal, os._exit)
-        return RuntimeError(f"run_distributed({fn.__name__}, world_size={world_size}): {cause}")
+        stacks = "".join(
+            f"\nrank {rank} at the signal:\n{text}"
+            for rank in range(world_size)
+            if (text := _read(os.path.join(fault_dir, f"rank{rank}")))
+        )
+        return RuntimeError(f"run_distributed({fn.__name__}, world_size={world_size}): {cause}{stacks}")
     errors.sort()
     _, rank, tb = errors[0]
     later = "".join(f"\nrank {r} failed later: {t.strip().splitlines()[-1]}" for _, r, t in errors[1:])
@@ -84,9 +95,22 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> None:
     # The parent holds the rendezvous store on a port the OS picks, so no other process can take
     # the port between choosing it and binding it.
     store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False)
+    with tempfile.TemporaryDirectory(prefix="autopar-ranks-") as fault_dir:
+        _run(fn, world_size, args, timeout, store, fault_dir)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
+def _run(fn, world_size, args, timeout, store, fault_dir) -> None:
     ctx = mp.start_processes(
         _worker,
-        args=(fn, world_size, store.port, timeout, args, dict(os.environ)),
+        args=(fn, world_size, store.port, timeout, args, dict(os.environ), fault_dir),
         nprocs=world_size,
         join=False,
         start_method=START_METHOD,
@@ -104,7 +128,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> None:
                     f"running after {timeout:g} s; a collective is probably mismatched across ranks"
                 )
     except ProcessException as e:
-        raise _first_failure(store, fn, world_size, e) from e
+        raise _first_failure(store, fn, world_size, e, fault_dir) from e
 
 
 def resumes_alike(path, pm, opt, other, other_opt, ids, labels, steps=2):

@@ -3,6 +3,7 @@
 Every rank builds the full (logical) tensors from fixed seeds, so it can compute what its own
 output and input gradient must be under the gradient convention of ``autopar.runtime.collectives``.
 """
+import faulthandler
 import itertools
 import time
 import zlib
@@ -319,9 +320,20 @@ def _hang(rank, world_size):
     time.sleep(60)
 
 
+def _segfault_in_a_named_function(rank, world_size):
+    if rank == 1:
+        faulthandler._sigsegv()
+    dist.barrier()
+
+
 def test_run_distributed_reports_a_failing_rank():
     with pytest.raises(RuntimeError, match="(?s)rank 1 failed first:.*rank 1 failed on purpose"):
         run_distributed(_fail_on_rank_1, 2)
+
+
+def test_run_distributed_reports_where_a_rank_died_of_a_signal():
+    with pytest.raises(RuntimeError, match="(?s)terminated with signal SIGSEGV.*rank 1 at the signal:.*_segfault_in_a_named_function"):
+        run_distributed(_segfault_in_a_named_function, 2)
 
 
 def test_run_distributed_times_out_on_a_hanging_rank():
