@@ -5,6 +5,7 @@ import datetime
 import faulthandler
 import multiprocessing
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -37,9 +38,11 @@ def _worker(rank, fn, world_size, port, timeout, args, environ, fault_dir):
     os.environ.clear()
     os.environ.update(environ)
     # A rank killed by a signal leaves no Python exception; its stacks at the signal go to a file the
-    # parent reads back, since a forked rank's stderr is the fork server's, not the test's.
+    # parent reads back, since a forked rank's stderr is the fork server's, not the test's. SIGUSR1 writes
+    # them too: the parent asks a rank that is still running at the timeout where it is.
     fault_file = open(os.path.join(fault_dir, f"rank{rank}"), "w")
     faulthandler.enable(file=fault_file, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=fault_file, all_threads=True)
     # The ranks share a few CPU cores; more threads per rank only oversubscribe them.
     torch.set_num_threads(1)
     store = dist.TCPStore(_HOST, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
@@ -64,25 +67,23 @@ def _worker(rank, fn, world_size, port, timeout, args, environ, fault_dir):
 
 
 def _first_failure(store, fn, world_size, cause, fault_dir) -> RuntimeError:
-    """An error that shows the traceback of the rank that failed first and lists the others."""
+    """An error that shows the traceback of the rank that failed first and lists the others. A rank
+    killed by a signal comes first, with its stacks at the signal: its peers then fail too ("Connection
+    reset by peer"), and may say so before the parent learns of the signal."""
     errors = []
     for rank in range(world_size):
         if store.check([f"{_ERROR_KEY}{rank}"]):
             stamp, tb = store.get(f"{_ERROR_KEY}{rank}").decode().split("\n", 1)
             errors.append((float(stamp), rank, tb))
-    if not errors:  # a rank died without a Python exception (a signal, os._exit)
-        stacks = "".join(
-            f"\nrank {rank} at the signal:\n{text}"
-            for rank in range(world_size)
-            if (text := _read(os.path.join(fault_dir, f"rank{rank}")))
-        )
-        return RuntimeError(f"run_distributed({fn.__name__}, world_size={world_size}): {cause}{stacks}")
     errors.sort()
+    head = f"run_distributed({fn.__name__}, world_size={world_size}): "
+    signalled = _stacks(fault_dir, range(world_size), "at the signal")
+    if signalled or not errors:     # not errors: a rank ended with no Python exception (os._exit)
+        later = "".join(f"\nrank {r} failed too: {t.strip().splitlines()[-1]}" for _, r, t in errors)
+        return RuntimeError(f"{head}{cause}{signalled}{later}")
     _, rank, tb = errors[0]
     later = "".join(f"\nrank {r} failed later: {t.strip().splitlines()[-1]}" for _, r, t in errors[1:])
-    return RuntimeError(
-        f"run_distributed({fn.__name__}, world_size={world_size}): rank {rank} failed first:\n{tb}{later}"
-    )
+    return RuntimeError(f"{head}rank {rank} failed first:\n{tb}{later}")
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> None:
@@ -99,12 +100,18 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> None:
         _run(fn, world_size, args, timeout, store, fault_dir)
 
 
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read()
-    except FileNotFoundError:
-        return ""
+def _stacks(fault_dir: str, ranks, when: str) -> str:
+    """The Python stacks the ranks ``ranks`` wrote to their fault files, one paragraph each."""
+    out = []
+    for rank in ranks:
+        try:
+            with open(os.path.join(fault_dir, f"rank{rank}")) as f:
+                text = f.read()
+        except FileNotFoundError:
+            continue
+        if text:
+            out.append(f"\nrank {rank} {when}:\n{text}")
+    return "".join(out)
 
 
 def _run(fn, world_size, args, timeout, store, fault_dir) -> None:
@@ -120,12 +127,16 @@ def _run(fn, world_size, args, timeout, store, fault_dir) -> None:
         while not ctx.join(timeout=max(deadline - time.monotonic(), 0.0)):
             if time.monotonic() >= deadline:
                 running = [rank for rank, p in enumerate(ctx.processes) if p.is_alive()]
+                for rank in running:
+                    os.kill(ctx.processes[rank].pid, signal.SIGUSR1)
+                time.sleep(1.0)         # for faulthandler to write their stacks
                 for p in ctx.processes:
                     p.kill()
                     p.join()
                 raise TimeoutError(
                     f"run_distributed({fn.__name__}, world_size={world_size}): ranks {running} still "
                     f"running after {timeout:g} s; a collective is probably mismatched across ranks"
+                    f"{_stacks(fault_dir, running, 'at the timeout')}"
                 )
     except ProcessException as e:
         raise _first_failure(store, fn, world_size, e, fault_dir) from e

@@ -9,7 +9,7 @@ import torch
 
 from tests.distributed_utils import run_distributed
 from tests.hf_models import batch, build
-from tests.test_parity import _train_and_compare
+from tests.eager_parity import train_and_compare
 
 # Every activation split along the sequence: the inputs by tokens, weights whole.
 SEQUENCE = {"input_ids": ["S(1)"], "labels": ["S(1)"], "*.weight": ["R"], "*.bias": ["R"]}
@@ -68,7 +68,7 @@ def _check(rank, world, model_name, mesh):
         assert marker in pm.code, f"{where}: the program does not call {marker}"
         if "recomputed" in label:
             assert pm.plan.recompute["layers"] and "checkpointed" in pm.code, where
-        _train_and_compare(pm, copy.deepcopy(ref), ids, labels, where)
+        train_and_compare(pm, copy.deepcopy(ref), ids, labels, where)
 
 
 @pytest.mark.parametrize("model_name, world, mesh", [
@@ -153,7 +153,7 @@ def _budget_demands_a_sequence_split(rank, world):
     for n in pm.plan.nodes:
         if n["op"] == "scaled_dot_product_attention.default":
             assert n["inputs"][:3] == [["S(2)"]] * 3, f"{n['name']} reads q, k, v as {n['inputs'][:3]}"
-    _train_and_compare(pm, ref, ids, ids.clone(), f"free plan under a {budget / 2**20:.2f} MiB budget")
+    train_and_compare(pm, ref, ids, ids.clone(), f"free plan under a {budget / 2**20:.2f} MiB budget")
 
 
 def test_a_budget_below_whole_attention_makes_the_solver_split_the_sequence():

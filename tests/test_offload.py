@@ -215,7 +215,7 @@ def _pins(model, mesh_axes, tp=None):
 def _check_offloaded(rank, world, mesh, checkpoint_dir=None):
     from tests.hf_models import MEGATRON, batch, build
     from tests.live_memory import step_peak_over_ranks
-    from tests.test_zero import _train_and_compare
+    from tests.eager_parity import train_and_compare
 
     torch.manual_seed(0)
     model = build("gpt2")
@@ -233,7 +233,7 @@ def _check_offloaded(rank, world, mesh, checkpoint_dir=None):
     # The optimizer steps host copies, not the tensors the program reads.
     fqn = next(iter(pm.plan.offload))
     assert pm.local_parameter(fqn).data_ptr() != pm.local_tensor(fqn).data_ptr()
-    opt = _train_and_compare(pm, copy.deepcopy(ref), ids, labels, where)
+    opt = train_and_compare(pm, copy.deepcopy(ref), ids, labels, where)
     # Device gradients are freed once copied to the host.
     pm.train_step(ids, labels=labels)
     assert all(pm.local_tensor(f).grad is None and pm.local_parameter(f).grad is not None for f in pm.plan.offload)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from tests.distributed_utils import run_distributed
+from tests.eager_parity import train_and_compare
 from tests.hf_models import MEGATRON, VOCAB_PARALLEL, VOCAB_PARALLEL_NODES, batch, build
 
-STEPS, LR = 3, 1e-3
 
 
 def _plans(model_name, model, mesh_axes):
@@ -80,42 +80,7 @@ def _check_model(rank, world, model_name, mesh):
             assert pm.plan.recompute["layers"] and "checkpointed" in pm.code, where
         if "vocab parallel" in label:
             assert "vocab_parallel_cross_entropy" in pm.code and "vocab_parallel_embedding" in pm.code, where
-        _train_and_compare(pm, copy.deepcopy(ref), ids, labels, where)
-
-
-def _train_and_compare(pm, ref, ids, labels, where):
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
-    ref_params = dict(ref.named_parameters())
-    for step in range(STEPS):
-        loss = pm.train_step(ids, labels=labels)
-        ref_loss = ref(ids, labels=labels).loss
-        ref_loss.backward()
-        assert torch.allclose(loss, ref_loss.detach(), rtol=1e-5, atol=0), \
-            f"{where}: step {step} loss {loss.item()} vs eager {ref_loss.item()}"
-        if step == 0:
-            _compare_grads(pm, ref_params, where)
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
-    full = pm.full_state_dict()
-    loaded = copy.deepcopy(ref)
-    loaded.load_state_dict(full)             # strict: tied names and persistent buffers are all there
-    assert set(full) == set(ref.state_dict()), where
-    for fqn, p in ref_params.items():
-        err = (full[fqn] - p.detach()).abs().max().item()
-        assert err <= 1e-4, f"{where}: parameter {fqn} differs by {err} after {STEPS} steps"
-
-
-def _compare_grads(pm, ref_params, where):
-    from torch.distributed.tensor import DTensor
-
-    scale = max(p.grad.abs().max().item() for p in ref_params.values())
-    for fqn, p in ref_params.items():
-        local = pm.local_parameter(fqn)
-        grad = DTensor.from_local(local.grad, pm.mesh, [x.to_dtensor() for x in pm.state_layout(fqn)],
-                                  run_check=False).full_tensor()
-        err = (grad - p.grad).abs().max().item()
-        assert err <= 1e-5 * scale, f"{where}: gradient of {fqn} off by {err} (largest entry in the model {scale})"
+        train_and_compare(pm, copy.deepcopy(ref), ids, labels, where)
 
 
 @pytest.mark.parametrize("model_name", ["gpt2", "llama", "bert", "gpt"])

@@ -11,45 +11,27 @@ import pytest
 import torch
 
 from tests.distributed_utils import run_distributed
+from tests.eager_parity import train_and_compare
 from tests.hf_models import MEGATRON, batch, build
 
-STEPS, LR = 3, 1e-3
 
 
 def _stages(mesh, schedule):
     return mesh[0] * (2 if "Interleaved" in schedule or "ZBV" in schedule else 1)
 
 
-def _train_and_compare(pm, ref, ids, labels, where):
+def _held_gradient(pm, fqn):
+    """A parameter's whole gradient over its stage's ranks; None where this rank's stages do not hold it."""
     from torch.distributed.tensor import DTensor
 
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
-    ref_params = dict(ref.named_parameters())
-    for step in range(STEPS):
-        loss = pm.train_step(ids, labels=labels)
-        ref_loss = ref(ids, labels=labels).loss
-        ref_loss.backward()
-        assert torch.allclose(loss, ref_loss.detach(), rtol=1e-5, atol=0), \
-            f"{where}: step {step} loss {loss.item()} vs eager {ref_loss.item()}"
-        if step == 0:
-            scale = max(p.grad.abs().max().item() for p in ref_params.values())
-            sub = pm._stage_mesh()
-            for fqn in pm._held:           # the parameters this rank's stages hold
-                grad = pm.local_parameter(fqn).grad      # a ZeRO-1 parameter's: its block of the state layout
-                if sub is not None:
-                    lay = [p.to_dtensor() for i, p in enumerate(pm.state_layout(fqn)) if i != pm.pp_axis]
-                    grad = DTensor.from_local(grad, sub, lay, run_check=False).full_tensor()
-                err = (grad - ref_params[fqn].grad).abs().max().item()
-                assert err <= 1e-5 * scale, f"{where}: gradient of {fqn} off by {err} (largest entry {scale})"
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
-    full = pm.full_state_dict()
-    assert set(full) == set(ref.state_dict()), where      # tied names and persistent buffers too
-    copy.deepcopy(ref).load_state_dict(full)               # strict
-    for fqn, p in ref_params.items():
-        err = (full[fqn] - p.detach()).abs().max().item()
-        assert err <= 1e-4, f"{where}: parameter {fqn} differs by {err} after {STEPS} steps"
+    if fqn not in pm._held:
+        return None
+    grad = pm.local_parameter(fqn).grad      # a ZeRO-1 parameter's: its block of the state layout
+    sub = pm._stage_mesh()
+    if sub is not None:
+        lay = [p.to_dtensor() for i, p in enumerate(pm.state_layout(fqn)) if i != pm.pp_axis]
+        grad = DTensor.from_local(grad, sub, lay, run_check=False).full_tensor()
+    return grad
 
 
 def _check(rank, world, cases):
@@ -92,7 +74,7 @@ def _check(rank, world, cases):
         # A batch of another size does not split into the plan's microbatches: refused before any collective.
         with pytest.raises(autopar.ShapeMismatchError, match=f"{microbatches} microbatches of"):
             pm.train_step(ids[:-1], labels=labels[:-1])
-        _train_and_compare(pm, ref, ids, labels, where)
+        train_and_compare(pm, ref, ids, labels, where, gradient=_held_gradient)
 
 
 @contextlib.contextmanager

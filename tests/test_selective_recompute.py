@@ -9,6 +9,7 @@ import torch
 
 import autopar
 from tests.distributed_utils import run_distributed
+from tests.eager_parity import train_and_compare
 
 
 def _gpt2_eager(s, h, a, layers=2, vocab=1024, dropout=0.1):
@@ -81,18 +82,7 @@ def _selective_parity(rank, world):
     assert len(pm.plan.recompute["attention"]["regions"]) == 2 and not pm.plan.recompute["layers"]
     assert pm.code.count("checkpointed(") == 2
     check_collectives(pm, ids, labels)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    for step in range(3):
-        loss = pm.train_step(ids, labels=labels)
-        ref_loss = ref(ids, labels=labels).loss
-        ref_loss.backward()
-        assert torch.allclose(loss, ref_loss.detach(), rtol=1e-5, atol=0), (step, loss.item(), ref_loss.item())
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
-    full = pm.full_state_dict()
-    for fqn, p in ref.named_parameters():
-        assert (full[fqn] - p.detach()).abs().max().item() <= 1e-4, fqn
+    opt = train_and_compare(pm, ref, ids, labels, f"selective recompute on {world} ranks")
 
     def step():
         pm(ids, labels=labels).loss.backward()
@@ -123,15 +113,8 @@ def _core_gathered_in_its_checkpoint(rank, world):
                          pins=pins, recompute={"*": "attention"})
     assert len(pm.plan.recompute["attention"]["regions"]) == 2
     assert pm.code.count("checkpointed(") == 2
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    for step in range(3):
-        loss = pm.train_step(ids, ids.clone())
-        ref_loss = ref(ids, ids.clone()).loss
-        ref_loss.backward()
-        assert torch.allclose(loss, ref_loss.detach(), rtol=1e-5, atol=0), (step, loss.item(), ref_loss.item())
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
+    opt = train_and_compare(pm, ref, None, None, f"sequence-split attention core recomputed on {world} ranks",
+                            call=lambda m: m(ids, ids.clone()).loss)
 
     def step():
         pm(ids, ids.clone()).loss.backward()

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.distributed_utils import run_distributed
+from tests.eager_parity import train_and_compare
 from tests.hf_models import MEGATRON, batch, build
 
-STEPS, LR = 3, 1e-3
 
 
 class FusedGateUp(nn.Module):
@@ -52,34 +52,6 @@ def _check_megatron_layout(pm, weight, layout, all_reduces, where):
     assert counts["all_to_all"] == 0 and counts["all_reduce"] == all_reduces, f"{where}: forward collectives {counts}"
 
 
-def _compare(pm, ref, call, where):
-    """Losses at every step, first-step gradients and parameters after STEPS AdamW steps."""
-    from torch.distributed.tensor import DTensor
-
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
-    ref_params = dict(ref.named_parameters())
-    for step in range(STEPS):
-        loss = call(pm)
-        ref_loss = call(ref)
-        loss.backward(), ref_loss.backward()
-        assert torch.allclose(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=0), \
-            f"{where}: step {step} loss {loss.item()} vs eager {ref_loss.item()}"
-        if step == 0:
-            scale = max(p.grad.abs().max().item() for p in ref_params.values())
-            for fqn, p in ref_params.items():
-                grad = DTensor.from_local(pm.local_parameter(fqn).grad, pm.mesh,
-                                          [x.to_dtensor() for x in pm.state_layout(fqn)], run_check=False).full_tensor()
-                err = (grad - p.grad).abs().max().item()
-                assert err <= 1e-5 * scale, f"{where}: gradient of {fqn} off by {err} (largest entry {scale})"
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
-    full = pm.full_state_dict()
-    for fqn, p in ref_params.items():
-        err = (full[fqn] - p.detach()).abs().max().item()
-        assert err <= 1e-4, f"{where}: parameter {fqn} differs by {err} after {STEPS} steps"
-
-
 def _solver_picks_megatron(rank, world):
     import autopar
 
@@ -98,7 +70,7 @@ def _solver_picks_megatron(rank, world):
                          pins={"input_ids": whole, "labels": whole, **unfused})
     where = f"gpt2 on {world} ranks"
     _check_megatron_layout(pm, "transformer.h.0.attn.c_attn.weight", ["S(1,3)"], 2 * gpt2.config.n_layer, where)
-    _compare(pm, copy.deepcopy(gpt2), lambda m: m(ids, labels=labels).loss, where)
+    train_and_compare(pm, copy.deepcopy(gpt2), None, None, where, call=lambda m: m(ids, labels=labels).loss)
 
     torch.manual_seed(0)
     mlp = FusedGateUp()
@@ -108,7 +80,7 @@ def _solver_picks_megatron(rank, world):
     pm = autopar.compile(mlp, cluster, (x,), mesh_shape=mesh, pins={"x": whole})
     where = f"fused gate-up MLP on {world} ranks"
     _check_megatron_layout(pm, "gate_up.0.weight", ["S(0,2)"], len(mlp.down), where)
-    _compare(pm, copy.deepcopy(mlp), lambda m: m(x), where)
+    train_and_compare(pm, copy.deepcopy(mlp), None, None, where, call=lambda m: m(x))
 
 
 @pytest.mark.parametrize("world", [2, 4])

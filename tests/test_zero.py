@@ -17,6 +17,7 @@ from torch import nn
 import autopar
 from autopar.passes.costs import OptimizerSpec
 from tests.distributed_utils import resumes_alike, run_distributed
+from tests.eager_parity import LR, train_and_compare
 
 PSI, N = 96000 * 78125, 64          # ZeRO's example: 7.5B parameters on 64 data-parallel devices
 
@@ -125,7 +126,6 @@ def test_replicated_pins_under_a_small_budget_shard_optimizer_states():
 
 # --- on gloo ranks -------------------------------------------------------------------------------
 
-STEPS, LR = 3, 1e-3
 
 
 def _pins(model, mesh_axes, stage, tp=None):
@@ -134,33 +134,6 @@ def _pins(model, mesh_axes, stage, tp=None):
         pins[name] = {"output": ["R"] * (mesh_axes - 1) + [lay], "zero": stage}
     data = ["S(0)"] + ["R"] * (mesh_axes - 1)
     return {**pins, "input_ids": data, "labels": data}
-
-
-def _train_and_compare(pm, ref, ids, labels, where):
-    from torch.distributed.tensor import DTensor
-
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
-    ref_params = dict(ref.named_parameters())
-    for step in range(STEPS):
-        loss = pm.train_step(ids, labels=labels)
-        ref_loss = ref(ids, labels=labels).loss
-        ref_loss.backward()
-        assert torch.allclose(loss, ref_loss.detach(), rtol=1e-5, atol=0), \
-            f"{where}: step {step} loss {loss.item()} vs eager {ref_loss.item()}"
-        if step == 0:
-            scale = max(p.grad.abs().max().item() for p in ref_params.values())
-            for fqn, p in ref_params.items():
-                local = pm.local_parameter(fqn)
-                grad = DTensor.from_local(local.grad, pm.mesh, [x.to_dtensor() for x in pm.state_layout(fqn)],
-                                          run_check=False).full_tensor()
-                assert (grad - p.grad).abs().max().item() <= 1e-5 * scale, f"{where}: gradient of {fqn}"
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
-    full = pm.full_state_dict()
-    for fqn, p in ref_params.items():
-        assert (full[fqn] - p.detach()).abs().max().item() <= 1e-4, f"{where}: parameter {fqn} after {STEPS} steps"
-    return opt
 
 
 def _gathers_in_buckets_as_one_by_one(pm, model, cluster, ids, labels, mesh, where):
@@ -310,7 +283,7 @@ def _check_sharded_states(rank, world, mesh, checkpoint_dir):
             _autograd_grad_gives_the_blocks(pm, ref_grads, ids, labels, where)
         else:
             _zero1_gradient_asked_alone_is_refused(pm, ids, labels, where)
-        opt = _train_and_compare(pm, copy.deepcopy(ref), ids, labels, where)
+        opt = train_and_compare(pm, copy.deepcopy(ref), ids, labels, where)
         pms[stage] = (pm, opt)
 
         def step():

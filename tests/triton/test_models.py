@@ -10,7 +10,7 @@ import torch
 from tests.distributed_utils import run_distributed
 from autopar.runtime.sharded_ops import vocab_parallel_cross_entropy
 from tests.hf_models import MEGATRON, VOCAB_PARALLEL, VOCAB_PARALLEL_NODES, batch, build
-from tests.test_parity import _train_and_compare
+from tests.eager_parity import train_and_compare
 
 aten = torch.ops.aten
 
@@ -46,7 +46,7 @@ def _train_with_triton(rank, world, plans):
                              mesh_shape=(world,), kernels="triton", progress=False, **options)
         where = f"gpt2 / {label} / kernels='triton' on {world} ranks"
         _check_program(pm, where, "vocab" in label)
-        _train_and_compare(pm, copy.deepcopy(ref), ids, labels, where)
+        train_and_compare(pm, copy.deepcopy(ref), ids, labels, where)
 
 
 def test_gpt2_trains_with_triton_kernels_on_one_rank():
