@@ -90,8 +90,9 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes in one gloo group.
 
     ``fn`` must be a module-level function, and ``args`` picklable. Raises ``RuntimeError`` with
-    the traceback of the first rank that failed, or ``TimeoutError`` naming the ranks still running
-    after ``timeout`` seconds; either way the other ranks are stopped.
+    the traceback of the first rank that failed (the Python stacks of one killed by a signal), or
+    ``TimeoutError`` naming the ranks still running after ``timeout`` seconds, with their stacks;
+    either way the other ranks are stopped.
     """
     # The parent holds the rendezvous store on a port the OS picks, so no other process can take
     # the port between choosing it and binding it.
