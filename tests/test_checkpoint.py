@@ -148,13 +148,14 @@ def test_run_resumes_after_a_rank_dies_under_torchrun(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--max-restarts", "3", "--monitor-interval", "0.5", "-m", "tests.scripts.train_resumable",
            str(tmp_path), "--steps", "8", "--die-at", "6"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    # A rank killed by a signal prints its Python stacks to the output kept below.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root), "PYTHONFAULTHANDLER": "1"}
     run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     rows = [json.loads(line) for line in (tmp_path / "losses.jsonl").read_text().splitlines()]
     first = [r["step"] for r in rows if r["attempt"] == 0]
     assert first == list(range(6)), rows                      # died saving step 6
-    assert {r["attempt"] for r in rows} == {0, 1}, rows
+    assert {r["attempt"] for r in rows} == {0, 1}, f"{rows}\n{run.stderr[-8000:]}"
     resumed = [r for r in rows if r["attempt"] > 0]
     assert resumed and Path(resumed[0]["resumed_from"]).name == "step_000004", rows
     assert resumed[0]["step"] == 4, rows
