@@ -8,12 +8,14 @@ import torch
 STEPS, LR = 3, 1e-3
 
 
-def full_gradient(pm, fqn: str) -> torch.Tensor:
-    """The whole gradient of parameter ``fqn``, gathered from the ranks' blocks of its state layout."""
+def full_gradient(pm, fqn: str, block: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole gradient of parameter ``fqn``, gathered from the ranks' blocks of its state layout:
+    ``block`` on this rank (a gradient ``torch.autograd.grad`` returned), else the parameter's ``.grad``."""
     from torch.distributed.tensor import DTensor
 
+    block = pm.local_parameter(fqn).grad if block is None else block
     placements = [x.to_dtensor() for x in pm.state_layout(fqn)]
-    return DTensor.from_local(pm.local_parameter(fqn).grad, pm.mesh, placements, run_check=False).full_tensor()
+    return DTensor.from_local(block, pm.mesh, placements, run_check=False).full_tensor()
 
 
 def train_and_compare(pm, ref, ids, labels, where: str, *, gradient=full_gradient, call=None):

@@ -17,7 +17,6 @@ from tests.eager_parity import train_and_compare
 from tests.hf_models import MEGATRON, VOCAB_PARALLEL, VOCAB_PARALLEL_NODES, batch, build
 
 
-
 def _plans(model_name, model, mesh_axes):
     """(label, compile options) for every plan kind on this mesh."""
 

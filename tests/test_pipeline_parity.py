@@ -15,7 +15,6 @@ from tests.eager_parity import train_and_compare
 from tests.hf_models import MEGATRON, batch, build
 
 
-
 def _stages(mesh, schedule):
     return mesh[0] * (2 if "Interleaved" in schedule or "ZBV" in schedule else 1)
 

@@ -17,7 +17,6 @@ from tests.eager_parity import train_and_compare
 from tests.hf_models import MEGATRON, batch, build
 
 
-
 class FusedGateUp(nn.Module):
     """Pre-norm gated MLP blocks whose gate and up projections are one matrix, chunked after the
     matmul (Phi-3's ``gate_up_proj``), on an activation input, ending in a scalar loss."""

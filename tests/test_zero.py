@@ -17,7 +17,7 @@ from torch import nn
 import autopar
 from autopar.passes.costs import OptimizerSpec
 from tests.distributed_utils import resumes_alike, run_distributed
-from tests.eager_parity import LR, train_and_compare
+from tests.eager_parity import LR, full_gradient, train_and_compare
 
 PSI, N = 96000 * 78125, 64          # ZeRO's example: 7.5B parameters on 64 data-parallel devices
 
@@ -127,7 +127,6 @@ def test_replicated_pins_under_a_small_budget_shard_optimizer_states():
 # --- on gloo ranks -------------------------------------------------------------------------------
 
 
-
 def _pins(model, mesh_axes, stage, tp=None):
     pins = {name: {"output": ["R"] * mesh_axes, "zero": stage} for name, _ in model.named_parameters()}
     for name, lay in (tp or {}).items():
@@ -207,16 +206,13 @@ def _autograd_grad_gives_the_blocks(pm, ref_grads, ids, labels, where):
     """With overlap on, ``torch.autograd.grad`` over the module's parameters returns this rank's blocks of
     the single-device gradients and leaves every ``.grad`` as an earlier backward left it (no deferred
     reduce-scatter writes one); ``backward(inputs=...)`` fills the named parameters' ``.grad`` only."""
-    from torch.distributed.tensor import DTensor
-
     assert pm._program.overlap, where
     pm.zero_grad(set_to_none=True)
     scale = max(g.abs().max().item() for g in ref_grads.values())
 
     def check(fqn, local_grad, how):
         assert local_grad is not None, f"{where}: {how} gave no gradient for {fqn}"
-        full = DTensor.from_local(local_grad, pm.mesh, [x.to_dtensor() for x in pm.state_layout(fqn)],
-                                  run_check=False).full_tensor()
+        full = full_gradient(pm, fqn, local_grad)
         assert (full - ref_grads[fqn]).abs().max().item() <= 1e-5 * scale, f"{where}: {how}, gradient of {fqn}"
 
     fqns = list(pm.plan.params)
