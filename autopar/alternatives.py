@@ -80,10 +80,11 @@ def _op_collectives(cm, node, s, axis_names):
 
 
 def _edge_collectives(cm, v, src, dst_strategy, k, neighbor, axis_names):
+    from autopar.passes.precision import reduce_itemsize
     from autopar.passes.strategies import value_info
 
     steps = cm.resharding(v, src, dst_strategy, k)
     if steps is None:
         return [AlternativeCollective("impossible", neighbor, v.node.name)]
-    priced = cm.priced_steps(steps, value_info(v).dtype.itemsize, requires_grad(v.node))
+    priced = cm.priced_steps(steps, value_info(v).dtype.itemsize, requires_grad(v.node), reduce_itemsize(v.node))
     return [c.alternative_entry(axis_names, neighbor, v.node.name) for _, c in priced]

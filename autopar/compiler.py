@@ -40,9 +40,11 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
     chosen by the planner's replay unless given, which fixes it); beside a given plan it must be the
     plan's own, since the plan's step time and memory were priced at it.
     ``precision`` (a planning option) is Lightning's name of the training precision: "32-true",
-    "bf16-mixed" or "bf16-true"; a given plan's own is used, and a different one is refused."""
+    "bf16-mixed" or "bf16-true"; a given plan's own is used, and a different one is refused. So is
+    ``reduce_dtype``, what "bf16-mixed" sums gradients over ranks in ("float32" or "bfloat16": ``plan``)."""
     from autopar.codegen.triton import resolve_kernels
     from autopar.pass_pipeline import front_end, generate, new_runner
+    from autopar.passes.precision import resolve_precision
     from autopar.runtime.module import build, device_type, init_mesh, rank_device
 
     if not dist.is_available() or not dist.is_initialized():
@@ -59,13 +61,21 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
     if runner.debug_dir is not None and world > 1:
         runner.debug_dir = Path(runner.debug_dir) / f"rank{dist.get_rank()}"
         runner.debug_dir.mkdir(parents=True, exist_ok=True)
-    precision = plan_options.get("precision")
+    precision, reduce_dtype = plan_options.get("precision"), plan_options.get("reduce_dtype")
     if plan is not None:
         if precision is not None and precision != plan.precision:
             raise PlanFormatError(f"precision={precision!r} but the plan was made for {plan.precision!r}; plan "
                                   f"again with it")
+        planned = resolve_precision(plan.precision, model, plan.reduce_dtype)
+        if reduce_dtype is not None and \
+                resolve_precision(plan.precision, model, reduce_dtype).grad_reduce_dtype != planned.grad_reduce_dtype:
+            raise PlanFormatError(f"reduce_dtype={reduce_dtype!r} but the plan sums gradients in "
+                                  f"{str(planned.grad_reduce_dtype).removeprefix('torch.')}; plan again with it")
         plan_options.pop("precision", None)
-        precision = plan.precision
+        plan_options.pop("reduce_dtype", None)
+        precision = planned
+    else:
+        precision = resolve_precision(precision, model, reduce_dtype)
     # A pipeline runs the program of one microbatch, and is planned from captures at microbatch shapes:
     # where one is known to come (a given pipeline plan, a 'pp' axis asked for), the whole batch is not
     # captured. Otherwise every rank captures it while rank 0 plans from its own.

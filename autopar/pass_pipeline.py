@@ -85,11 +85,12 @@ def new_runner(skip_passes=(), insert_passes=(), debug_dir=None) -> PassRunner:
     return runner
 
 
-def front_end(model, example_inputs, example_kwargs, runner: PassRunner, *, precision: str | None = None,
+def front_end(model, example_inputs, example_kwargs, runner: PassRunner, *, precision: str | Precision | None = None,
               device_type: str = "cpu", captured: CapturedProgram | None = None, keep_raw: bool = False) -> FrontEnd:
     """Capture ``model`` (or take ``captured``, a capture of it at these inputs) and run the passes that
     depend only on the model and the training precision (passes/precision.py: ``precision`` is a
-    Lightning name, None for the model's own dtype, with autocast's op lists of ``device_type``).
+    Lightning name, None for the model's own dtype, or a resolved Precision, with autocast's op lists of
+    ``device_type``).
     ``keep_raw`` keeps a copy of the capture as it was before the passes (``FrontEnd.raw``), from which
     the planner derives pipelines' microbatch programs (passes/capture.py ``rebatch``), unless the
     capture was unrolled from a few layers (passes/unroll.py): capturing again costs less then."""

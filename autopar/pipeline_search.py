@@ -12,6 +12,7 @@ from autopar.passes.costs import INFEASIBLE, Collective, CostModel
 from autopar.passes.layers import layer_instances
 from autopar.passes.memory import StepMemory, solve_under_budget
 from autopar.passes.meta import is_param, meta_of
+from autopar.passes.precision import reduce_itemsize
 from autopar.passes.ilp_build import build_problem
 from autopar.pass_pipeline import mesh_passes
 from autopar.plan import Plan, PlanCollective, PlanPipeline, PlanRank, PlanStage
@@ -197,7 +198,8 @@ def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
             # The gradient all-reduce, once per step, sums the parameter's own (float32 master) gradient.
             phases = [self.steps_phase_seconds([st], param.meta["val"].dtype.itemsize, grad,
                                                lambda _: 1 / self.microbatches) if st.op == "grad_all_reduce"
-                      else self.steps_phase_seconds([st], info.dtype.itemsize, grad) for st in steps]
+                      else self.steps_phase_seconds([st], info.dtype.itemsize, grad,
+                                                    reduce_itemsize=reduce_itemsize(value.node)) for st in steps]
             return sum(f for f, _ in phases), sum(b for _, b in phases)
 
         def param_bytes(self, node, layout, zero=None, offload=False, whole_dtype=None):

@@ -18,6 +18,8 @@ from autopar.layout import Placement
 PLAN_VERSION = 1
 # Lightning's names of the training precisions (autopar.passes.precision)
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+# what mixed precision may sum gradients over ranks in (autopar.passes.precision.with_reduce_dtype)
+REDUCE_DTYPES = ("float32", "bfloat16")
 PHASES = ("forward", "backward", "optimizer")
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 MEMORY_KEYS = ("peak", "params", "grads", "optimizer", "activations")
@@ -373,6 +375,9 @@ class Plan:
     pipeline: PlanPipeline | None = None
     # the training precision, by Lightning's name (autopar.passes.precision.PRECISIONS)
     precision: str = "32-true"
+    # mixed precision: the dtype the weights' gradients are summed over ranks in, "float32" or "bfloat16";
+    # None where the plan has no choice (not mixed) or predates the field (the compute dtype then)
+    reduce_dtype: str | None = None
     # parameters whose optimizer state (ZeRO-1), and gradient too (ZeRO-2), are sharded along an axis
     # the parameter is replicated on
     zero: dict[str, PlanZero] = field(default_factory=dict)
@@ -670,6 +675,7 @@ def _schema(axes) -> dict:
         "alternatives": _dict_of(_list_of(alternative)),
         "sharded_outputs": _boolean,
         "precision": _one_of(PRECISIONS),
+        "reduce_dtype": _optional(_one_of(REDUCE_DTYPES)),
         "recompute": _object({"classes": _dict_of(_object({"count": _integer(0), "of": _integer(1),
                                                             "layers": _list_of(_string)})),
                               "layers": _list_of(_string)},
@@ -728,7 +734,7 @@ def _validate(d: Any) -> None:
         raise PlanFormatError(f"plan format version {version!r} is not supported (this autopar reads "
                               f"version {PLAN_VERSION}); plan the model again with this version")
     optional = ("version", "extra", "alternatives", "sharded_outputs", "recompute", "pipeline", "precision",
-                "zero", "offload", "bucket_mb")
+                "reduce_dtype", "zero", "offload", "bucket_mb")
     missing = [k for k in Plan.__dataclass_fields__ if k not in optional and k not in d]
     if missing:
         raise PlanFormatError(f"plan is missing fields {missing}")

@@ -49,7 +49,7 @@ class Prepared:
 
 
 def prepare(model, example_inputs, example_kwargs, cluster: ClusterSpec, *, skip_passes=(), insert_passes=(),
-            front: FrontEnd | None = None, precision: str | None = None, programs: dict | None = None,
+            front: FrontEnd | None = None, precision: str | Precision | None = None, programs: dict | None = None,
             fused: bool = False) -> Prepared:
     """Capture the model and run the passes that do not depend on the mesh; ``front`` is a front end
     already run (``autopar.compile`` runs it once and plans from it). ``programs`` (batch size -> a
@@ -107,7 +107,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
          recompute: bool | dict = True, cost_model: type[CostModel] = CostModel,
          front: FrontEnd | None = None, microbatches: int | None = None, schedule: str | None = None,
          pipeline: bool | None = None, precision: str | None = None, overlap: bool = True,
-         bucket_mb: float | None = None) -> Plan:
+         bucket_mb: float | None = None, reduce_dtype: str | torch.dtype | None = None) -> Plan:
     """Find the fastest layout of ``model`` on ``cluster`` that fits ``memory_budget`` bytes per device.
 
     ``pins`` forces layouts by hand: ``{"*.mlp.c_fc.weight": ["R", "S(1)"], "input_ids": ["S(0)", "R"]}``
@@ -133,7 +133,10 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     a guard), so the plan does not depend on the machine's load.
     ``precision`` is Lightning's name of the training precision: "32-true", "bf16-mixed" (autocast's
     bfloat16 compute and activations over float32 master weights and optimizer states) or "bf16-true";
-    None trains in the model's own dtype (passes/precision.py).
+    None trains in the model's own dtype (passes/precision.py). ``reduce_dtype`` is what "bf16-mixed"
+    sums the weights' gradients over ranks in: "bfloat16" (the default, the bytes of the copies the
+    weights are computed with) or "float32" (their own dtype, as Megatron-LM and torchtitan do); the
+    cost and memory models price it and ``plan.reduce_dtype`` records it.
     ``overlap=False`` plans for the program ``compile(overlap=False)`` runs: no communication hidden,
     no gradient buckets, ZeRO-2 reduce-scatters waited at once (its time and memory).
     ``bucket_mb`` fixes the size in MiB of the buckets data-parallel gradients are all-reduced in during
@@ -146,9 +149,9 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
         cluster = _with_mesh(cluster, mesh_shape, axis_names)
     memory_budget = float(memory_budget) if memory_budget is not None else cluster.usable_memory
     check_bucket_mb(bucket_mb)
-    prec = resolve_precision(precision, model)
+    prec = resolve_precision(precision, model, reduce_dtype)
     if front is not None and front.precision != prec:
-        raise AutoparError(f"the front end was captured under precision {front.precision.name!r}, not {prec.name!r}")
+        raise AutoparError(f"the front end was captured under precision {front.precision.to_dict()}, not {prec.to_dict()}")
     optimizer = optimizer or default_optimizer(model, prec.name)
     if kernels not in ("auto", "triton", "aten"):
         raise ValueError(f"kernels must be 'auto', 'triton' or 'aten', got {kernels!r}")
@@ -170,7 +173,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
         if any("pp" not in names for _, names in candidates):
             report("capturing")
             prep = prepare(model, example_inputs, example_kwargs, cluster, skip_passes=skip_passes,
-                           insert_passes=insert_passes, front=front, precision=prec.name, programs=programs,
+                           insert_passes=insert_passes, front=front, precision=prec, programs=programs,
                            fused=fused)
         best, tried, meshes = None, [], []
         pipe = {k: 0.0 for k in PLANNING_PHASES}        # seconds of the pipeline meshes, by phase
@@ -183,7 +186,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
                 p = plan_pipeline(model, cluster, shape, names, example_inputs, example_kwargs, memory_budget,
                                   optimizer, fused, pins, sharded_outputs, recompute, time_limit, skip_passes,
                                   insert_passes, microbatches, schedule, entries, report, cost_model,
-                                  added=cluster.mesh_shape is None, timings=seconds, precision=prec.name,
+                                  added=cluster.mesh_shape is None, timings=seconds, precision=prec,
                                   programs=programs)
             except AutoparError as e:
                 if cluster.mesh_shape is not None:
@@ -241,6 +244,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
             raise_infeasible(prep, infeasible, cluster, memory_budget)
         check_host_memory(best, cluster)
         best.precision = prec.name
+        best.reduce_dtype = str(prec.grad_reduce_dtype).removeprefix("torch.") if prec.mixed else None
         best.extra["warnings"] = idle_axis_warnings(prep.gm, best) if prep is not None else []
         for w in best.extra["warnings"]:
             warnings.warn(w, AutoparWarning, stacklevel=2)

@@ -56,7 +56,8 @@ def summary(plan) -> str:
     mesh = " x ".join(f"{a}={n}" for a, n in zip(plan.mesh["axes"], plan.mesh["shape"]))
     lines = [f"autopar plan: {plan.model['class']} ({plan.model['num_params']:,} parameters) on "
              f"{plan.cluster.get('name') or plan.cluster['num_devices']} devices, mesh {mesh}, "
-             f"precision {plan.precision}"]
+             f"precision {plan.precision}"
+             + (f", gradients summed in {plan.reduce_dtype}" if plan.reduce_dtype else "")]
     # One block per layer class (shown once, with its instance count) and one for the rest.
     groups: "OrderedDict[str, list]" = OrderedDict()
     for n in plan.nodes:

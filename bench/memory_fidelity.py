@@ -8,6 +8,8 @@ included, taking the largest over ranks:
     python -m torch.distributed.run --standalone --nproc-per-node 2 bench/memory_fidelity.py
     python -m torch.distributed.run --standalone --nproc-per-node 4 bench/memory_fidelity.py --kinds 2d
     python -m torch.distributed.run --standalone --nproc-per-node 2 bench/memory_fidelity.py --precision bf16-mixed
+    python -m torch.distributed.run --standalone --nproc-per-node 2 bench/memory_fidelity.py --archs gpt,llama \
+        --kinds dp-bf16,zero1-bf16,zero2-bf16 --reduce-dtype float32
 
 With ``--gpu`` (one CUDA device, no torchrun needed) it plans for a one-device cluster of the GPU
 (``ClusterSpec.from_env()``, or ``--preset``) and measures ``torch.cuda.max_memory_allocated`` over the
@@ -107,6 +109,8 @@ def main():
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--precision", default=None, choices=("32-true", "bf16-mixed", "bf16-true"),
                     help="training precision (default: the model's own, 32-true)")
+    ap.add_argument("--reduce-dtype", default=None, choices=("float32", "bfloat16"),
+                    help="what bf16-mixed sums gradients over ranks in (default: bfloat16)")
     ap.add_argument("--gpu", action="store_true", help="one CUDA device: torch.cuda.max_memory_allocated "
                                                        "against the one-device plan")
     ap.add_argument("--preset", default=None,
@@ -149,6 +153,8 @@ def main():
                 continue
             if a.precision:
                 opts = {**opts, "precision": a.precision}
+            if a.reduce_dtype:
+                opts = {**opts, "reduce_dtype": a.reduce_dtype}
             if a.gpu:
                 opts = {k: v for k, v in opts.items() if k not in ("mesh_shape", "pins")}
             smallest = [None]

@@ -11,10 +11,12 @@ its gradients are accumulated, while backward goes on. It runs before ``recomput
 hide a parameter's uses inside a recomputed layer behind the layer's checkpoint call.
 
 A weight read only through its lower-precision copy (bf16-mixed: ``passes.precision.gradient_carrier``)
-has its reductions on the uses of the copy, in the copy's dtype. The copy's gradient, summed over its
-uses, is the weight's whole gradient (the cast's backward only widens it), so the weight is bucketed
-the same way, its accumulated gradient reduced in the copy's dtype, as Megatron-LM's buckets reduce
-the bfloat16 gradients of its float32 masters.
+has its reductions on the uses of the copy, in the copy's dtype or, where the plan's ``reduce_dtype``
+is the weight's own, in that dtype (``passes.precision.reduce_dtype_of``). The copy's gradient, summed
+over its uses, is the weight's whole gradient (the cast's backward only widens it), so the weight is
+bucketed the same way, its accumulated gradient reduced in the copy's dtype (as FSDP2 reduces by
+default) or, with ``reduce_dtype`` float32, as it is, in float32, as Megatron-LM's buckets reduce the
+gradients of its float32 masters.
 
 A ZeRO-1 parameter is read through ``runtime.zero.whole_of``, whose reductions are those of its uses:
 the read's gradient, summed over them, is the whole local tensor's, which the runtime's buckets reduce as
@@ -38,7 +40,7 @@ def grad_buckets_pass(gm: fx.GraphModule) -> fx.GraphModule:
     found = []
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     meta = program_meta(gm)
-    zero = {fqn: (stage, copy_dtype) for fqn, stage, _, _, _, copy_dtype in meta.sharded_states}
+    zero = {fqn: (stage, copy_dtype) for fqn, stage, _, _, _, copy_dtype, _ in meta.sharded_states}
     offloaded = set(meta.offloaded)
     for p, (kind, target) in zip(placeholders, meta.placeholders):
         if kind != "param" or not p.users:
@@ -55,10 +57,15 @@ def grad_buckets_pass(gm: fx.GraphModule) -> fx.GraphModule:
         if len(groups) != 1 or any(u.target is not C.grad_all_reduce for u in users):
             continue
         first_use = min(position[v] for u in users for v in u.users) if any(u.users for u in users) else 0
+        # A copy's reductions sum in its dtype, or with a reduce_dtype in the parameter's own (None).
+        widened = {u.kwargs.get("reduce_dtype") is not None for u in users}
+        if len(widened) != 1:
+            continue
         for u in users:
             u.replace_all_uses_with(carrier)
             graph.erase_node(u)
-        found.append((first_use, target, groups.pop(), len(users), None if carrier is read else carrier.kwargs["dtype"]))
+        dtype = None if carrier is read or widened.pop() else carrier.kwargs["dtype"]
+        found.append((first_use, target, groups.pop(), len(users), dtype))
     ready_order = tuple(f[1:] for f in sorted(found, key=lambda f: -f[0]))
     set_program_meta(gm, grad_reductions=ready_order)
     graph.lint()

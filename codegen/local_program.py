@@ -36,21 +36,25 @@ _STEP_FN = {"all_gather": C.all_gather, "reduce_scatter": C.reduce_scatter, "all
             "all_to_all": C.all_to_all, "local_chunk": C.local_chunk, "grad_all_reduce": C.grad_all_reduce}
 
 
-def step_call(st, x, group: str) -> tuple:
+def step_call(st, x, group: str, reduce_dtype: torch.dtype | None = None) -> tuple:
     """(function, args, kwargs) of the runtime call that performs resharding step ``st`` (a
     passes.resharding.Step) on ``x`` over the c10d group ``group``: what the generated program runs
-    for it, whose storage ``Step.makes_storage`` describes to the step memory model."""
+    for it, whose storage ``Step.makes_storage`` describes to the step memory model. ``reduce_dtype``:
+    what a sum of the gradient in its backward runs in where not ``x``'s dtype
+    (passes.precision.reduce_dtype_of)."""
     fn = _STEP_FN[st.op]
     # A strided shard's groups are passed only where there are some: plain calls read as before.
     strided = {"groups": st.groups} if st.groups > 1 else {}
+    reduced = {"reduce_dtype": reduce_dtype} if reduce_dtype is not None else {}
     if st.op == "all_gather":
-        return fn, (x, st.dim, group), {"grad": st.grad, **strided}
+        return fn, (x, st.dim, group), {"grad": st.grad, **strided,
+                                        **(reduced if st.grad == "reduce_scatter" else {})}
     if st.op in ("reduce_scatter", "local_chunk"):
         return fn, (x, st.dim, group), strided
     if st.op == "all_to_all":
         groups = {k: v for k, v in (("src_groups", st.groups), ("dst_groups", st.dst_groups)) if v > 1}
         return fn, (x, st.dim, st.dst_dim, group), groups
-    return fn, (x, group), {}
+    return fn, (x, group), reduced if st.op == "grad_all_reduce" else {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -149,7 +153,7 @@ def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str]
         if isinstance(x, tuple):             # a multi-output node: read one output
             x = x[key.value.index]
         for st in low.reshards[key]:
-            x = g.call_function(*step_call(st, x, group_names[st.axis]))
+            x = g.call_function(*step_call(st, x, group_names[st.axis], meta_of(key.value.node).reduce_dtype))
             set_meta(x, step=st, layer=current["layer"], reader=current["node"])
         resharded[key] = x
         return x
@@ -184,8 +188,11 @@ def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str]
     copies = _read_zero_before_use(g, placeholders, plan)
     local = fx.GraphModule(gm, g, class_name="LocalProgram")
     # A plan without gather buckets (written before they existed) gathers each parameter alone.
+    reduce_dtype = getattr(torch, plan.reduce_dtype) if plan.reduce_dtype else None
     zero = tuple((fqn, z.stage, group_names[plan.axis_names.index(z.axis)], z.dim,
-                  f"own {fqn}" if z.bucket is None else z.bucket, copies.get(fqn)) for fqn, z in plan.zero.items())
+                  f"own {fqn}" if z.bucket is None else z.bucket, copies.get(fqn),
+                  reduce_dtype if copies.get(fqn) not in (None, reduce_dtype) else None)
+                 for fqn, z in plan.zero.items())
     set_program_meta(local, placeholders=tuple(placeholders), output_layouts=tuple(output_layouts),
                      sharded_states=zero, offloaded=tuple(sorted(plan.offload)))
     return local

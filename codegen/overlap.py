@@ -148,13 +148,13 @@ def _gather_params_at_their_reads(graph: fx.Graph, params: set) -> None:
     issue: its gradient is reduce-scattered right after its reader's backward."""
     for start in [n for n in graph.nodes if n.op == "call_function" and n.target is C.all_gather_start]:
         x, dim, group, grad, groups = _all_gather_call(*start.args, **start.kwargs)
-        if x not in params or grad != "reduce_scatter":
+        if x not in params or grad != "reduce_scatter":     # a parameter is gathered in its own dtype
             continue
         start.target, start.args, start.kwargs = C.param_gather_start, (x, dim, group, groups), {}
         for wait in list(start.users):
             wait.target, wait.args = C.param_gather_wait, (start, x, *wait.args[1:])
 
 
-def _all_gather_call(x, dim, group_name, grad="reduce_scatter", groups=1):
+def _all_gather_call(x, dim, group_name, grad="reduce_scatter", groups=1, reduce_dtype=None):
     """The arguments of a call of ``all_gather`` (or its ``all_gather_start``), defaults filled in."""
     return x, dim, group_name, grad, groups

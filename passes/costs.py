@@ -29,7 +29,7 @@ from autopar.cluster import ClusterSpec
 from autopar.layout import local_fraction, local_shape
 from autopar.plan import DDP_BUCKET_MB, AlternativeCollective, PlanCollective, bucket_bytes
 from autopar.passes.meta import is_param, meta_of, set_meta
-from autopar.passes.precision import reads_through_copy, reduced_in_buckets
+from autopar.passes.precision import gradient_carrier, reads_through_copy, reduce_itemsize, reduced_in_buckets
 from autopar.passes.resharding import Step, collective_seconds, transition
 from autopar.passes.rules import context_for, rule_for, tensor_inputs
 from autopar.passes.runner import requires
@@ -204,10 +204,12 @@ class CostModel:
         return [Collective(oc.kind, oc.axis, oc.phase, oc.nbytes, self.op_collective_seconds(oc))
                 for oc in self.op_collectives(node, s)]
 
-    def priced_steps(self, steps: list[Step], itemsize: int, needs_grad: bool) -> list[tuple[Step, Collective]]:
-        """Every collective of ``steps``, in order, with the step that runs it."""
+    def priced_steps(self, steps: list[Step], itemsize: int, needs_grad: bool,
+                     reduce_itemsize: int | None = None) -> list[tuple[Step, Collective]]:
+        """Every collective of ``steps``, in order, with the step that runs it (``reduce_itemsize``: as
+        ``Step.collectives``)."""
         return [(st, Collective(kind, st.axis, phase, nbytes, self.collective_seconds(kind, nbytes, st.axis)))
-                for st in steps for kind, phase, nbytes in st.collectives(itemsize, needs_grad)]
+                for st in steps for kind, phase, nbytes in st.collectives(itemsize, needs_grad, reduce_itemsize)]
 
     def resharding(self, value: Value, src: Strategy, dst_strategy: Strategy | None, position: int, dst_layout=None):
         """Steps to bring ``value`` from its layout under its producer's strategy ``src`` to what the
@@ -231,19 +233,21 @@ class CostModel:
                                  partial_axes: frozenset) -> tuple[float, float] | None:
         """``transition_seconds`` as (forward, backward) seconds; None when no resharding can."""
         info = value_info(value)
-        key = (tuple(src_layout), tuple(dst_layout), info.shape, info.dtype, requires_grad(value.node), partial_axes)
+        key = (tuple(src_layout), tuple(dst_layout), info.shape, info.dtype, requires_grad(value.node), partial_axes,
+               reduce_itemsize(value.node))
         if key not in self._transition_cache:
             steps = _transition_cached(*key[:3], self.mesh_shape, partial_axes)
             self._transition_cache[key] = None if steps is None else self.steps_phase_seconds(
-                steps, info.dtype.itemsize, key[4])
+                steps, info.dtype.itemsize, key[4], reduce_itemsize=key[6])
         return self._transition_cache[key]
 
     def steps_phase_seconds(self, steps: list[Step], itemsize: int, needs_grad: bool,
-                            share=lambda step: 1.0) -> tuple[float, float]:
-        """(forward, backward) seconds of a resharding's steps, each step's collectives times ``share(step)``."""
+                            share=lambda step: 1.0, reduce_itemsize: int | None = None) -> tuple[float, float]:
+        """(forward, backward) seconds of a resharding's steps, each step's collectives times ``share(step)``
+        (``reduce_itemsize``: as ``Step.collectives``)."""
         phases = [0.0, 0.0]
         for st in steps:
-            for kind, phase, nbytes in st.collectives(itemsize, needs_grad):
+            for kind, phase, nbytes in st.collectives(itemsize, needs_grad, reduce_itemsize):
                 phases[phase == "backward"] += self.collective_seconds(kind, nbytes, st.axis) * share(st)
         return phases[0], phases[1]
 
@@ -309,9 +313,11 @@ class CostModel:
         p = self.param_bytes(node, layout)[0]
         gathered = p if whole_dtype is None else p / node.meta["val"].dtype.itemsize * whole_dtype.itemsize
         out = []
-        if zero.scatters_grad:       # a sharded master's: its copy's gradient, in the copy's dtype
-            out.append(Collective("reduce_scatter", zero.axis, "backward", gathered,
-                                  self.collective_seconds("reduce_scatter", gathered, zero.axis)))
+        if zero.scatters_grad:       # a sharded master's: its copy's gradient, in the dtype it is summed in
+            wide = reduce_itemsize(gradient_carrier(node)) if whole_dtype is not None else None
+            scattered = gathered if wide is None else p / node.meta["val"].dtype.itemsize * wide
+            out.append(Collective("reduce_scatter", zero.axis, "backward", scattered,
+                                  self.collective_seconds("reduce_scatter", scattered, zero.axis)))
         out.append(Collective("all_gather", zero.axis, "optimizer", gathered,
                               self.collective_seconds("all_gather", gathered, zero.axis)))
         return out
@@ -347,13 +353,14 @@ class CostModel:
             return phases
         itemsize = value_info(value).dtype.itemsize
         runs = [(st.axis, kind, phase, nbytes) for st in self.transition(value, src_layout, dst_layout, partial)
-                for kind, phase, nbytes in st.collectives(itemsize, True)
+                for kind, phase, nbytes in st.collectives(itemsize, True, reduce_itemsize(value.node))
                 if nbytes > 0 and self.mesh_shape[st.axis] > 1]
         # Only a read whose gradient is all-reduced and nothing else joins a bucket
         # (passes.exposure.bucketed_params): a weight read in chunks all-gathers its gradient alone.
         if not runs or any(kind != "all_reduce" or phase != "backward" for _, kind, phase, _ in runs):
             return phases
-        share = max(value_info(value).nbytes / bucket_bytes(DDP_BUCKET_MB), 1.0 / self._param_count(value.node.graph))
+        reduced = value_info(value).nbytes / itemsize * (reduce_itemsize(value.node) or itemsize)
+        share = max(reduced / bucket_bytes(DDP_BUCKET_MB), 1.0 / self._param_count(value.node.graph))
         fixed = sum(self.cluster.device.peer_wait + self.links[axis][1] for axis, _, _, _ in runs)
         return phases[0], max(0.0, phases[1] - fixed * (1.0 - min(share, 1.0)))
 

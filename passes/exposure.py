@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 
 from autopar.passes.meta import is_param, meta_of
-from autopar.passes.precision import bucketed_value
+from autopar.passes.precision import bucketed_value, reduce_dtype_of
 from autopar.passes.strategies import requires_grad
 from autopar.plan import DDP_BUCKET_MB, PlanCollective, bucket_bytes, pack_buckets
 
@@ -74,7 +74,7 @@ def bucketed_params(gm: fx.GraphModule, colls: list[PlanCollective], strategy: d
                     resharded_for: dict[str, set[str]] | None = None) -> dict[str, tuple[str, object]]:
     """Value name -> (mesh axis, dtype), for the values whose gradient the runtime reduces in buckets
     (codegen/grad_buckets.py): a parameter, or its lower-precision copy where that copy is its only
-    reader (bf16-mixed's weights, whose reduction then moves the copy's dtype), as
+    reader (bf16-mixed's weights, whose reduction then moves the dtype it is summed in), as
     ``passes.precision.bucketed_value`` says, when every use of it reads it through a backward
     all-reduce alone, on one axis. ``resharded_for``: value name -> the consumers that read it through
     a resharding (a resharding several consumers share is listed once in ``colls``, at its first);
@@ -95,7 +95,7 @@ def bucketed_params(gm: fx.GraphModule, colls: list[PlanCollective], strategy: d
         if (len(axes) == 1 and all(c.kind == "all_reduce" and c.phase == "backward" and not c.recompute
                                    and c.node != c.value for c in own)
                 and readers >= {u.name for u in v.users}):
-            out[v.name] = (axes.pop(), getattr(v.meta.get("val"), "dtype", None))
+            out[v.name] = (axes.pop(), reduce_dtype_of(v))
     return out
 
 

@@ -29,6 +29,7 @@ from autopar.passes.costs import VIEW_OPS
 from autopar.passes.fusion import find_regions, library_kernel, tensor_val
 from autopar.passes.meta import SavedForBackward, is_param, meta_of, set_meta
 from autopar.passes.normalize import folded_matmul
+from autopar.passes.precision import gradient_carrier, reduce_itemsize
 from autopar.passes.rules import rule_for, tensor_inputs
 from autopar.plan import pack_buckets
 
@@ -1237,7 +1238,7 @@ class StepMemory:
                     # so it is counted again, with the output, until the wait.
                     for i, w in enumerate(copy_dtype):
                         if w is not None:
-                            narrow = w.itemsize / val.dtype.itemsize
+                            narrow = (reduce_itemsize(gradient_carrier(n)) or w.itemsize) / val.dtype.itemsize
                             output[i] = (whole[i] + (whole[i] if cpu else block[i])) * narrow
                             block[i] = whole[i] = 0.0
                     scatter[n] = _MovedGradient(
@@ -1844,7 +1845,7 @@ class StepMemory:
         float32 gradient is let go at the copy and made again from the buffer at backward's end, one
         bucket at a time: counted held throughout (the safe side, by the buffer's bytes, in between),
         and the widening's buffer is within the last copy's count."""
-        from autopar.passes.precision import bucketed_value, gradient_carrier
+        from autopar.passes.precision import bucketed_value, reduce_dtype_of
         from autopar.passes.strategies import Value, requires_grad
 
         launched = {}
@@ -1853,7 +1854,7 @@ class StepMemory:
             # A weight read only through its bfloat16 copy is bucketed by its copy's readers, in the
             # copy's dtype, where its optimizer state is not sharded (bucketed_value).
             v = gradient_carrier(p)
-            narrow = v.meta["val"].dtype.itemsize / p.meta["val"].dtype.itemsize
+            narrow = reduce_dtype_of(v).itemsize / p.meta["val"].dtype.itemsize
             uses = [(m, k) for m in v.users if m in pos for k, x in enumerate(input_values(m)) if x.node is v]
             if not uses or not requires_grad(p):
                 continue

@@ -71,6 +71,8 @@ class AutoparMeta:
     refused: tuple[str, ...] = ()         # why rule options were refused here (named in pin errors)
     strided: tuple[tuple[int, int], ...] = ()   # (output dim, groups): strided shards a consumer can
                                           # use (passes/strided.py)
+    reduce_dtype: Any = None              # a parameter's lower-precision copy whose gradient is summed over
+                                          # ranks in this dtype, not its own (passes/precision.py)
     # In a rank's local program (codegen):
     source: str | None = None             # the planned node this node computes
     step: Any = None                      # the resharding step (passes.resharding.Step) it runs
@@ -91,7 +93,9 @@ class ProgramMeta:
                                           # (codegen/grad_buckets.py), in backward order, in place of
                                           # one reduction per use
     sharded_states: tuple = ()            # (parameter, ZeRO stage, group name, dim, gather bucket, the whole
-                                          # copy's dtype where the float32 master is sharded too, else None) of
+                                          # copy's dtype where the float32 master is sharded too, else None,
+                                          # the dtype its gradient is reduce-scattered in where not the
+                                          # copy's, else None) of
                                           # every parameter whose optimizer state the runtime shards
                                           # (runtime/zero.py)
     offloaded: tuple = ()                 # parameters whose gradient the runtime copies to host memory

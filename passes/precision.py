@@ -21,6 +21,7 @@ that gradient, then accumulated into the float32 ``.grad`` by the cast's backwar
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ from torch.utils import _pytree as pytree
 
 aten = torch.ops.aten
 
+from autopar.passes.meta import is_param, meta_of, set_meta
 from autopar.plan import PRECISIONS
 
 
@@ -38,14 +40,28 @@ class Precision:
     name: str
     param_dtype: torch.dtype          # the parameters the optimizer updates, their gradients and states
     compute_dtype: torch.dtype        # what matmul-class ops compute in
+    # What a parameter's gradient is summed over ranks in where the program reduces it as the gradient
+    # of its lower-precision copy (mixed precision only): the copy's dtype, or the parameter's
+    # (Megatron-LM's ``accumulate_allreduce_grads_in_fp32``, torchtitan's ``mixed_precision_reduce``).
+    reduce_dtype: torch.dtype | None = None
 
     @property
     def mixed(self) -> bool:
         return self.param_dtype != self.compute_dtype
 
+    @property
+    def grad_reduce_dtype(self) -> torch.dtype:
+        """The dtype gradients are summed over ranks in: the parameters' own, or under mixed precision
+        ``reduce_dtype`` (the compute dtype unless given)."""
+        return (self.reduce_dtype or self.compute_dtype) if self.mixed else self.param_dtype
+
     def to_dict(self) -> dict:
-        return {"name": self.name, "param_dtype": str(self.param_dtype).removeprefix("torch."),
-                "compute_dtype": str(self.compute_dtype).removeprefix("torch.")}
+        return {"name": self.name, "param_dtype": _name(self.param_dtype), "compute_dtype": _name(self.compute_dtype),
+                "reduce_dtype": _name(self.grad_reduce_dtype)}
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 _BY_NAME = {"32-true": Precision("32-true", torch.float32, torch.float32),
@@ -53,12 +69,17 @@ _BY_NAME = {"32-true": Precision("32-true", torch.float32, torch.float32),
             "bf16-true": Precision("bf16-true", torch.bfloat16, torch.bfloat16)}
 
 
-def resolve_precision(name: str | None, model: torch.nn.Module) -> Precision:
+def resolve_precision(name: str | Precision | None, model: torch.nn.Module, reduce_dtype=None) -> Precision:
     """The precision ``name`` for ``model``; ``None`` is the model's own: "bf16-true" for a bfloat16
-    model, else "32-true". A name the model's parameters contradict is refused."""
+    model, else "32-true". A name the model's parameters contradict is refused. ``reduce_dtype``
+    ("float32", "bfloat16", a torch dtype or None) is what gradients are summed over ranks in; only
+    mixed precision has a choice (its parameters' dtype or its compute dtype, the default)."""
+    if isinstance(name, Precision):
+        resolve_precision(name.name, model)
+        return with_reduce_dtype(name, reduce_dtype)
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if name is None:
-        return _BY_NAME["bf16-true" if dtypes == {torch.bfloat16} else "32-true"]
+        return with_reduce_dtype(_BY_NAME["bf16-true" if dtypes == {torch.bfloat16} else "32-true"], reduce_dtype)
     if name not in _BY_NAME:
         raise ValueError(f"precision={name!r} is not one of {', '.join(repr(p) for p in PRECISIONS)} "
                          f"(Lightning's names)")
@@ -70,7 +91,21 @@ def resolve_precision(name: str | None, model: torch.nn.Module) -> Precision:
         raise ValueError(f"precision={name!r} trains {str(p.param_dtype).removeprefix('torch.')} parameters, "
                          f"but the model has {', '.join(wrong)} parameters: {how}, or leave precision unset "
                          f"to train in the model's own dtype")
-    return p
+    return with_reduce_dtype(p, reduce_dtype)
+
+
+def with_reduce_dtype(p: Precision, reduce_dtype) -> Precision:
+    """``p`` reducing gradients in ``reduce_dtype`` (see ``resolve_precision``); a ValueError names the
+    dtypes ``p`` offers."""
+    if reduce_dtype is None:
+        return p
+    dtype = getattr(torch, reduce_dtype, None) if isinstance(reduce_dtype, str) else reduce_dtype
+    offered = (p.param_dtype, p.compute_dtype) if p.mixed else (p.param_dtype,)
+    if not isinstance(dtype, torch.dtype) or dtype not in offered:
+        raise ValueError(f"reduce_dtype={reduce_dtype!r}: under precision {p.name!r} gradients are summed over ranks "
+                         f"in {' or '.join(repr(_name(d)) for d in offered)}"
+                         + ("" if p.mixed else " (only mixed precision has a choice)"))
+    return dataclasses.replace(p, reduce_dtype=dtype if p.mixed and dtype != p.compute_dtype else None)
 
 
 # torch's autocast op lists (aten/src/ATen/autocast_mode.cpp), for the ops of training IR graphs.
@@ -136,7 +171,7 @@ def autocast_pass(gm: fx.GraphModule, *, precision: Precision, device_type: str)
         if node.op != "call_function":
             continue
         if node.target is not operator.getitem and _explicit_dtype(node) is None:
-            _cast_inputs(gm, node, precision.compute_dtype, device_type, casts, changed)
+            _cast_inputs(gm, node, precision.compute_dtype, device_type, casts, changed, precision.reduce_dtype)
         if any(a in changed or a in casts.values() for a in node.all_input_nodes):
             if node.target is aten._assert_tensor_metadata.default:     # export's check of the old dtype
                 gm.graph.erase_node(node)
@@ -168,6 +203,21 @@ def cast_source(node: fx.Node) -> fx.Node | None:
             and isinstance(node.args[0], fx.Node):
         return node.args[0]
     return None
+
+
+def reduce_dtype_of(node: fx.Node) -> torch.dtype | None:
+    """The dtype the sums over ranks of ``node``'s gradient run in: its own, or for a parameter's
+    lower-precision copy under a precision that reduces in the parameter's dtype, that dtype
+    (``autocast_pass`` marks those copies). Code generation casts the gradient to it around each such
+    collective, the cost model prices the collective's bytes in it, and the runtime's buckets hold it
+    in it (codegen/grad_buckets.py). None for a node without a value (a hand-built graph's)."""
+    return meta_of(node).reduce_dtype or getattr(node.meta.get("val"), "dtype", None)
+
+
+def reduce_itemsize(node: fx.Node) -> int | None:
+    """``reduce_dtype_of(node)``'s bytes an element where it is not the value's own dtype, else None."""
+    dtype = meta_of(node).reduce_dtype
+    return None if dtype is None else dtype.itemsize
 
 
 def gradient_carrier(param: fx.Node) -> fx.Node:
@@ -252,7 +302,7 @@ def _tensor_inputs(node) -> list[tuple[tuple, fx.Node]]:
     return out
 
 
-def _cast_inputs(gm, node, low, device_type, casts, changed):
+def _cast_inputs(gm, node, low, device_type, casts, changed, reduce_dtype):
     inputs = _tensor_inputs(node)
     if not inputs:
         return
@@ -267,6 +317,8 @@ def _cast_inputs(gm, node, low, device_type, casts, changed):
                 c = gm.graph.call_function(aten._to_copy.default, (a,), {"dtype": dtype})
             c.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
             c.meta["val"] = a.meta["val"].to(dtype)
+            if reduce_dtype is not None and is_param(a) and dtype.itemsize < reduce_dtype.itemsize:
+                set_meta(c, reduce_dtype=reduce_dtype)
             casts[(a, dtype)] = c
         if j:
             args[i][j[0]] = casts[(a, dtype)]

@@ -16,6 +16,7 @@ from autopar.layout import R
 from autopar.plan import PlanCollective
 from autopar.passes.exposure import hides_behind_weight_grads
 from autopar.passes.meta import is_param, op_name
+from autopar.passes.precision import reduce_itemsize
 from autopar.passes.resharding import global_transition
 from autopar.passes.strategies import Strategy, Value, input_values, requires_grad, value_info
 
@@ -89,7 +90,8 @@ def collectives(low: ReshardPlan, cm, axis_names, sharded_masters=None) -> list[
     out = []
     for key, steps in low.reshards.items():
         info = value_info(key.value)
-        for st, c in cm.priced_steps(steps, info.dtype.itemsize, requires_grad(key.value.node)):
+        for st, c in cm.priced_steps(steps, info.dtype.itemsize, requires_grad(key.value.node),
+                                     reduce_itemsize(key.value.node)):
             out.append(c.record(axis_names, node=low.first_consumer[key], value=key.value.node.name, step=st.op))
     for node, s in low.strategy.items():
         out += [c.record(axis_names, node=node.name, value=node.name, step=op_name(node))

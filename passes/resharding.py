@@ -63,20 +63,23 @@ class Step:
             return nin if stacks(self.dst_dim, self.dst_groups) or stacks(self.dim, self.groups) else 0
         return 0
 
-    def collectives(self, itemsize: int, needs_grad: bool) -> list[tuple[str, str, int]]:
+    def collectives(self, itemsize: int, needs_grad: bool, reduce_itemsize: int | None = None) -> list[tuple[str, str, int]]:
         """(kind, phase, bytes per device) this step runs. Bytes follow REFERENCES.md: the gathered
         output for all-gather, the full input for reduce-scatter, the tensor for all-reduce and
-        all-to-all."""
+        all-to-all. ``reduce_itemsize``: the bytes an element of the gradient's sums over ranks (a
+        backward reduce-scatter or all-reduce) where they are not ``itemsize`` (passes.precision
+        ``reduce_dtype_of``)."""
         nin, nout = math.prod(self.in_shape) * itemsize, math.prod(self.out_shape) * itemsize
         fwd = {"all_gather": [("all_gather", nout)], "reduce_scatter": [("reduce_scatter", nin)],
                "all_reduce": [("all_reduce", nin)], "all_to_all": [("all_to_all", nin)]}.get(self.op, [])
         bwd = []
         if needs_grad:
-            bwd = {"all_gather": [("reduce_scatter", nout)] if self.grad == "reduce_scatter" else [],
+            wide = (reduce_itemsize or itemsize) / itemsize
+            bwd = {"all_gather": [("reduce_scatter", int(nout * wide))] if self.grad == "reduce_scatter" else [],
                    "reduce_scatter": [("all_gather", nin)],
                    "all_to_all": [("all_to_all", nout)],
                    "local_chunk": [("all_gather", nin)],
-                   "grad_all_reduce": [("all_reduce", nin)]}.get(self.op, [])
+                   "grad_all_reduce": [("all_reduce", int(nin * wide))]}.get(self.op, [])
         return [(k, "forward", b) for k, b in fwd] + [(k, "backward", b) for k, b in bwd]
 
 

@@ -185,19 +185,29 @@ def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, size: int, name: st
     return _unblocks(_ops.wait_tensor(_start_all_to_all(x, dst_dim, size, name, dst_groups=dst_groups)), src_dim, src_groups)
 
 
+def _summed_in(dtype: torch.dtype | None, reduce, g: torch.Tensor) -> torch.Tensor:
+    """``reduce(g)`` run in ``dtype`` where given (a lower-precision weight copy's gradient summed in
+    its float32 master's dtype: passes.precision.reduce_dtype_of), given back in ``g``'s dtype, which
+    autograd requires of the gradient of a ``g.dtype`` input."""
+    if dtype is None or dtype == g.dtype:
+        return reduce(g)
+    return reduce(g.to(dtype)).to(g.dtype)
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, name, grad, groups):
+    def forward(ctx, x, dim, name, grad, groups, reduce_dtype):
         rank, size = _group(name)
-        ctx.args = dim, name, grad, rank, size, groups
+        ctx.args = dim, name, grad, rank, size, groups, reduce_dtype
         return _released(_gather(x, dim, size, name, groups))
 
     @staticmethod
     def backward(ctx, g):
-        dim, name, grad, rank, size, groups = ctx.args
+        dim, name, grad, rank, size, groups, reduce_dtype = ctx.args
         if grad == "slice":
-            return _chunk(g, dim, rank, size, groups), None, None, None, None
-        return _reduce_scatter(g, dim, size, name, groups), None, None, None, None
+            return _chunk(g, dim, rank, size, groups), None, None, None, None, None
+        return (_summed_in(reduce_dtype, lambda t: _reduce_scatter(t, dim, size, name, groups), g),
+                None, None, None, None, None)
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -226,13 +236,13 @@ class _AllReduce(torch.autograd.Function):
 
 class _GradAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, name):
-        ctx.name = name
+    def forward(ctx, x, name, reduce_dtype):
+        ctx.name, ctx.reduce_dtype = name, reduce_dtype
         return x
 
     @staticmethod
     def backward(ctx, g):
-        return _all_reduce(g, ctx.name), None
+        return _summed_in(ctx.reduce_dtype, lambda t: _all_reduce(t, ctx.name), g), None, None
 
 
 class _LocalChunk(torch.autograd.Function):
@@ -263,19 +273,20 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(g, dst_dim, src_dim, size, name, dst_groups, src_groups), None, None, None, None, None
 
 
-def all_gather(x: torch.Tensor, dim: int, group_name: str, grad: str = "reduce_scatter", groups: int = 1) -> torch.Tensor:
+def all_gather(x: torch.Tensor, dim: int, group_name: str, grad: str = "reduce_scatter", groups: int = 1,
+               reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
     """S(dim) -> R: concatenate every rank's ``x`` along ``dim`` in rank order (S(dim,groups) -> R:
     interleave the ranks' blocks of each group).
 
     ``grad`` says what the incoming gradient is. ``"reduce_scatter"``: partial over the group (its
     sum over ranks is the true gradient), so the backward reduce-scatters it (the Megatron
-    sequence-parallel and FSDP pairing). ``"slice"``: already replicated, so the backward takes
-    this rank's chunk, with no communication.
+    sequence-parallel and FSDP pairing), in ``reduce_dtype`` where given. ``"slice"``: already
+    replicated, so the backward takes this rank's chunk, with no communication.
     """
     if grad not in ("reduce_scatter", "slice"):
         raise ValueError(f"all_gather: grad={grad!r}; use 'reduce_scatter' or 'slice'")
     _check_groups("all_gather", groups)
-    return _AllGather.apply(x, _dim(x, dim), group_name, grad, groups)
+    return _AllGather.apply(x, _dim(x, dim), group_name, grad, groups, reduce_dtype)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group_name: str, groups: int = 1) -> torch.Tensor:
@@ -290,12 +301,13 @@ def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return _AllReduce.apply(x, group_name)
 
 
-def grad_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """Identity forward; the backward sums the gradient over the group.
+def grad_all_reduce(x: torch.Tensor, group_name: str, reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Identity forward; the backward sums the gradient over the group, in ``reduce_dtype`` where given
+    (a bfloat16 weight copy's gradient summed in float32).
 
     Megatron's "f" operator before a column-parallel layer, and DDP's gradient sync.
     """
-    return _GradAllReduce.apply(x, group_name)
+    return _GradAllReduce.apply(x, group_name, reduce_dtype)
 
 
 class _ColumnLinears(torch.autograd.Function):
@@ -431,8 +443,9 @@ _deferred = _DeferredGradients()
 
 def defer_reduce_scatter(param: torch.Tensor, grad: torch.Tensor, dim: int, group_name: str) -> None:
     """Issue the sum reduce-scatter of ``grad`` along ``dim`` and add this rank's block, in ``param``'s
-    dtype (a sharded float32 master's gradient is reduced in its bfloat16 copy's), to ``param.grad``
-    when it is waited: at the next such issue or when backward ends. Called in backward."""
+    dtype (a sharded float32 master's gradient is reduced in its bfloat16 copy's dtype, or in float32
+    where the caller widened it), to ``param.grad`` when it is waited: at the next such issue or when
+    backward ends. Called in backward."""
     _deferred.issue(param, _start_reduce_scatter(grad, dim, _group(group_name)[1], group_name),
                     lambda y: _scattered(y).squeeze(0).to(param.dtype))
 
@@ -495,9 +508,9 @@ class _ParamChunk(_LocalChunk):
 
 class _AllGatherStart(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, name, grad):
+    def forward(ctx, x, name, grad, reduce_dtype):
         rank, size = _group(name)
-        ctx.args = name, grad, rank, size
+        ctx.args = name, grad, rank, size, reduce_dtype
         # A sharded parameter (ZeRO-3): its gradient's reduce-scatter may be waited after the rest of
         # backward has run past it.
         ctx.param = x if grad == "reduce_scatter" and x.is_leaf else None
@@ -507,13 +520,13 @@ class _AllGatherStart(torch.autograd.Function):
     def backward(ctx, g):
         # ``g`` is in the raw layout: every rank's block stacked along dim 0 (the wait interleaves a
         # strided shard's groups, and its backward undoes that).
-        name, grad, rank, size = ctx.args
+        name, grad, rank, size, reduce_dtype = ctx.args
         if grad == "slice":
-            return _chunk(g, 0, rank, size), None, None
+            return _chunk(g, 0, rank, size), None, None, None
         if ctx.param is not None and deferrable(ctx.param):
             defer_reduce_scatter(ctx.param, g, 0, name)
-            return None, None, None
-        return _reduce_scatter(g, 0, size, name), None, None
+            return None, None, None, None
+        return _summed_in(reduce_dtype, lambda t: _reduce_scatter(t, 0, size, name), g), None, None, None
 
 
 class _ReduceScatterStart(torch.autograd.Function):
@@ -556,13 +569,14 @@ class _AllToAllStart(torch.autograd.Function):
 
 
 def all_gather_start(x: torch.Tensor, dim: int, group_name: str, grad: str = "reduce_scatter",
-                     groups: int = 1) -> torch.Tensor:
-    """Issue ``all_gather(x, dim, group_name, grad, groups)``; ``all_gather_wait`` gives its result."""
+                     groups: int = 1, reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Issue ``all_gather(x, dim, group_name, grad, groups, reduce_dtype)``; ``all_gather_wait`` gives its
+    result."""
     if grad not in ("reduce_scatter", "slice"):
         raise ValueError(f"all_gather: grad={grad!r}; use 'reduce_scatter' or 'slice'")
     _check_groups("all_gather", groups)
     _dim(x, dim)
-    return _AllGatherStart.apply(x, group_name, grad)
+    return _AllGatherStart.apply(x, group_name, grad, reduce_dtype)
 
 
 def all_gather_wait(y: torch.Tensor, dim: int, group_name: str, groups: int = 1) -> torch.Tensor:
@@ -654,7 +668,8 @@ def _strided(groups: int) -> tuple:
 # The one-call form of each split collective: (start, wait, arguments of the wait taken from the call).
 SPLIT = {
     all_gather: (all_gather_start, all_gather_wait,
-                 lambda x, dim, group_name, grad="reduce_scatter", groups=1: (dim, group_name, *_strided(groups))),
+                 lambda x, dim, group_name, grad="reduce_scatter", groups=1, reduce_dtype=None:
+                 (dim, group_name, *_strided(groups))),
     reduce_scatter: (reduce_scatter_start, reduce_scatter_wait, lambda x, dim, group_name, groups=1: (group_name,)),
     all_reduce: (all_reduce_start, all_reduce_wait, lambda x, group_name: (group_name,)),
     all_to_all: (all_to_all_start, all_to_all_wait,

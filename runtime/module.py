@@ -79,7 +79,7 @@ class ParallelModule(nn.Module):
         if fqn in self._zero_of:
             from autopar.runtime.zero import split
 
-            _stage, group, dim, _bucket, copy_dtype = self._zero_of[fqn]
+            _stage, group, dim, _bucket, copy_dtype, _reduce_dtype = self._zero_of[fqn]
             self._whole[fqn], self.shards[key] = split(local, group, dim, requires_grad, copy_dtype)
         elif fqn in self._offloaded:
             from autopar.runtime.offload import split as to_host
@@ -104,8 +104,9 @@ class ParallelModule(nn.Module):
 
         bucketed = frozenset(t for t, *_ in self._program.grad_reductions)
         self._sharded_states = ShardedStates([ShardedState(fqn, self._whole[fqn], self.local_parameter(fqn), stage,
-                                                           group, dim, bucket)
-                                              for fqn, (stage, group, dim, bucket, _) in self._zero_of.items()],
+                                                           group, dim, bucket, reduce_dtype)
+                                              for fqn, (stage, group, dim, bucket, _, reduce_dtype)
+                                              in self._zero_of.items()],
                                              defer=self._program.overlap, bucketed=bucketed)
 
     def _make_host_states(self) -> None:

@@ -32,8 +32,10 @@ class Program:
     overlap: bool = True          # ZeRO-2 gradients reduce-scattered during backward, waited later
                                   # (runtime/zero.py); off with compile(overlap=False) and in pipelines
     sharded_states: tuple = ()    # (parameter, ZeRO stage, group name, dim, gather bucket, dtype of the whole
-                                  # copy where its float32 master is sharded too, else None) per parameter
-                                  # whose optimizer state, and gradient at stage 2, is sharded along the group
+                                  # copy where its float32 master is sharded too, else None, the dtype a
+                                  # sharded master's gradient is reduce-scattered in where not the copy's,
+                                  # else None) per parameter whose optimizer state, and gradient at stage
+                                  # 2, is sharded along the group
     stages: tuple = ()            # pipeline plans: this rank's StagePrograms (gm is then the whole
                                   # microbatch program the stages were cut from)
 

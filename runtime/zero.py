@@ -30,7 +30,8 @@ tensor is then that copy, which the program reads in place of the cast, and the 
 optimizer steps is a float32 tensor of its own, this rank's block of the master. Under ZeRO-1 the
 gradient of the copy, reduced in the program, gives the block's gradient in float32 (``_MasterRead``);
 under ZeRO-2 the program leaves it partial and the read's backward reduce-scatters it, in the copy's
-dtype, into the block's, widened to float32 (``_WholeOf``, as for any ZeRO-2 parameter). The gather
+dtype or, where the plan sums gradients in float32 (``plan.reduce_dtype``), widened first, into the
+block's, in float32 (``_WholeOf``, as for any ZeRO-2 parameter). The gather
 below moves the updated blocks in the copy's dtype.
 
 After the optimizer steps (a global optimizer step hook, and before any forward whose parameters
@@ -75,6 +76,8 @@ class ShardedState:
     group: str
     dim: int
     bucket: object              # the parameters of one bucket are gathered together
+    reduce_dtype: torch.dtype | None = None     # a sharded master's: what its copy's gradient is summed in
+                                                # where not the copy's dtype (the master's, float32)
 
     @property
     def sharded_master(self) -> bool:
@@ -114,6 +117,8 @@ class _WholeOf(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         s = ctx.s
+        if s.reduce_dtype is not None:
+            g = g.to(s.reduce_dtype)
         if ctx.states.defer and C.deferrable(s.shard):
             C.defer_reduce_scatter(s.shard, g, s.dim, s.group)
             return None, None, None

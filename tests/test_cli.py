@@ -44,6 +44,9 @@ def test_plan_of_a_module_function_on_local_cpu(tmp_path, capsys):
     assert not plan.sharded_outputs
     assert main(argv + ["--sharded-outputs"]) == 0
     assert Plan.load(out).sharded_outputs
+    assert main(argv + ["--precision", "bf16-mixed", "--reduce-dtype", "float32"]) == 0
+    assert Plan.load(out).reduce_dtype == "float32"
+    assert "precision bf16-mixed, gradients summed in float32" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -52,6 +55,8 @@ def test_plan_of_a_module_function_on_local_cpu(tmp_path, capsys):
     (["--model", "gpt2-tiny", "--cluster", "cpu:two"], "write cpu:N"),
     (["--model", "gpt2-tiny", "--cluster", "8xH100", "--mesh", "3,3"], "multiplies to 9"),
     (["--model", "gpt2-tiny", "--cluster", "cpu:2", "--memory-budget", "1e-6"], "smallest feasible budget"),
+    (["--model", "gpt2-tiny", "--cluster", "cpu:2", "--precision", "32-true", "--reduce-dtype", "bfloat16"],
+     "only mixed precision has a choice"),
 ])
 def test_bad_input_gives_one_error_line_and_exit_code_1(argv, message, capsys):
     assert main(["plan", *argv]) == 1

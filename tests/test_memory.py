@@ -19,8 +19,8 @@ TOLERANCE = 0.10
 # view of that copy, which the loss keeps: 1.052x its prediction and 1.037x its budget while the copy
 # was counted as a transient), "within": a tolerance tighter still, "fits": measured within its budget
 # (held to 10%), "zero": a ZeRO
-# stage the plan must use (the case is there for it), "overlap": compile's (and plan's) option, and
-# "kernels": the backend (ATen unless it says so).
+# stage the plan must use (the case is there for it), "overlap" and "reduce_dtype": compile's (and plan's)
+# options, and "kernels": the backend (ATen unless it says so).
 AIM = 0.05
 
 
@@ -47,6 +47,8 @@ def _measure(rank, world, cases):
             opts = {**opts, "precision": precision[0]}
         if "overlap" in case:
             opts = {**opts, "overlap": case["overlap"]}
+        if "reduce_dtype" in case:
+            opts = {**opts, "reduce_dtype": case["reduce_dtype"]}
         opts = {**opts, "kernels": case.get("kernels", "aten")}
         budget = [None]
         if factor is not None and rank == 0:
@@ -173,6 +175,19 @@ def test_bf16_mixed_zero1_and_zero2_with_sharded_masters_predicted_peaks_match_m
                                   ("gpt2", "zero1-bf16", 1.05, {"fits": True}),
                                   ("gpt", "zero2-bf16", None, {"strict": True, "zero": 2}),
                                   ("llama", "zero2-bf16", None, {"tokens": (128, 8), "strict": True, "zero": 2})],
+                    timeout=600)
+
+
+def test_bf16_mixed_gradients_summed_in_float32_predicted_peaks_match_measured_on_two_ranks():
+    """``reduce_dtype="float32"``: the runtime's buckets hold the weights' float32 gradients as they are
+    (no bfloat16 copy of them, no widening after), ZeRO-2 widens each copy's bfloat16 gradient before
+    its reduce-scatter, whose buffers are then float32, and ZeRO-1 over sharded masters widens around
+    each copy's all-reduce."""
+    run_distributed(_measure, 2, [("gpt", "dp-bf16", None, {"strict": True, "reduce_dtype": "float32"}),
+                                  ("llama", "dp-bf16", None, {"strict": True, "reduce_dtype": "float32"}),
+                                  ("gpt", "zero1-bf16", 1.05, {"fits": True, "reduce_dtype": "float32"}),
+                                  ("llama", "zero2-bf16", None, {"tokens": (128, 8), "strict": True, "zero": 2,
+                                                                 "reduce_dtype": "float32"})],
                     timeout=600)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -126,14 +127,57 @@ def test_the_models_count_the_master_and_the_bf16_copy():
     assert mm and all(x["compute_seconds"] < ref[x["name"]]["compute_seconds"] for x in mm)
 
 
-def _llama_sharded_masters(stage: int):
+def test_gradients_summed_in_float32_are_priced_and_recorded_so():
+    """Offline, LLaMA on 2 ranks under bf16-mixed, the batch split: with ``reduce_dtype="float32"`` each
+    weight's gradient all-reduce moves its float32 bytes, twice the bfloat16 copy's; the other
+    reductions and the forward do not change; the plan records the choice, and its JSON keeps it. The
+    default is the copies' dtype."""
+    from tests.memory_cases import build as build_case, options
+
+    model, args, kwargs = build_case("llama", 32, 4, "cpu")
+    kw = {**options("llama", "dp-bf16", 2, model), "progress": False}
+    cluster = autopar.ClusterSpec.local_cpu(2)
+    plans = {rd: autopar.plan(model, cluster, args, kwargs, reduce_dtype=rd, **kw)
+             for rd in (None, "bfloat16", "float32")}
+    assert [p.reduce_dtype for p in plans.values()] == ["bfloat16", "bfloat16", "float32"]
+    assert plans[None].collectives == plans["bfloat16"].collectives
+
+    def by_value(plan, phase):
+        return {(c.value, c.kind): c.bytes for c in plan.collectives if c.phase == phase}
+
+    bf16, fp32 = by_value(plans[None], "backward"), by_value(plans["float32"], "backward")
+    graph_copies = {c.value for c in plans["float32"].collectives if c.value.startswith("_to_copy")}
+    assert graph_copies and bf16.keys() == fp32.keys()
+    for key, nbytes in fp32.items():
+        assert nbytes == (2 if key[0] in graph_copies else 1) * bf16[key], key
+    # Each projection's weight, read by its matmul only through its bfloat16 copy, is reduced once,
+    # in float32: 4 bytes per element.
+    projections = [p.numel() for f, p in model.named_parameters() if f.endswith(("proj.weight", "lm_head.weight"))]
+    assert sorted(fp32[key] // 4 for key in fp32 if key[0] in graph_copies) == sorted(projections)
+    assert by_value(plans[None], "forward") == by_value(plans["float32"], "forward")
+    assert autopar.Plan.from_dict(json.loads(plans["float32"].to_json())).reduce_dtype == "float32"
+    assert "gradients summed in float32" in plans["float32"].summary()
+
+
+def test_a_reduce_dtype_a_precision_does_not_offer_is_refused_with_the_choices():
+    model = build("gpt")
+    ids, labels = batch()
+    cluster = autopar.ClusterSpec.local_cpu(2)
+    with pytest.raises(ValueError, match=r"reduce_dtype='float16'.*'float32' or 'bfloat16'"):
+        autopar.plan(model, cluster, (ids,), {"labels": labels}, precision="bf16-mixed", reduce_dtype="float16",
+                     progress=False)
+    with pytest.raises(ValueError, match=r"reduce_dtype='bfloat16'.*in 'float32' \(only mixed precision"):
+        autopar.plan(model, cluster, (ids,), {"labels": labels}, reduce_dtype="bfloat16", progress=False)
+
+
+def _llama_sharded_masters(stage: int, reduce_dtype=None):
     """Offline, LLaMA on 8xH100 under bf16-mixed with every parameter ZeRO-``stage``: (the plan, the
     parameters' sizes, those whose float32 master it shards, their elements, the others' elements)."""
     model = build("llama")
     ids, labels = batch()
     pins = {name: {"output": ["R"], "zero": stage} for name, _ in model.named_parameters()}
     plan = autopar.plan(model, autopar.ClusterSpec.preset("8xH100"), (ids,), {"labels": labels}, mesh_shape=(8,),
-                        pins=pins, progress=False, recompute=False, precision="bf16-mixed")
+                        pins=pins, progress=False, recompute=False, precision="bf16-mixed", reduce_dtype=reduce_dtype)
     sizes = dict((name, p.numel()) for name, p in model.named_parameters())
     assert {z.stage for z in plan.zero.values()} == {stage}
     sharded = {f for f, z in plan.zero.items() if z.sharded_master}
@@ -162,16 +206,17 @@ def test_zero2_reduce_scatters_the_bf16_gradient_of_each_weight_read_through_its
     """Offline, LLaMA on 8xH100 under bf16-mixed ZeRO-2 (Megatron-LM's distributed optimizer with its
     gradients reduce-scattered): a weight read only through its bfloat16 copy holds what it holds under
     ZeRO-1 (2 + 12/N + 4/N bytes per parameter); its copy's gradient is reduce-scattered in bfloat16
-    (half the bytes of the float32 master's), in place of any all-reduce, and the updated blocks
-    all-gathered in bfloat16. The norms, read in float32 on a GPU, are ZeRO-2 over their float32
+    (half the bytes of the float32 master's; in float32 with ``reduce_dtype="float32"``), in place of
+    any all-reduce, and the updated blocks all-gathered in bfloat16. The norms, read in float32 on a GPU, are ZeRO-2 over their float32
     weight, held whole (4 + 4/N + 8/N bytes), and reduce-scatter its float32 gradient."""
-    plan, sizes, sharded, n_s, n_w = _llama_sharded_masters(2)
-    assert (plan.memory["params"], plan.memory["grads"], plan.memory["optimizer"]) == \
-        (2 * n_s + 4 * n_s / 8 + 4 * n_w, 4 * (n_s + n_w) / 8, 8 * (n_s + n_w) / 8)
-    scattered = {c["value"]: c["bytes"] for c in plan.collectives
-                 if c["step"] == "zero2" and c["kind"] == "reduce_scatter"}
-    for f in sizes:
-        assert scattered["p_" + f.replace(".", "_")] == (2 if f in sharded else 4) * sizes[f], f
+    for reduce_dtype, copies_bytes in ((None, 2), ("float32", 4)):
+        plan, sizes, sharded, n_s, n_w = _llama_sharded_masters(2, reduce_dtype)
+        assert (plan.memory["params"], plan.memory["grads"], plan.memory["optimizer"]) == \
+            (2 * n_s + 4 * n_s / 8 + 4 * n_w, 4 * (n_s + n_w) / 8, 8 * (n_s + n_w) / 8)
+        scattered = {c["value"]: c["bytes"] for c in plan.collectives
+                     if c["step"] == "zero2" and c["kind"] == "reduce_scatter"}
+        for f in sizes:
+            assert scattered["p_" + f.replace(".", "_")] == (copies_bytes if f in sharded else 4) * sizes[f], f
     assert not [c for c in plan.collectives if c["kind"] == "all_reduce" and c["phase"] == "backward"]
     gathered = sum(c["bytes"] for c in plan.collectives if c["step"] == "zero2" and c["kind"] == "all_gather")
     assert gathered == 2 * n_s + 4 * n_w
@@ -179,9 +224,11 @@ def test_zero2_reduce_scatters_the_bf16_gradient_of_each_weight_read_through_its
 
 def _train(rank, world, cases):
     import autopar
+    from autopar.errors import PlanFormatError
     from torch.distributed.tensor import DTensor
 
-    for model_name, kind, mesh in cases:
+    for model_name, kind, mesh, *reduce in cases:
+        reduce_dtype = reduce[0] if reduce else None
         cluster = autopar.ClusterSpec.local_cpu(world)
         if kind in ("dp buckets", "megatron x dp"):
             # Links fast enough that splitting the batch pays: every weight's gradient is synced.
@@ -216,9 +263,15 @@ def _train(rank, world, cases):
                 "pp x dp": {"*.weight": ["R", "R"], "input_ids": ["R", "S(0)"], "labels": ["R", "S(0)"],
                             "embedding": ["R", "S(0)"], "linear*": ["R", "S(0)"]}}[kind]
         pipeline = {"axis_names": ("pp", "dp"), "microbatches": 2, "schedule": "1F1B"} if kind == "pp x dp" else {}
-        where = f"{model_name} {kind} on mesh {mesh}"
+        where = f"{model_name} {kind} on mesh {mesh}" + (f", gradients summed in {reduce_dtype}" if reduce else "")
         pm = autopar.compile(model, cluster, (ids,), {"labels": labels}, mesh_shape=mesh, pins=pins,
-                             precision="bf16-mixed", kernels="aten", recompute=False, **pipeline)
+                             precision="bf16-mixed", kernels="aten", recompute=False, reduce_dtype=reduce_dtype,
+                             **pipeline)
+        assert pm.plan.reduce_dtype == (reduce_dtype or "bfloat16"), where
+        if reduce_dtype == "float32":
+            _check_summed_in_float32(pm, kind, where)
+            with pytest.raises(PlanFormatError, match="reduce_dtype='bfloat16' but the plan sums gradients in float32"):
+                autopar.compile(ref, cluster, (ids,), {"labels": labels}, plan=pm.plan, reduce_dtype="bfloat16")
         if pipeline:
             _check_gradient_sync_once_per_step(pm, where)
         else:
@@ -226,7 +279,7 @@ def _train(rank, world, cases):
         assert all(p.dtype == torch.float32 for p in pm.parameters()), f"{where}: master weights are fp32"
         if kind in ("zero1", "zero2"):
             _check_sharded_masters(pm, world, where)
-        if kind in ("dp buckets", "megatron x dp"):
+        if kind in ("dp buckets", "megatron x dp") and reduce_dtype is None:
             narrowed = [t for t, _, _, dtype in pm._program.grad_reductions if dtype == torch.bfloat16]
             mlp = ".mlp.up_proj.weight" if model_name == "llama" else ".mlp.fc1.weight"
             assert any(t.endswith(mlp) for t in narrowed), f"{where}: {pm._program.grad_reductions}"
@@ -259,6 +312,27 @@ def _train(rank, world, cases):
                     assert err <= GRAD_TOL * scale, f"{where}: gradient of {fqn} off by {err} (largest {scale})"
             opt.step(), ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
+
+
+def _check_summed_in_float32(pm, kind, where):
+    """With ``reduce_dtype="float32"`` no weight's gradient is summed in bfloat16: the buckets hold the
+    float32 gradients as they are, a reduction the program keeps (ZeRO-1 over a sharded master) widens
+    its copy's gradient around the collective, and ZeRO-2 widens a copy's gradient before its
+    reduce-scatter."""
+    from autopar.runtime.collectives import all_gather, grad_all_reduce
+
+    assert all(dtype is None for *_, dtype in pm._program.grad_reductions), f"{where}: {pm._program.grad_reductions}"
+    reductions = [n for n in pm._program.gm.graph.nodes if n.op == "call_function"
+                  and n.target in (grad_all_reduce, all_gather) and n.kwargs.get("reduce_dtype") is not None]
+    assert all(n.kwargs["reduce_dtype"] == torch.float32 for n in reductions), where
+    if kind == "dp buckets":
+        mlp = [t for t, *_ in pm._program.grad_reductions if t.endswith(".mlp.fc1.weight")]
+        assert mlp, f"{where}: {pm._program.grad_reductions}"
+    if kind == "zero1":
+        assert reductions, f"{where}: no reduction of a copy's gradient is widened\n{pm.code}"
+    if kind == "zero2":
+        widened = [s.fqn for s in pm._sharded_states.states if s.reduce_dtype == torch.float32]
+        assert any(f.endswith("mlp.fc1.weight") for f in widened), f"{where}: {widened}"
 
 
 def _check_sharded_masters(pm, world, where):
@@ -312,3 +386,12 @@ def test_bf16_mixed_bucketed_zero2_and_megatron_x_dp_train_like_eager_autocast_o
     sharded float32 masters, and Megatron's layout beside data parallelism on a 2 x 2 mesh."""
     run_distributed(_train, 4, [("gpt", "dp buckets", (4,)), ("gpt", "zero2", (4,)),
                                 ("llama", "megatron x dp", (2, 2))], timeout=600)
+
+
+def test_bf16_mixed_gradients_summed_in_float32_train_like_eager_autocast_on_two_ranks():
+    """``reduce_dtype="float32"`` (Megatron-LM's and torchtitan's choice): data parallelism's buckets hold
+    the weights' float32 gradients, ZeRO-1 over sharded masters widens each copy's gradient around its
+    all-reduce, ZeRO-2 before its reduce-scatter, ZeRO-3 and Megatron's layout around theirs."""
+    run_distributed(_train, 2, [("gpt", "dp buckets", (2,), "float32"), ("gpt", "zero1", (2,), "float32"),
+                                ("gpt", "zero2", (2,), "float32"), ("gpt2", "zero3", (2,), "float32"),
+                                ("llama", "megatron", (2,), "float32")], timeout=600)

@@ -10,6 +10,7 @@ import sys
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+_REDUCE_DTYPES = ("float32", "bfloat16")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=_PRECISIONS, default=None,
                    help="training precision, Lightning's names (default: bf16-mixed for the zoo's large models "
                         "gpt2-xl, llama3-8b, llama2-70b, gqa-7b-128k, else the model's own dtype)")
+    p.add_argument("--reduce-dtype", choices=_REDUCE_DTYPES, default=None,
+                   help="what bf16-mixed sums gradients over ranks in (default: bfloat16, the weights' copies' "
+                        "dtype; float32 as Megatron-LM and torchtitan do)")
     p.add_argument("--memory-budget", type=float, default=None, metavar="GB",
                    help="bytes per device, in GB (1e9 bytes); default: the device's capacity less its reserve")
     p.add_argument("--mesh", default=None, metavar="A,B,...", help="fix the mesh shape, e.g. 8,8")
@@ -93,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         dtype = args.dtype or ("bfloat16" if precision == "bf16-true" else "float32")
         model, ex_args, ex_kwargs = zoo.build(args.model, batch=args.batch, seq=args.seq, device="meta",
                                               dtype=getattr(torch, dtype))
-        resolve_precision(precision, model)
+        resolve_precision(precision, model, args.reduce_dtype)
     except (ValueError, ImportError) as e:    # bad names, presets, meshes; transformers missing
         return _fail(e)
     budget = args.memory_budget * 1e9 if args.memory_budget is not None else None
@@ -103,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
                             axis_names=axes, time_limit=args.time_limit, sharded_outputs=args.sharded_outputs,
                             microbatches=args.microbatches, schedule=args.schedule,
                             pipeline=False if args.no_pipeline else None, precision=precision,
-                            bucket_mb=args.bucket_mb)
+                            bucket_mb=args.bucket_mb, reduce_dtype=args.reduce_dtype)
     except autopar.AutoparError as e:         # raised on purpose, with what to change; a bug keeps its traceback
         return _fail(e)
     print(plan.summary())

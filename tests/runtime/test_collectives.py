@@ -266,6 +266,40 @@ def test_collective_kinds():
     }
 
 
+def _summed_in_float32_body(rank, world):
+    """A bfloat16 gradient summed with ``reduce_dtype=torch.float32`` is the float32 sum of the ranks'
+    terms rounded once to bfloat16, whatever order the backend adds them in; summed in bfloat16 (gloo's
+    all-reduce), a term of 1 added before the small ones rounds them away. Element e has its 1 on rank e % world, the
+    2^-9 terms elsewhere: 1 + 3 * 2^-9 rounds to 1 + 2^-7, where any bfloat16 partial sum of the 1 and
+    a small term is 1 (the small terms sum exactly among themselves)."""
+    name = dist.group.WORLD.group_name
+    n = 8 * world
+    terms = torch.where(torch.arange(n) % world == rank, 1.0, 2.0 ** -9)
+    expected = (1.0 + (world - 1) * 2.0 ** -9) * torch.ones(n)
+    results = {}
+    for how, call in [("grad_all_reduce", lambda x, d: grad_all_reduce(x, name, reduce_dtype=d)),
+                      ("all_gather", lambda x, d: all_gather(x, 0, name, reduce_dtype=d)),
+                      ("all_gather_start", lambda x, d: all_gather_wait(all_gather_start(x, 0, name, reduce_dtype=d),
+                                                                        0, name))]:
+        for dtype in (torch.float32, None):
+            whole = how == "grad_all_reduce"
+            x = torch.zeros(n if whole else n // world, dtype=torch.bfloat16, requires_grad=True)
+            call(x, dtype).backward(terms.to(torch.bfloat16))
+            want = expected if whole else expected.chunk(world)[rank]
+            assert x.grad.dtype == torch.bfloat16, how
+            results[how, dtype] = (x.grad, want.to(torch.bfloat16))
+    for how in ("grad_all_reduce", "all_gather", "all_gather_start"):
+        got, want = results[how, torch.float32]
+        assert torch.equal(got, want), (how, got, want)
+    # A reduce-scatter on gloo sums the blocks it receives with torch's sum, which accumulates bfloat16
+    # in float32 already; gloo's all-reduce adds in bfloat16.
+    assert not torch.equal(*results["grad_all_reduce", None]), "gloo summed bfloat16 exactly: the check shows nothing"
+
+
+def test_a_bf16_gradient_summed_in_float32_rounds_once():
+    run_distributed(_summed_in_float32_body, 4)
+
+
 def test_a_parameter_gathered_at_its_wait_reduce_scatters_its_gradient_after_its_readers_backward():
     run_distributed(_param_gather_body, 2)
 
