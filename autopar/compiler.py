@@ -66,7 +66,9 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
         if precision is not None and precision != plan.precision:
             raise PlanFormatError(f"precision={precision!r} but the plan was made for {plan.precision!r}; plan "
                                   f"again with it")
-        planned = resolve_precision(plan.precision, model, plan.reduce_dtype)
+        # A bf16-mixed plan made before the field summed its gradients in bfloat16.
+        planned = resolve_precision(plan.precision, model,
+                                    plan.reduce_dtype or ("bfloat16" if plan.precision == "bf16-mixed" else None))
         if reduce_dtype is not None and \
                 resolve_precision(plan.precision, model, reduce_dtype).grad_reduce_dtype != planned.grad_reduce_dtype:
             raise PlanFormatError(f"reduce_dtype={reduce_dtype!r} but the plan sums gradients in "

@@ -12,7 +12,7 @@ from autopar.passes.costs import INFEASIBLE, Collective, CostModel
 from autopar.passes.layers import layer_instances
 from autopar.passes.memory import StepMemory, solve_under_budget
 from autopar.passes.meta import is_param, meta_of
-from autopar.passes.precision import reduce_itemsize
+from autopar.passes.precision import reduce_dtype_of, reduce_itemsize
 from autopar.passes.ilp_build import build_problem
 from autopar.pass_pipeline import mesh_passes
 from autopar.plan import Plan, PlanCollective, PlanPipeline, PlanRank, PlanStage
@@ -195,8 +195,9 @@ def _per_microbatch(cost_model: type[CostModel]) -> type[CostModel]:
             if steps is None:
                 return None
             grad = requires_grad(value.node)
-            # The gradient all-reduce, once per step, sums the parameter's own (float32 master) gradient.
-            phases = [self.steps_phase_seconds([st], param.meta["val"].dtype.itemsize, grad,
+            # The gradient all-reduce, once per step, sums the parameter's own (float32 master) gradient,
+            # in the dtype the plan sums it in (a bf16-mixed copy's reduce_dtype).
+            phases = [self.steps_phase_seconds([st], reduce_dtype_of(value.node).itemsize, grad,
                                                lambda _: 1 / self.microbatches) if st.op == "grad_all_reduce"
                       else self.steps_phase_seconds([st], info.dtype.itemsize, grad,
                                                     reduce_itemsize=reduce_itemsize(value.node)) for st in steps]
@@ -237,9 +238,9 @@ def reduced_param(node) -> object | None:
 def _deferred_to_parameters(gm, collectives: list[PlanCollective], cm: CostModel, axis_names,
                             chosen: dict) -> list[PlanCollective]:
     """The collectives, with the gradient all-reduces of parameters' bfloat16 copies recorded as the
-    parameters' own, as the pipeline runs them: once per step, on the float32 gradient (its bytes and
-    seconds); along the axis a ZeRO-1 parameter (under ``chosen``, the strategies) shards its state on,
-    a reduce-scatter."""
+    parameters' own, as the pipeline runs them: once per step, on the float32 gradient, summed in the
+    dtype the copy's reduction was priced in (its ``reduce_dtype``); along the axis a ZeRO-1 parameter
+    (under ``chosen``, the strategies) shards its state on, a reduce-scatter."""
     nodes = {n.name: n for n in gm.graph.nodes}
     out = []
     for c in collectives:
@@ -251,9 +252,8 @@ def _deferred_to_parameters(gm, collectives: list[PlanCollective], cm: CostModel
             if param is node and kind == c.kind:
                 out.append(c)
                 continue
-            nbytes = c.bytes * param.meta["val"].dtype.itemsize / node.meta["val"].dtype.itemsize
-            c = dataclasses.replace(c, kind=kind, value=param.name, bytes=int(nbytes),
-                                    seconds=cm.collective_seconds(kind, nbytes, axis_names.index(c.axis)))
+            c = dataclasses.replace(c, kind=kind, value=param.name,
+                                    seconds=cm.collective_seconds(kind, c.bytes, axis_names.index(c.axis)))
         out.append(c)
     return out
 

@@ -376,7 +376,7 @@ class Plan:
     # the training precision, by Lightning's name (autopar.passes.precision.PRECISIONS)
     precision: str = "32-true"
     # mixed precision: the dtype the weights' gradients are summed over ranks in, "float32" or "bfloat16";
-    # None where the plan has no choice (not mixed) or predates the field (the compute dtype then)
+    # None where the plan has no choice (not mixed) or predates the field (bfloat16 then)
     reduce_dtype: str | None = None
     # parameters whose optimizer state (ZeRO-1), and gradient too (ZeRO-2), are sharded along an axis
     # the parameter is replicated on

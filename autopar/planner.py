@@ -134,9 +134,9 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
     ``precision`` is Lightning's name of the training precision: "32-true", "bf16-mixed" (autocast's
     bfloat16 compute and activations over float32 master weights and optimizer states) or "bf16-true";
     None trains in the model's own dtype (passes/precision.py). ``reduce_dtype`` is what "bf16-mixed"
-    sums the weights' gradients over ranks in: "bfloat16" (the default, the bytes of the copies the
-    weights are computed with) or "float32" (their own dtype, as Megatron-LM and torchtitan do); the
-    cost and memory models price it and ``plan.reduce_dtype`` records it.
+    sums the weights' gradients over ranks in: "float32" (the default, their own dtype, as Megatron-LM
+    and torchtitan do) or "bfloat16" (the copies the weights are computed with, half the bytes, as
+    FSDP2 does by default); the cost and memory models price it and ``plan.reduce_dtype`` records it.
     ``overlap=False`` plans for the program ``compile(overlap=False)`` runs: no communication hidden,
     no gradient buckets, ZeRO-2 reduce-scatters waited at once (its time and memory).
     ``bucket_mb`` fixes the size in MiB of the buckets data-parallel gradients are all-reduced in during

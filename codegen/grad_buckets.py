@@ -11,12 +11,12 @@ its gradients are accumulated, while backward goes on. It runs before ``recomput
 hide a parameter's uses inside a recomputed layer behind the layer's checkpoint call.
 
 A weight read only through its lower-precision copy (bf16-mixed: ``passes.precision.gradient_carrier``)
-has its reductions on the uses of the copy, in the copy's dtype or, where the plan's ``reduce_dtype``
-is the weight's own, in that dtype (``passes.precision.reduce_dtype_of``). The copy's gradient, summed
-over its uses, is the weight's whole gradient (the cast's backward only widens it), so the weight is
-bucketed the same way, its accumulated gradient reduced in the copy's dtype (as FSDP2 reduces by
-default) or, with ``reduce_dtype`` float32, as it is, in float32, as Megatron-LM's buckets reduce the
-gradients of its float32 masters.
+has its reductions on the uses of the copy, in the weight's dtype where the plan's ``reduce_dtype``
+is that dtype (the default), else in the copy's (``passes.precision.reduce_dtype_of``). The copy's
+gradient, summed over its uses, is the weight's whole gradient (the cast's backward only widens it),
+so the weight is bucketed the same way: its accumulated gradient reduced as it is, in float32, as
+Megatron-LM's buckets reduce the gradients of its float32 masters, or (``reduce_dtype`` bfloat16, as
+FSDP2 reduces by default) in the copy's dtype.
 
 A ZeRO-1 parameter is read through ``runtime.zero.whole_of``, whose reductions are those of its uses:
 the read's gradient, summed over them, is the whole local tensor's, which the runtime's buckets reduce as

@@ -21,7 +21,7 @@ from autopar.layout import format_layout, local_shape, parse_layout
 from autopar.passes.normalize import BIASED_MATMULS, folded_matmul
 from autopar.passes.reshard_plan import gathered_output, plan_reshards
 from autopar.passes.precision import cast_source, gradient_carrier, reads_through_copy
-from autopar.passes.meta import meta_of, op_name, set_meta, set_program_meta
+from autopar.passes.meta import is_param, meta_of, op_name, set_meta, set_program_meta
 from autopar.passes.rules import context_for, rule_for
 from autopar.passes.runner import requires
 from autopar.passes.strategies import Strategy, ZeroState, input_values, node_strategies, zero_variants
@@ -188,10 +188,12 @@ def local_program_pass(gm: fx.GraphModule, *, plan: Plan, group_names: list[str]
     copies = _read_zero_before_use(g, placeholders, plan)
     local = fx.GraphModule(gm, g, class_name="LocalProgram")
     # A plan without gather buckets (written before they existed) gathers each parameter alone.
-    reduce_dtype = getattr(torch, plan.reduce_dtype) if plan.reduce_dtype else None
+    # A sharded master's gradient is its copy's, summed in the dtype the copy is marked with.
+    summed_in = {meta_of(n).role.target: meta_of(gradient_carrier(n)).reduce_dtype
+                 for n in gm.graph.nodes if is_param(n)}
     zero = tuple((fqn, z.stage, group_names[plan.axis_names.index(z.axis)], z.dim,
                   f"own {fqn}" if z.bucket is None else z.bucket, copies.get(fqn),
-                  reduce_dtype if copies.get(fqn) not in (None, reduce_dtype) else None)
+                  summed_in.get(fqn) if fqn in copies else None)
                  for fqn, z in plan.zero.items())
     set_program_meta(local, placeholders=tuple(placeholders), output_layouts=tuple(output_layouts),
                      sharded_states=zero, offloaded=tuple(sorted(plan.offload)))

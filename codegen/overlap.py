@@ -148,7 +148,8 @@ def _gather_params_at_their_reads(graph: fx.Graph, params: set) -> None:
     issue: its gradient is reduce-scattered right after its reader's backward."""
     for start in [n for n in graph.nodes if n.op == "call_function" and n.target is C.all_gather_start]:
         x, dim, group, grad, groups = _all_gather_call(*start.args, **start.kwargs)
-        if x not in params or grad != "reduce_scatter":     # a parameter is gathered in its own dtype
+        # A parameter itself, not a copy of it: its gradient is summed in its own dtype.
+        if x not in params or grad != "reduce_scatter":
             continue
         start.target, start.args, start.kwargs = C.param_gather_start, (x, dim, group, groups), {}
         for wait in list(start.users):

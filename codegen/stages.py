@@ -115,7 +115,7 @@ def split_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int], num_stages:
         sub = fx.GraphModule(gm, g, class_name=f"Stage{k}")
         held = {t for kd, t in kinds if kd == "param"}
         out.append(StageProgram(k, sub, tuple(kinds), tuple(n.name for n in sends),
-                                tuple((f, a) for f, a in deferred if f in held)))
+                                tuple(d for d in deferred if d[0] in held)))
     return tuple(out)
 
 
@@ -125,7 +125,8 @@ def _defer_gradient_reductions(gm: fx.GraphModule, kind_of: dict, axis_of_group:
     summed over that axis once per step instead, after the last microbatch. Under bf16-mixed the
     reductions are those of the parameter's one bfloat16 copy: its gradient accumulates into the
     float32 ``.grad``, which is then summed once, in float32 (as Megatron-LM reduces bf16 training's
-    gradients). Returns (FQN, axis) pairs."""
+    gradients), or narrowed to bfloat16 for the sum where the plan's ``reduce_dtype`` says so. Returns (FQN, axis, the dtype to sum it in where not the parameter's: the copy's where
+    the plan's ``reduce_dtype`` is, else None) triples."""
     from autopar.runtime.collectives import grad_all_reduce
 
     deferred = []
@@ -137,7 +138,9 @@ def _defer_gradient_reductions(gm: fx.GraphModule, kind_of: dict, axis_of_group:
             groups = {u.args[1] for u in reduced.users}
             if len(groups) != 1:
                 break
-            deferred.append((fqn, axis_of_group[groups.pop()]))
+            # A copy's reductions in the copy's dtype carry no reduce_dtype; in the parameter's, they do.
+            narrow = reduced is not p and all(u.kwargs.get("reduce_dtype") is None for u in reduced.users)
+            deferred.append((fqn, axis_of_group[groups.pop()], reduced.kwargs["dtype"] if narrow else None))
             for u in list(reduced.users):
                 u.replace_all_uses_with(reduced)
                 gm.graph.erase_node(u)

@@ -17,7 +17,9 @@ sees plain dtypes: the memory model counts a parameter's float32 master and its 
 activations at their dtype; the cost model prices matmuls at bfloat16 FLOP/s and collectives at the
 bytes of the dtype they move; the runtime runs the casts on any backend. A parameter's gradient is
 reduced where the plan reduces it: the bfloat16 gradient of its copy, or (ZeRO-3) the reduce-scatter of
-that gradient, then accumulated into the float32 ``.grad`` by the cast's backward.
+that gradient, then accumulated into the float32 ``.grad`` by the cast's backward. Those sums run in
+float32, the master's dtype, or in bfloat16 where the precision's ``reduce_dtype`` says so
+(``reduce_dtype_of``).
 """
 from __future__ import annotations
 
@@ -40,9 +42,10 @@ class Precision:
     name: str
     param_dtype: torch.dtype          # the parameters the optimizer updates, their gradients and states
     compute_dtype: torch.dtype        # what matmul-class ops compute in
-    # What a parameter's gradient is summed over ranks in where the program reduces it as the gradient
-    # of its lower-precision copy (mixed precision only): the copy's dtype, or the parameter's
-    # (Megatron-LM's ``accumulate_allreduce_grads_in_fp32``, torchtitan's ``mixed_precision_reduce``).
+    # Mixed precision: what a parameter's gradient is summed over ranks in where the program reduces it
+    # as the gradient of its lower-precision copy: the parameter's dtype (the default, as Megatron-LM's
+    # ``accumulate_allreduce_grads_in_fp32``, which it sets for bf16, and torchtitan's
+    # ``mixed_precision_reduce``), or the copy's (FSDP2's default). None where not mixed.
     reduce_dtype: torch.dtype | None = None
 
     @property
@@ -51,9 +54,9 @@ class Precision:
 
     @property
     def grad_reduce_dtype(self) -> torch.dtype:
-        """The dtype gradients are summed over ranks in: the parameters' own, or under mixed precision
-        ``reduce_dtype`` (the compute dtype unless given)."""
-        return (self.reduce_dtype or self.compute_dtype) if self.mixed else self.param_dtype
+        """The dtype gradients are summed over ranks in: ``reduce_dtype`` under mixed precision, else
+        the parameters' own."""
+        return self.reduce_dtype if self.mixed else self.param_dtype
 
     def to_dict(self) -> dict:
         return {"name": self.name, "param_dtype": _name(self.param_dtype), "compute_dtype": _name(self.compute_dtype),
@@ -65,7 +68,7 @@ def _name(dtype: torch.dtype) -> str:
 
 
 _BY_NAME = {"32-true": Precision("32-true", torch.float32, torch.float32),
-            "bf16-mixed": Precision("bf16-mixed", torch.float32, torch.bfloat16),
+            "bf16-mixed": Precision("bf16-mixed", torch.float32, torch.bfloat16, torch.float32),
             "bf16-true": Precision("bf16-true", torch.bfloat16, torch.bfloat16)}
 
 
@@ -73,7 +76,7 @@ def resolve_precision(name: str | Precision | None, model: torch.nn.Module, redu
     """The precision ``name`` for ``model``; ``None`` is the model's own: "bf16-true" for a bfloat16
     model, else "32-true". A name the model's parameters contradict is refused. ``reduce_dtype``
     ("float32", "bfloat16", a torch dtype or None) is what gradients are summed over ranks in; only
-    mixed precision has a choice (its parameters' dtype or its compute dtype, the default)."""
+    mixed precision has a choice: its parameters' dtype (the default) or its compute dtype."""
     if isinstance(name, Precision):
         resolve_precision(name.name, model)
         return with_reduce_dtype(name, reduce_dtype)
@@ -105,7 +108,7 @@ def with_reduce_dtype(p: Precision, reduce_dtype) -> Precision:
         raise ValueError(f"reduce_dtype={reduce_dtype!r}: under precision {p.name!r} gradients are summed over ranks "
                          f"in {' or '.join(repr(_name(d)) for d in offered)}"
                          + ("" if p.mixed else " (only mixed precision has a choice)"))
-    return dataclasses.replace(p, reduce_dtype=dtype if p.mixed and dtype != p.compute_dtype else None)
+    return dataclasses.replace(p, reduce_dtype=dtype if p.mixed else None)
 
 
 # torch's autocast op lists (aten/src/ATen/autocast_mode.cpp), for the ops of training IR graphs.

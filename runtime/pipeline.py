@@ -182,20 +182,26 @@ class PipelineParallelModule(ParallelModule):
         # ZeRO-1 parameter's gradient is reduce-scattered along its state's axis into the block its
         # optimizer steps (Megatron-LM's distributed optimizer), after its all-reduces along any other
         # axis; the whole local gradient stays for the next step's accumulation until the optimizer's
-        # gradient is set to None.
+        # gradient is set to None. A gradient summed in a narrower dtype (bf16-mixed's ``reduce_dtype``
+        # "bfloat16") is narrowed for the collective and widened back.
         scatters = []
-        for fqn, axis in self._grad_sums:
+        for fqn, axis, dtype in self._grad_sums:
             p = self.local_tensor(fqn)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             group = self.mesh.get_group(axis)
             zero = self._zero_of.get(fqn)
             if zero is not None and zero[1] == group.group_name:
-                scatters.append((fqn, p.grad, zero, dist.get_world_size(group)))
-            else:
+                scatters.append((fqn, p.grad, dtype, zero, dist.get_world_size(group)))
+            elif dtype is None:
                 dist.all_reduce(p.grad, group=group)
-        for fqn, grad, (_stage, name, dim, *_), size in scatters:
-            self.local_parameter(fqn).grad = C._reduce_scatter(grad, dim, size, name)
+            else:
+                narrow = p.grad.to(dtype)
+                dist.all_reduce(narrow, group=group)
+                p.grad.copy_(narrow)
+        for fqn, grad, dtype, (_stage, name, dim, *_), size in scatters:
+            summed = C._reduce_scatter(grad if dtype is None else grad.to(dtype), dim, size, name)
+            self.local_parameter(fqn).grad = summed.to(grad.dtype)
 
     def _check_batch(self, flat, spec):
         m = self._microbatches

@@ -50,5 +50,5 @@ class StageProgram:
                                   # received from the previous stage, in order
     sends: tuple                  # names of the values returned to the next stage (empty on the last
                                   # stage, which returns the loss)
-    grad_sums: tuple = ()         # (parameter FQN, mesh axis): sum its gradient over the axis once per
-                                  # step, after the last microbatch
+    grad_sums: tuple = ()         # (parameter FQN, mesh axis, dtype to sum in or None for its own): sum its
+                                  # gradient over the axis once per step, after the last microbatch

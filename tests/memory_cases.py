@@ -87,7 +87,7 @@ def options(arch: str, kind: str, ranks: int, model) -> dict | None:
         return {}
     if kind == "dp":
         return {"mesh_shape": (ranks,), "pins": params_r, "recompute": False}
-    if kind == "dp-bf16":     # the batch split under bf16-mixed: the weights' gradients reduced in bf16 buckets
+    if kind == "dp-bf16":     # the batch split under bf16-mixed: the weights' gradients reduced in buckets
         if key not in ("gpt", "llama"):
             return None
         pins = {**{name: {"output": ["R"], "zero": 0} for name, _ in model.named_parameters()},
@@ -107,8 +107,8 @@ def options(arch: str, kind: str, ranks: int, model) -> dict | None:
         #                        only through their bfloat16 copies are sharded
         pins = {name: {"output": ["R"], "zero": 1} for name, _ in model.named_parameters()}
         return {"mesh_shape": (ranks,), "pins": pins, "recompute": False, "precision": "bf16-mixed"}
-    if kind == "zero2-bf16":   # ZeRO-2 layer matrices under bf16-mixed: each copy's gradient reduce-scattered in
-        #                        bf16 into its sharded float32 master's block; embeddings, biases, norms replicated
+    if kind == "zero2-bf16":   # ZeRO-2 layer matrices under bf16-mixed: each copy's gradient reduce-scattered
+        #                        into its sharded float32 master's block; embeddings, biases, norms replicated
         if key not in ("gpt", "llama"):
             return None
         pins = {name: {"output": ["R"], "zero": 2 if p.dim() > 1 and "emb" not in name else 0}

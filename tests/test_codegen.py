@@ -484,16 +484,16 @@ def test_zero_one_gradients_reduce_in_buckets_bitwise_as_unbucketed():
 
 
 def _bucketed_bf16_gradients(rank, world):
-    """bf16-mixed data parallelism: each weight read only through its bfloat16 copy has its gradient
-    reduced once, in bfloat16, in the runtime's buckets, in place of the reduction of its copy's
-    gradient in the program."""
+    """bf16-mixed data parallelism summing in bfloat16 (``reduce_dtype``): each weight read only through
+    its bfloat16 copy has its gradient reduced once, in bfloat16, in the runtime's buckets, in place of
+    the reduction of its copy's gradient in the program."""
     import autopar
     from autopar.runtime import collectives as C
 
     batch_split = {"linear*": ["S(0)"], "layer_norm*": ["S(0)"]}
     model, ids, labels, cluster, pins = _data_parallel_gpt2(world, "gpt", **batch_split)
     one = autopar.compile(model, cluster, (ids,), {"labels": labels}, pins=pins, precision="bf16-mixed",
-                          kernels="aten", recompute=False, bucket_mb=25)
+                          reduce_dtype="bfloat16", kernels="aten", recompute=False, bucket_mb=25)
     each = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=dataclasses.replace(one.plan, bucket_mb=0),
                            kernels="aten")
     plain = autopar.compile(model, cluster, (ids,), {"labels": labels}, plan=one.plan, overlap=False, kernels="aten")

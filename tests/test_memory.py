@@ -152,11 +152,11 @@ def test_bf16_mixed_and_the_vocab_parallel_loss_predicted_peaks_match_measured_o
     contiguous copy is made), or made whole and sliced to the loss (the slice's backward gathers their
     gradient along the vocabulary). The loss reads a copy of its logits (a reshape of the shifted rows,
     and under bf16-mixed the fp32 upcast of it) and keeps that copy, no log-softmax, for backward.
-    Data parallel over a split batch ("dp-bf16"): the weights' bfloat16 gradients in the runtime's
-    buckets, each float32 gradient let go while its bucket is in flight."""
+    Data parallel over a split batch ("dp-bf16") summing in bfloat16: the weights' bfloat16 gradients in
+    the runtime's buckets, each float32 gradient let go while its bucket is in flight."""
     run_distributed(_measure, 2, [("gpt2", "dp", None, "bf16-mixed"), ("llama", "megatron", None, "bf16-mixed"),
-                                  ("gpt", "dp-bf16", None, {"strict": True}),
-                                  ("llama", "dp-bf16", None, {"strict": True}),
+                                  ("gpt", "dp-bf16", None, {"strict": True, "reduce_dtype": "bfloat16"}),
+                                  ("llama", "dp-bf16", None, {"strict": True, "reduce_dtype": "bfloat16"}),
                                   ("gpt", "zero3", 1.05, "bf16-mixed"), ("gpt-vocab", "vocab-sharded-outputs", None),
                                   ("gpt-vocab", "vocab-sharded-outputs", None, "bf16-mixed"),
                                   ("gpt-vocab", "vocab", None, "bf16-mixed"), ("gpt-vocab", "vocab-sliced", None)],
@@ -169,25 +169,25 @@ def test_bf16_mixed_zero1_and_zero2_with_sharded_masters_predicted_peaks_match_m
     per parameter); a model that held the masters whole (4 + 4 + 8/N, and the copies beside them in the
     step) predicts a peak about 1.3x the measured one. ZeRO-2 holds the same, and reduce-scatters each
     copy's bfloat16 gradient in backward (held, with the collective's output, until the next one's
-    issue)."""
-    run_distributed(_measure, 2, [("gpt", "zero1-bf16", None, {"strict": True}),
-                                  ("llama", "zero1-bf16", None, {"strict": True}),
-                                  ("gpt2", "zero1-bf16", 1.05, {"fits": True}),
-                                  ("gpt", "zero2-bf16", None, {"strict": True, "zero": 2}),
-                                  ("llama", "zero2-bf16", None, {"tokens": (128, 8), "strict": True, "zero": 2})],
+    issue). All summing in bfloat16 (``reduce_dtype``; float32 below)."""
+    bf16 = {"reduce_dtype": "bfloat16"}
+    run_distributed(_measure, 2, [("gpt", "zero1-bf16", None, {"strict": True, **bf16}),
+                                  ("llama", "zero1-bf16", None, {"strict": True, **bf16}),
+                                  ("gpt2", "zero1-bf16", 1.05, {"fits": True, **bf16}),
+                                  ("gpt", "zero2-bf16", None, {"strict": True, "zero": 2, **bf16}),
+                                  ("llama", "zero2-bf16", None, {"tokens": (128, 8), "strict": True, "zero": 2, **bf16})],
                     timeout=600)
 
 
 def test_bf16_mixed_gradients_summed_in_float32_predicted_peaks_match_measured_on_two_ranks():
-    """``reduce_dtype="float32"``: the runtime's buckets hold the weights' float32 gradients as they are
-    (no bfloat16 copy of them, no widening after), ZeRO-2 widens each copy's bfloat16 gradient before
-    its reduce-scatter, whose buffers are then float32, and ZeRO-1 over sharded masters widens around
-    each copy's all-reduce."""
-    run_distributed(_measure, 2, [("gpt", "dp-bf16", None, {"strict": True, "reduce_dtype": "float32"}),
-                                  ("llama", "dp-bf16", None, {"strict": True, "reduce_dtype": "float32"}),
-                                  ("gpt", "zero1-bf16", 1.05, {"fits": True, "reduce_dtype": "float32"}),
-                                  ("llama", "zero2-bf16", None, {"tokens": (128, 8), "strict": True, "zero": 2,
-                                                                 "reduce_dtype": "float32"})],
+    """Gradients summed in float32, bf16-mixed's default: the runtime's buckets hold the weights' float32
+    gradients as they are (no bfloat16 copy of them, no widening after), ZeRO-2 widens each copy's
+    bfloat16 gradient before its reduce-scatter, whose buffers are then float32, and ZeRO-1 over
+    sharded masters widens around each copy's all-reduce."""
+    run_distributed(_measure, 2, [("gpt", "dp-bf16", None, {"strict": True}),
+                                  ("llama", "dp-bf16", None, {"strict": True}),
+                                  ("gpt", "zero1-bf16", 1.05, {"fits": True}),
+                                  ("llama", "zero2-bf16", None, {"tokens": (128, 8), "strict": True, "zero": 2})],
                     timeout=600)
 
 

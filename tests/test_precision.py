@@ -128,10 +128,10 @@ def test_the_models_count_the_master_and_the_bf16_copy():
 
 
 def test_gradients_summed_in_float32_are_priced_and_recorded_so():
-    """Offline, LLaMA on 2 ranks under bf16-mixed, the batch split: with ``reduce_dtype="float32"`` each
-    weight's gradient all-reduce moves its float32 bytes, twice the bfloat16 copy's; the other
-    reductions and the forward do not change; the plan records the choice, and its JSON keeps it. The
-    default is the copies' dtype."""
+    """Offline, LLaMA on 2 ranks under bf16-mixed, the batch split: summed in float32 (the default) each
+    weight's gradient all-reduce moves its float32 bytes, twice what ``reduce_dtype="bfloat16"`` moves;
+    the other reductions and the forward do not change; the plan records the choice, and its JSON
+    keeps it."""
     from tests.memory_cases import build as build_case, options
 
     model, args, kwargs = build_case("llama", 32, 4, "cpu")
@@ -139,13 +139,13 @@ def test_gradients_summed_in_float32_are_priced_and_recorded_so():
     cluster = autopar.ClusterSpec.local_cpu(2)
     plans = {rd: autopar.plan(model, cluster, args, kwargs, reduce_dtype=rd, **kw)
              for rd in (None, "bfloat16", "float32")}
-    assert [p.reduce_dtype for p in plans.values()] == ["bfloat16", "bfloat16", "float32"]
-    assert plans[None].collectives == plans["bfloat16"].collectives
+    assert [p.reduce_dtype for p in plans.values()] == ["float32", "bfloat16", "float32"]
+    assert plans[None].collectives == plans["float32"].collectives
 
     def by_value(plan, phase):
         return {(c.value, c.kind): c.bytes for c in plan.collectives if c.phase == phase}
 
-    bf16, fp32 = by_value(plans[None], "backward"), by_value(plans["float32"], "backward")
+    bf16, fp32 = by_value(plans["bfloat16"], "backward"), by_value(plans["float32"], "backward")
     graph_copies = {c.value for c in plans["float32"].collectives if c.value.startswith("_to_copy")}
     assert graph_copies and bf16.keys() == fp32.keys()
     for key, nbytes in fp32.items():
@@ -154,7 +154,7 @@ def test_gradients_summed_in_float32_are_priced_and_recorded_so():
     # in float32: 4 bytes per element.
     projections = [p.numel() for f, p in model.named_parameters() if f.endswith(("proj.weight", "lm_head.weight"))]
     assert sorted(fp32[key] // 4 for key in fp32 if key[0] in graph_copies) == sorted(projections)
-    assert by_value(plans[None], "forward") == by_value(plans["float32"], "forward")
+    assert by_value(plans["bfloat16"], "forward") == by_value(plans["float32"], "forward")
     assert autopar.Plan.from_dict(json.loads(plans["float32"].to_json())).reduce_dtype == "float32"
     assert "gradients summed in float32" in plans["float32"].summary()
 
@@ -205,11 +205,12 @@ def test_zero1_shards_the_float32_master_of_each_weight_read_through_its_copy():
 def test_zero2_reduce_scatters_the_bf16_gradient_of_each_weight_read_through_its_copy():
     """Offline, LLaMA on 8xH100 under bf16-mixed ZeRO-2 (Megatron-LM's distributed optimizer with its
     gradients reduce-scattered): a weight read only through its bfloat16 copy holds what it holds under
-    ZeRO-1 (2 + 12/N + 4/N bytes per parameter); its copy's gradient is reduce-scattered in bfloat16
-    (half the bytes of the float32 master's; in float32 with ``reduce_dtype="float32"``), in place of
-    any all-reduce, and the updated blocks all-gathered in bfloat16. The norms, read in float32 on a GPU, are ZeRO-2 over their float32
-    weight, held whole (4 + 4/N + 8/N bytes), and reduce-scatter its float32 gradient."""
-    for reduce_dtype, copies_bytes in ((None, 2), ("float32", 4)):
+    ZeRO-1 (2 + 12/N + 4/N bytes per parameter); its copy's gradient is reduce-scattered in float32 (the
+    default) or, with ``reduce_dtype="bfloat16"``, in bfloat16 (half the bytes), in place of any
+    all-reduce, and the updated blocks all-gathered in bfloat16. The norms, read in float32 on a GPU,
+    are ZeRO-2 over their float32 weight, held whole (4 + 4/N + 8/N bytes), and reduce-scatter its
+    float32 gradient."""
+    for reduce_dtype, copies_bytes in (("bfloat16", 2), (None, 4)):
         plan, sizes, sharded, n_s, n_w = _llama_sharded_masters(2, reduce_dtype)
         assert (plan.memory["params"], plan.memory["grads"], plan.memory["optimizer"]) == \
             (2 * n_s + 4 * n_s / 8 + 4 * n_w, 4 * (n_s + n_w) / 8, 8 * (n_s + n_w) / 8)
@@ -263,12 +264,13 @@ def _train(rank, world, cases):
                 "pp x dp": {"*.weight": ["R", "R"], "input_ids": ["R", "S(0)"], "labels": ["R", "S(0)"],
                             "embedding": ["R", "S(0)"], "linear*": ["R", "S(0)"]}}[kind]
         pipeline = {"axis_names": ("pp", "dp"), "microbatches": 2, "schedule": "1F1B"} if kind == "pp x dp" else {}
-        where = f"{model_name} {kind} on mesh {mesh}" + (f", gradients summed in {reduce_dtype}" if reduce else "")
+        summed_in = reduce_dtype or "float32"
+        where = f"{model_name} {kind} on mesh {mesh}, gradients summed in {summed_in}"
         pm = autopar.compile(model, cluster, (ids,), {"labels": labels}, mesh_shape=mesh, pins=pins,
                              precision="bf16-mixed", kernels="aten", recompute=False, reduce_dtype=reduce_dtype,
                              **pipeline)
-        assert pm.plan.reduce_dtype == (reduce_dtype or "bfloat16"), where
-        if reduce_dtype == "float32":
+        assert pm.plan.reduce_dtype == summed_in, where
+        if summed_in == "float32":
             _check_summed_in_float32(pm, kind, where)
             with pytest.raises(PlanFormatError, match="reduce_dtype='bfloat16' but the plan sums gradients in float32"):
                 autopar.compile(ref, cluster, (ids,), {"labels": labels}, plan=pm.plan, reduce_dtype="bfloat16")
@@ -279,7 +281,7 @@ def _train(rank, world, cases):
         assert all(p.dtype == torch.float32 for p in pm.parameters()), f"{where}: master weights are fp32"
         if kind in ("zero1", "zero2"):
             _check_sharded_masters(pm, world, where)
-        if kind in ("dp buckets", "megatron x dp") and reduce_dtype is None:
+        if kind in ("dp buckets", "megatron x dp") and summed_in == "bfloat16":
             narrowed = [t for t, _, _, dtype in pm._program.grad_reductions if dtype == torch.bfloat16]
             mlp = ".mlp.up_proj.weight" if model_name == "llama" else ".mlp.fc1.weight"
             assert any(t.endswith(mlp) for t in narrowed), f"{where}: {pm._program.grad_reductions}"
@@ -364,16 +366,20 @@ def _check_gradient_sync_once_per_step(pm, where):
         copies = [v for v in reduced if v in params or cast_source(v) in params]
         assert not copies, f"{where}: stage {st.index} reduces {copies} in every microbatch"
         held = {fqn for kind, fqn in st.placeholders if kind == "param" and fqn.endswith(".weight")}
-        assert held <= {fqn for fqn, axis in st.grad_sums if axis == "dp"}, f"{where}: stage {st.index}"
+        assert held <= {fqn for fqn, axis, _ in st.grad_sums if axis == "dp"}, f"{where}: stage {st.index}"
 
 
 def test_bf16_mixed_trains_like_eager_autocast_on_two_ranks():
-    run_distributed(_train, 2, [("gpt", "dp", (2,)), ("gpt", "dp buckets", (2,)), ("llama", "megatron", (2,)),
-                                ("gpt2", "zero3", (2,))], timeout=600)
+    """Gradients summed in bfloat16 (``reduce_dtype``): the weights' bfloat16 gradients in the runtime's
+    buckets, each copy's reduced in the program."""
+    run_distributed(_train, 2, [("gpt", "dp", (2,), "bfloat16"), ("gpt", "dp buckets", (2,), "bfloat16"),
+                                ("llama", "megatron", (2,), "bfloat16"), ("gpt2", "zero3", (2,), "bfloat16")],
+                    timeout=600)
 
 
 def test_bf16_mixed_zero1_and_zero2_shard_the_master_weights_and_train_like_eager_autocast_on_two_ranks():
-    run_distributed(_train, 2, [("gpt", "zero1", (2,)), ("gpt", "zero2", (2,))], timeout=600)
+    """Summed in bfloat16: ZeRO-1's copies all-reduced, ZeRO-2's reduce-scattered, in bfloat16."""
+    run_distributed(_train, 2, [("gpt", "zero1", (2,), "bfloat16"), ("gpt", "zero2", (2,), "bfloat16")], timeout=600)
 
 
 def test_bf16_mixed_trains_like_eager_autocast_on_four_ranks():
@@ -383,15 +389,17 @@ def test_bf16_mixed_trains_like_eager_autocast_on_four_ranks():
 
 def test_bf16_mixed_bucketed_zero2_and_megatron_x_dp_train_like_eager_autocast_on_four_ranks():
     """Data parallelism with the weights' bfloat16 gradients in the runtime's buckets, ZeRO-2 over
-    sharded float32 masters, and Megatron's layout beside data parallelism on a 2 x 2 mesh."""
-    run_distributed(_train, 4, [("gpt", "dp buckets", (4,)), ("gpt", "zero2", (4,)),
-                                ("llama", "megatron x dp", (2, 2))], timeout=600)
+    sharded float32 masters, Megatron's layout beside data parallelism and a pipeline beside it (its
+    once-a-step sync narrowed) on a 2 x 2 mesh, all summing in bfloat16."""
+    run_distributed(_train, 4, [("gpt", "dp buckets", (4,), "bfloat16"), ("gpt", "zero2", (4,), "bfloat16"),
+                                ("llama", "megatron x dp", (2, 2), "bfloat16"), ("llama", "pp x dp", (2, 2), "bfloat16")],
+                    timeout=600)
 
 
 def test_bf16_mixed_gradients_summed_in_float32_train_like_eager_autocast_on_two_ranks():
-    """``reduce_dtype="float32"`` (Megatron-LM's and torchtitan's choice): data parallelism's buckets hold
-    the weights' float32 gradients, ZeRO-1 over sharded masters widens each copy's gradient around its
-    all-reduce, ZeRO-2 before its reduce-scatter, ZeRO-3 and Megatron's layout around theirs."""
-    run_distributed(_train, 2, [("gpt", "dp buckets", (2,), "float32"), ("gpt", "zero1", (2,), "float32"),
-                                ("gpt", "zero2", (2,), "float32"), ("gpt2", "zero3", (2,), "float32"),
-                                ("llama", "megatron", (2,), "float32")], timeout=600)
+    """Gradients summed in float32, the default (Megatron-LM's and torchtitan's choice): data
+    parallelism's buckets hold the weights' float32 gradients, ZeRO-1 over sharded masters widens each
+    copy's gradient around its all-reduce, ZeRO-2 before its reduce-scatter, ZeRO-3 and Megatron's
+    layout around theirs."""
+    run_distributed(_train, 2, [("gpt", "dp buckets", (2,)), ("gpt", "zero1", (2,)), ("gpt", "zero2", (2,)),
+                                ("gpt2", "zero3", (2,), "float32"), ("llama", "megatron", (2,))], timeout=600)

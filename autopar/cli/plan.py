@@ -29,8 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="training precision, Lightning's names (default: bf16-mixed for the zoo's large models "
                         "gpt2-xl, llama3-8b, llama2-70b, gqa-7b-128k, else the model's own dtype)")
     p.add_argument("--reduce-dtype", choices=_REDUCE_DTYPES, default=None,
-                   help="what bf16-mixed sums gradients over ranks in (default: bfloat16, the weights' copies' "
-                        "dtype; float32 as Megatron-LM and torchtitan do)")
+                   help="what bf16-mixed sums gradients over ranks in (default: float32, as Megatron-LM and "
+                        "torchtitan do; bfloat16 moves half the bytes)")
     p.add_argument("--memory-budget", type=float, default=None, metavar="GB",
                    help="bytes per device, in GB (1e9 bytes); default: the device's capacity less its reserve")
     p.add_argument("--mesh", default=None, metavar="A,B,...", help="fix the mesh shape, e.g. 8,8")
