@@ -44,7 +44,7 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
     ``reduce_dtype``, what "bf16-mixed" sums gradients over ranks in ("float32" or "bfloat16": ``plan``)."""
     from autopar.codegen.triton import resolve_kernels
     from autopar.pass_pipeline import front_end, generate, new_runner
-    from autopar.passes.precision import resolve_precision
+    from autopar.passes.precision import dtype_name, resolve_precision
     from autopar.runtime.module import build, device_type, init_mesh, rank_device
 
     if not dist.is_available() or not dist.is_initialized():
@@ -72,7 +72,7 @@ def compile(model: nn.Module, cluster: ClusterSpec, example_inputs=(), example_k
         if reduce_dtype is not None and \
                 resolve_precision(plan.precision, model, reduce_dtype).grad_reduce_dtype != planned.grad_reduce_dtype:
             raise PlanFormatError(f"reduce_dtype={reduce_dtype!r} but the plan sums gradients in "
-                                  f"{str(planned.grad_reduce_dtype).removeprefix('torch.')}; plan again with it")
+                                  f"{dtype_name(planned.grad_reduce_dtype)}; plan again with it")
         plan_options.pop("precision", None)
         plan_options.pop("reduce_dtype", None)
         precision = planned

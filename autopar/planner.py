@@ -21,7 +21,7 @@ from autopar.mesh_search import MeshCandidate, search
 from autopar.passes.capture import CapturedProgram, batch_of, rebatch
 from autopar.passes.costs import CostModel, OptimizerSpec
 from autopar.passes.meta import meta_of
-from autopar.passes.precision import Precision, resolve_precision
+from autopar.passes.precision import Precision, dtype_name, resolve_precision
 from autopar.passes.ilp_build import build_problem
 from autopar.passes.runner import PassRunner
 from autopar.pass_pipeline import FrontEnd, analysis_passes, front_end, mesh_passes, new_runner
@@ -244,7 +244,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs=(), exampl
             raise_infeasible(prep, infeasible, cluster, memory_budget)
         check_host_memory(best, cluster)
         best.precision = prec.name
-        best.reduce_dtype = str(prec.grad_reduce_dtype).removeprefix("torch.") if prec.mixed else None
+        best.reduce_dtype = dtype_name(prec.grad_reduce_dtype) if prec.mixed else None
         best.extra["warnings"] = idle_axis_warnings(prep.gm, best) if prep is not None else []
         for w in best.extra["warnings"]:
             warnings.warn(w, AutoparWarning, stacklevel=2)

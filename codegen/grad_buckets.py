@@ -25,12 +25,24 @@ bucketed is ``passes.precision.reduced_in_buckets``, which the cost and memory m
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from autopar.passes.meta import program_meta, set_program_meta
-from autopar.passes.precision import gradient_carrier, reduced_in_buckets
+from autopar.passes.precision import cast_source, gradient_carrier, reduced_in_buckets
 from autopar.passes.runner import requires
 from autopar.runtime import collectives as C
+
+
+def narrowed_dtype(carrier: fx.Node, reductions) -> torch.dtype | None:
+    """The dtype a parameter's gradient is summed in where it is not the parameter's own: that of its
+    copy ``carrier`` (a cast in the local program) whose ``reductions`` (``grad_all_reduce`` calls of
+    it) sum in the copy's dtype, carrying no ``reduce_dtype``; None where the carrier is the parameter
+    (or its ZeRO read) or the reductions sum in the parameter's dtype. The runtime's buckets and a
+    pipeline's once-a-step sum (codegen/stages.py) take over those reductions in that dtype."""
+    if cast_source(carrier) is None or any(r.kwargs.get("reduce_dtype") is not None for r in reductions):
+        return None
+    return carrier.kwargs["dtype"]
 
 
 @requires("local_program_pass")
@@ -57,14 +69,10 @@ def grad_buckets_pass(gm: fx.GraphModule) -> fx.GraphModule:
         if len(groups) != 1 or any(u.target is not C.grad_all_reduce for u in users):
             continue
         first_use = min(position[v] for u in users for v in u.users) if any(u.users for u in users) else 0
-        # A copy's reductions sum in its dtype, or with a reduce_dtype in the parameter's own (None).
-        widened = {u.kwargs.get("reduce_dtype") is not None for u in users}
-        if len(widened) != 1:
-            continue
+        dtype = narrowed_dtype(carrier, users)
         for u in users:
             u.replace_all_uses_with(carrier)
             graph.erase_node(u)
-        dtype = None if carrier is read or widened.pop() else carrier.kwargs["dtype"]
         found.append((first_use, target, groups.pop(), len(users), dtype))
     ready_order = tuple(f[1:] for f in sorted(found, key=lambda f: -f[0]))
     set_program_meta(gm, grad_reductions=ready_order)

@@ -125,8 +125,10 @@ def _defer_gradient_reductions(gm: fx.GraphModule, kind_of: dict, axis_of_group:
     summed over that axis once per step instead, after the last microbatch. Under bf16-mixed the
     reductions are those of the parameter's one bfloat16 copy: its gradient accumulates into the
     float32 ``.grad``, which is then summed once, in float32 (as Megatron-LM reduces bf16 training's
-    gradients), or narrowed to bfloat16 for the sum where the plan's ``reduce_dtype`` says so. Returns (FQN, axis, the dtype to sum it in where not the parameter's: the copy's where
-    the plan's ``reduce_dtype`` is, else None) triples."""
+    gradients), or narrowed to bfloat16 for the sum where the plan's ``reduce_dtype`` says so. Returns
+    (FQN, axis, the dtype to sum it in where not the parameter's, else None) triples
+    (codegen/grad_buckets.py ``narrowed_dtype``)."""
+    from autopar.codegen.grad_buckets import narrowed_dtype
     from autopar.runtime.collectives import grad_all_reduce
 
     deferred = []
@@ -138,9 +140,7 @@ def _defer_gradient_reductions(gm: fx.GraphModule, kind_of: dict, axis_of_group:
             groups = {u.args[1] for u in reduced.users}
             if len(groups) != 1:
                 break
-            # A copy's reductions in the copy's dtype carry no reduce_dtype; in the parameter's, they do.
-            narrow = reduced is not p and all(u.kwargs.get("reduce_dtype") is None for u in reduced.users)
-            deferred.append((fqn, axis_of_group[groups.pop()], reduced.kwargs["dtype"] if narrow else None))
+            deferred.append((fqn, axis_of_group[groups.pop()], narrowed_dtype(reduced, reduced.users)))
             for u in list(reduced.users):
                 u.replace_all_uses_with(reduced)
                 gm.graph.erase_node(u)

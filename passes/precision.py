@@ -59,11 +59,12 @@ class Precision:
         return self.reduce_dtype if self.mixed else self.param_dtype
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "param_dtype": _name(self.param_dtype), "compute_dtype": _name(self.compute_dtype),
-                "reduce_dtype": _name(self.grad_reduce_dtype)}
+        return {"name": self.name, "param_dtype": dtype_name(self.param_dtype),
+                "compute_dtype": dtype_name(self.compute_dtype), "reduce_dtype": dtype_name(self.grad_reduce_dtype)}
 
 
-def _name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``: a dtype as plans and messages name it."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -87,11 +88,11 @@ def resolve_precision(name: str | Precision | None, model: torch.nn.Module, redu
         raise ValueError(f"precision={name!r} is not one of {', '.join(repr(p) for p in PRECISIONS)} "
                          f"(Lightning's names)")
     p = _BY_NAME[name]
-    wrong = sorted(str(d).removeprefix("torch.") for d in dtypes - {p.param_dtype})
+    wrong = sorted(dtype_name(d) for d in dtypes - {p.param_dtype})
     if wrong:
         how = ("build the model in float32 (its parameters are the float32 master weights; autopar makes "
                "the bfloat16 copies)" if p.mixed else f"convert it first: model.to({p.param_dtype})")
-        raise ValueError(f"precision={name!r} trains {str(p.param_dtype).removeprefix('torch.')} parameters, "
+        raise ValueError(f"precision={name!r} trains {dtype_name(p.param_dtype)} parameters, "
                          f"but the model has {', '.join(wrong)} parameters: {how}, or leave precision unset "
                          f"to train in the model's own dtype")
     return with_reduce_dtype(p, reduce_dtype)
@@ -106,7 +107,7 @@ def with_reduce_dtype(p: Precision, reduce_dtype) -> Precision:
     offered = (p.param_dtype, p.compute_dtype) if p.mixed else (p.param_dtype,)
     if not isinstance(dtype, torch.dtype) or dtype not in offered:
         raise ValueError(f"reduce_dtype={reduce_dtype!r}: under precision {p.name!r} gradients are summed over ranks "
-                         f"in {' or '.join(repr(_name(d)) for d in offered)}"
+                         f"in {' or '.join(repr(dtype_name(d)) for d in offered)}"
                          + ("" if p.mixed else " (only mixed precision has a choice)"))
     return dataclasses.replace(p, reduce_dtype=dtype if p.mixed else None)
 

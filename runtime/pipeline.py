@@ -200,8 +200,7 @@ class PipelineParallelModule(ParallelModule):
                 dist.all_reduce(narrow, group=group)
                 p.grad.copy_(narrow)
         for fqn, grad, dtype, (_stage, name, dim, *_), size in scatters:
-            summed = C._reduce_scatter(grad if dtype is None else grad.to(dtype), dim, size, name)
-            self.local_parameter(fqn).grad = summed.to(grad.dtype)
+            self.local_parameter(fqn).grad = C._summed_in(dtype, lambda t: C._reduce_scatter(t, dim, size, name), grad)
 
     def _check_batch(self, flat, spec):
         m = self._microbatches
